@@ -1,0 +1,41 @@
+# The book's commands. Each target creates or reuses the environment in .venv first (idempotent).
+#   make demo   - the main job: generate learner versions, autograde the bundled submissions, print scores
+#   make test   - the test suite
+#   make lab    - self-study: generate the learner versions into learner/ and open JupyterLab there
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is installed first and alone: a plain `torch` requirement pulls a multi-GB CUDA build.
+# Elsewhere, the CPU build: make test TORCH_PIP="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lab learner notebooks figures env
+
+env: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m graders.course demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+learner: $(STAMP)
+	$(PY) -m graders.course learner --out learner
+
+lab: learner
+	$(VENV)/bin/jupyter lab learner
+
+notebooks: $(STAMP)
+	$(PY) tools/build_notebooks.py
+
+figures: $(STAMP)
+	for f in figures/src/*.py; do $(PY) $$f || exit 1; done

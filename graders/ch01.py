@@ -1,0 +1,194 @@
+"""Cases for chapter 01 (LoRA from first principles)."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from graders.core import Case, Exercise
+from reference import lora_math as ref
+from reference.lora_math import LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS
+
+__all__ = ["EXERCISES"]
+
+
+def _randn(gen: torch.Generator, *shape: int, std: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+
+def _layer(gen, lead: tuple[int, ...], d_in: int, d_out: int, r: int, dtype) -> list:
+    x = _randn(gen, *lead, d_in, dtype=dtype)
+    W = _randn(gen, d_out, d_in, std=d_in**-0.5, dtype=dtype)
+    A = _randn(gen, r, d_in, std=d_in**-0.5, dtype=dtype)
+    B = _randn(gen, d_out, r, std=r**-0.5, dtype=dtype)
+    return [x, W, A, B]
+
+
+def _forward_case(name, gen, lead, d_in, d_out, r, scaling, dtype) -> Case:
+    x, W, A, B = _layer(gen, lead, d_in, d_out, r, dtype)
+    desc = f"x {list(x.shape)}, W [{d_out}, {d_in}], A [{r}, {d_in}], B [{d_out}, {r}], scaling {scaling}, {dtype}"
+    return Case(name, [x, W, A, B, scaling], desc)
+
+
+def _forward_edge() -> list[Case]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        _forward_case("one_token_rank_1", g, (1,), 8, 8, 1, 2.0, torch.float32),
+        _forward_case("scaling_0_is_base", g, (3,), 16, 24, 4, 0.0, torch.float32),
+        _forward_case("non_square_odd_sizes", g, (5,), 72, 40, 7, 0.5, torch.float32),
+        _forward_case("batch_and_sequence_dims", g, (2, 3), 32, 48, 8, 1.5, torch.float32),
+    ]
+
+
+def _forward_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+    cases = []
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float32]):
+        d_in, d_out, r = rng.randint(8, 160), rng.randint(8, 160), rng.choice([1, 2, 7, 8, 16])
+        lead = (rng.randint(1, 12),) if i != 2 else (rng.randint(1, 3), rng.randint(1, 5))
+        cases.append(_forward_case(f"random_{i}", gen, lead, d_in, d_out, r, rng.choice([0.25, 1.0, 2.0, 4.0]), dtype))
+    return cases
+
+
+def _weights_case(name, gen, d_in, d_out, r, scaling, dtype, merged: bool) -> Case:
+    _, W, A, B = _layer(gen, (1,), d_in, d_out, r, dtype)
+    if merged:
+        W = ref.merge_lora(W, A, B, scaling)
+    what = "W_merged" if merged else "W"
+    desc = f"{what} [{d_out}, {d_in}], A [{r}, {d_in}], B [{d_out}, {r}], scaling {scaling}, {dtype}"
+    return Case(name, [W, A, B, scaling], desc, op="merge")
+
+
+def _merge_edge(merged: bool):
+    def make() -> list[Case]:
+        g = torch.Generator().manual_seed(2 + merged)
+        return [
+            _weights_case("rank_1", g, 8, 8, 1, 1.0, torch.float32, merged),
+            _weights_case("scaling_0_changes_nothing", g, 16, 12, 4, 0.0, torch.float32, merged),
+            _weights_case("non_square_odd_sizes", g, 72, 40, 7, 2.0, torch.float32, merged),
+        ]
+    return make
+
+
+def _merge_random(merged: bool):
+    def make(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+        return [
+            _weights_case(f"random_{i}", gen, rng.randint(8, 128), rng.randint(8, 128),
+                          rng.choice([1, 4, 7, 16]), rng.choice([0.5, 1.0, 4.0]), dtype, merged)
+            for i, dtype in enumerate([torch.float32, torch.bfloat16])
+        ]
+    return make
+
+
+def _scaling_case(name, alpha, r, rs) -> Case:
+    return Case(name, [alpha, r, rs], f"lora_alpha={alpha}, r={r}, use_rslora={rs}")
+
+
+def _scaling_edge() -> list[Case]:
+    return [
+        _scaling_case("plain_r16_alpha16", 16, 16, False),
+        _scaling_case("rslora_r16_alpha16", 16, 16, True),
+        _scaling_case("plain_r8_alpha32", 32, 8, False),
+        _scaling_case("rslora_r64_alpha8", 8, 64, True),
+        _scaling_case("rank_1", 4, 1, True),
+    ]
+
+
+def _scaling_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+    return [_scaling_case(f"random_{i}", rng.choice([1, 7, 8, 16, 32, 64, 128]), rng.choice([1, 2, 3, 8, 12, 16, 64, 256]),
+                          i % 2 == 1) for i in range(6)]
+
+
+_TINY_GQA = {"hidden_size": 72, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 200,
+             "num_hidden_layers": 3}
+_HEAD_DIM = {"hidden_size": 5120, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "intermediate_size": 14336, "num_hidden_layers": 40}
+_MHA = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+        "num_hidden_layers": 32}
+
+
+def _config_desc(cfg: dict, targets, r, extra: str = "") -> str:
+    fields = ", ".join(f"{k}={v}" for k, v in cfg.items())
+    return f"config {{{fields}}}, target_modules {list(targets)}, r={r}{extra}"
+
+
+def _size_case(name, cfg, targets, r, dtype) -> Case:
+    return Case(name, [dict(cfg), list(targets), r, dtype], _config_desc(cfg, targets, r, f", dtype {dtype}"), op="exact")
+
+
+def _size_edge() -> list[Case]:
+    return [
+        _size_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2, torch.float32),
+        _size_case("tiny_gqa_k_v", _TINY_GQA, ["k_proj", "v_proj"], 3, torch.float16),
+        _size_case("llama3_8b_all_seven_r16_bf16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16, torch.bfloat16),
+        _size_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "o_proj"], 8, torch.bfloat16),
+        _size_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64, torch.float32),
+    ]
+
+
+def _random_config(rng: random.Random) -> dict:
+    kv = rng.choice([1, 2, 4])
+    heads = kv * rng.choice([1, 2, 3, 4])
+    head_dim = rng.choice([8, 16, 64, 128])
+    cfg = {"hidden_size": heads * head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "intermediate_size": rng.randint(2, 40) * 64, "num_hidden_layers": rng.randint(1, 48)}
+    if rng.random() < 0.3:
+        cfg["head_dim"] = head_dim * 2
+    return cfg
+
+
+def _size_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+    cases = []
+    for i in range(5):
+        targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(1, 7))
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        cases.append(_size_case(f"random_{i}", _random_config(rng), targets, rng.choice([1, 4, 8, 16, 64]), dtype))
+    return cases
+
+
+def _size_hint(case: Case, expected, got) -> str | None:
+    cfg, targets, r, dtype = case.args
+    if not isinstance(got, (int, float)):
+        return None
+    h = cfg["hidden_size"]
+    square = 2 * h * r * len(targets) * cfg["num_hidden_layers"] * torch.empty((), dtype=dtype).element_size()
+    if got == square and got != expected:
+        return "that is the size if every projection were hidden x hidden; k/v (GQA) and the MLP are not square"
+    if expected and got * torch.empty((), dtype=dtype).element_size() == expected:
+        return "that is the parameter count; the exercise asks for bytes in the given dtype"
+    return None
+
+
+def _share_case(name, cfg, targets, r) -> Case:
+    return Case(name, [dict(cfg), list(targets), r], _config_desc(cfg, targets, r), op="exact")
+
+
+def _share_edge() -> list[Case]:
+    return [
+        _share_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2),
+        _share_case("llama3_8b_all_seven_r16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16),
+        _share_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "k_proj", "o_proj"], 8),
+        _share_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64),
+    ]
+
+
+def _share_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+    return [_share_case(f"random_{i}", _random_config(rng), rng.sample(LLAMA_PROJECTIONS, rng.randint(1, 7)),
+                        rng.choice([1, 8, 16, 64])) for i in range(5)]
+
+
+def _share_hint(case: Case, expected, got) -> str | None:
+    if isinstance(got, (int, float)) and expected and abs(got - 100 * expected) < 1e-9 * abs(100 * expected):
+        return "return a fraction (0.006), not a percentage (0.6)"
+    return None
+
+
+EXERCISES = [
+    Exercise("ch01.1", "lora_forward", ("x", "W", "A", "B", "scaling"), ref.lora_forward, _forward_edge, _forward_random),
+    Exercise("ch01.2", "merge_lora", ("W", "A", "B", "scaling"), ref.merge_lora, _merge_edge(False), _merge_random(False)),
+    Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True)),
+    Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"), ref.lora_scaling, _scaling_edge, _scaling_random),
+    Exercise("ch01.5", "adapter_num_bytes", ("config", "target_modules", "r", "dtype"), ref.adapter_num_bytes,
+             _size_edge, _size_random, _size_hint),
+    Exercise("ch01.6", "lora_flop_share", ("config", "target_modules", "r"), ref.lora_flop_share,
+             _share_edge, _share_random, _share_hint),
+]

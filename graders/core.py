@@ -1,0 +1,369 @@
+"""Grading one exercise: build cases, run the learner's code in a child process, compare, report.
+
+The comparison happens in the calling process, which never calls learner code: in a notebook that
+is the learner's kernel (where only the answer cell's definitions ran), in ``graders.course`` (the
+trusted re-grade) a process that never ran any learner code at all.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import reference  # noqa: F401  (device choice first)
+import torch
+
+from graders.points import POINTS
+from graders.tolerances import tolerance
+from graders.wire import encode, load_tensors, read_json, save_tensors, write_json
+from reference.batch_info import LoRABatchInfo
+from reference.device import default_device
+
+__all__ = ["Case", "Exercise", "GradeResult", "grade_source", "hidden_seed", "PUBLIC_SEED"]
+
+PUBLIC_SEED = 20261129
+SECRET_ENV = "LORA_BOOK_SECRET"
+TIMEOUT_ENV = "LORA_BOOK_GRADER_TIMEOUT"
+DEFAULT_TIMEOUT_S = 40.0
+
+
+@dataclass
+class Case:
+    """One call of the learner's function. Built on the CPU; moved to the grading device."""
+
+    name: str
+    args: list  # positional arguments
+    describe: str  # shapes and metadata in the learner's terms
+    op: str = "matmul"  # tolerance row (graders.tolerances)
+    out_index: Optional[int] = None  # compare args[out_index] after the call, not the return value
+    defined: Optional[torch.Tensor] = None  # bool mask of the output elements the contract defines
+    row_labels: Optional[list[str]] = None  # per output row: "segment 1, slot 2 (rank 7)"
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """An exercise: the learner's function name, its reference, and how to make its cases."""
+
+    id: str
+    func_name: str
+    arg_names: tuple[str, ...]
+    reference: Callable
+    edge_cases: Callable[[], list[Case]]
+    random_cases: Callable[[random.Random, torch.Generator, bool], list[Case]]  # (rng, gen, hidden)
+    hint: Optional[Callable[[Case, Any, Any], Optional[str]]] = None
+
+
+@dataclass
+class GradeResult:
+    exercise_id: str
+    score: float
+    max_score: float
+    groups: dict[str, bool] = field(default_factory=dict)
+    report: str = ""
+
+
+def hidden_seed(exercise_id: str) -> int:
+    """Seed of the hidden cases: from the instructor's secret when set, else a public default."""
+    secret = os.environ.get(SECRET_ENV, "self-study")
+    return int.from_bytes(hashlib.sha256(f"{secret}:{exercise_id}".encode()).digest()[:8], "little")
+
+
+def _build_cases(ex: Exercise) -> list[Case]:
+    cases = []
+    for group, make in (
+        ("edge", lambda: ex.edge_cases()),
+        ("random", lambda: ex.random_cases(random.Random(PUBLIC_SEED), torch.Generator().manual_seed(PUBLIC_SEED), False)),
+        ("hidden", lambda: ex.random_cases(random.Random(hidden_seed(ex.id)), torch.Generator().manual_seed(hidden_seed(ex.id) % 2**62), True)),
+    ):
+        for case in make():
+            case.group = group
+            cases.append(case)
+    return cases
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, LoRABatchInfo):
+        return LoRABatchInfo(**{k: _to(v, device) for k, v in vars(value).items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, LoRABatchInfo):
+        return LoRABatchInfo(**{k: _clone(v) for k, v in vars(value).items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _expected(ex: Exercise, case: Case) -> Any:
+    args = _clone(case.args)
+    returned = ex.reference(*args)
+    return args[case.out_index] if case.out_index is not None else returned
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the learner's code
+
+
+def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
+    """Run graders.runner; return (exit code or None, timed out, stderr tail)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graders.runner", str(workdir)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True, env=env,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, False, err.decode(errors="replace")[-800:]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, True, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _index(idx: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(i)) for i in idx) + "]"
+
+
+def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case: Case,
+                    device: torch.device) -> Optional[str]:
+    if not isinstance(desc, dict) or "tensor" not in desc:
+        kind = desc.get("unsupported") or desc.get("kind") or "something else" if isinstance(desc, dict) else "?"
+        return f"{name}: expected a torch.Tensor {list(exp.shape)} {exp.dtype}, got {kind}"
+    got = tensors[desc["tensor"]]
+    if tuple(got.shape) != tuple(exp.shape):
+        return f"{name}: shape {list(got.shape)}, expected {list(exp.shape)}"
+    if got.dtype != exp.dtype:
+        return f"{name}: dtype {got.dtype}, expected {exp.dtype}"
+    if desc.get("device") != device.type:
+        return f"{name}: tensor on {desc.get('device')}, expected on {device.type} (the inputs' device)"
+    exp = exp.cpu()
+    if not exp.dtype.is_floating_point:
+        bad = got != exp
+    else:
+        rtol, atol, _ = tolerance(device.type, exp.dtype, case.op)
+        e, g = exp.double(), got.double()
+        bad = ~((g - e).abs() <= atol + rtol * e.abs())  # NaN compares False: never passes
+    if case.defined is not None:
+        bad &= case.defined.cpu()
+    if not bool(bad.any()):
+        return None
+    return _describe_mismatch(name, exp, got, bad, case)
+
+
+def _describe_mismatch(name, exp, got, bad, case) -> str:
+    lines = []
+    if got.dim() >= 2 and case.row_labels:
+        rows = torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()
+        spans = _spans(rows)
+        parts = [f"rows {a}..{b}" if a != b else f"row {a}" for a, b in spans[:4]]
+        labels = sorted({case.row_labels[r] for r in rows}, key=lambda s: rows[0])
+        lines.append(f"{name}: {len(rows)} of {got.shape[0]} rows differ ({', '.join(parts)}"
+                     f"{', ...' if len(spans) > 4 else ''}); they belong to: {'; '.join(labels[:4])}")
+    else:
+        lines.append(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ")
+    nan = got.is_floating_point() and bool((torch.isnan(got) & bad).any())
+    if nan:
+        lines.append("  NaN in the result: an element the contract defines was never written "
+                     "(outputs are filled with NaN before the call), or NaN was computed")
+    for idx in torch.nonzero(bad)[:3].tolist():
+        e, g = exp[tuple(idx)].item(), got[tuple(idx)].item()
+        lines.append(f"  {name}{_index(idx)}: expected {_fmt(e)}, got {_fmt(g)}")
+    return "\n".join(lines)
+
+
+def _spans(rows: list[int]) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1] = (spans[-1][0], r)
+        else:
+            spans.append((r, r))
+    return spans
+
+
+def _compare_number(name: str, exp: float | int, desc: Any, tensors: dict) -> Optional[str]:
+    if isinstance(desc, dict) and "tensor" in desc and tensors[desc["tensor"]].numel() == 1:
+        got = tensors[desc["tensor"]].item()
+    elif isinstance(desc, dict) and desc.get("kind") in ("int", "float", "bool") and desc.get("value") is not None:
+        got = desc["value"]
+    else:
+        kind = (desc.get("unsupported") or desc.get("kind")) if isinstance(desc, dict) else "?"
+        return f"{name}: expected a number, got {kind}"
+    if isinstance(exp, int) and not isinstance(exp, bool):
+        if got != exp:
+            return f"{name}: expected {exp:,}, got {got:,}" if isinstance(got, (int, float)) else f"{name}: expected {exp}"
+        return None
+    if not (abs(got - exp) <= 1e-12 + 1e-9 * abs(exp)):
+        return f"{name}: expected {exp!r}, got {got!r}"
+    return None
+
+
+def _compare(expected: Any, desc: Any, tensors: dict, case: Case, device: torch.device, name: str) -> Optional[str]:
+    if isinstance(expected, torch.Tensor):
+        return _compare_tensor(name, expected, desc, tensors, case, device)
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(desc, dict) or "sequence" not in desc or len(desc["sequence"]) != len(expected):
+            return f"{name}: expected a tuple of {len(expected)} values"
+        for i, (e, d) in enumerate(zip(expected, desc["sequence"])):
+            msg = _compare(e, d, tensors, case, device, f"{name}[{i}]")
+            if msg:
+                return msg
+        return None
+    return _compare_number(name, expected, desc, tensors)
+
+
+def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> Optional[str]:
+    for j, (before, desc) in enumerate(zip(case.args, result["args_after"])):
+        if j == case.out_index:
+            continue
+        pairs = [(before, desc)]
+        if isinstance(before, LoRABatchInfo):
+            pairs = [(getattr(before, k), v) for k, v in desc["batch_info"].items() if v is not None]
+        for b, d in pairs:
+            if isinstance(b, torch.Tensor) and not torch.equal(b.cpu(), tensors[d["tensor"]]):
+                return f"your function modified its input {ex.arg_names[j]!r}; inputs must stay unchanged"
+    return None
+
+
+def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
+                  device: torch.device) -> Optional[str]:
+    if "error" in result:
+        return "raised " + result["error"]
+    if case.out_index is not None:
+        msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,
+                       ex.arg_names[case.out_index])
+    else:
+        msg = _compare(expected, result["returned"], tensors, case, device, "returned value")
+    msg = msg or _unchanged_inputs(ex, case, result, tensors)
+    if msg and ex.hint is not None:
+        got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
+        hint = ex.hint(case, expected, _materialize(got, tensors))
+        if hint:
+            msg += "\n  hint: " + hint
+    return msg
+
+
+def _materialize(desc: Any, tensors: dict) -> Any:
+    if isinstance(desc, dict) and "tensor" in desc:
+        return tensors[desc["tensor"]]
+    if isinstance(desc, dict) and "sequence" in desc:
+        return tuple(_materialize(d, tensors) for d in desc["sequence"])
+    if isinstance(desc, dict) and "value" in desc:
+        return desc["value"]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
+                 device: Optional[torch.device] = None, timeout: Optional[float] = None) -> GradeResult:
+    """Grade the answer cell ``source`` for ``exercise_id``.
+
+    Runs the cell in a child process (``graders.runner``) and calls ``func_name`` (default: the
+    exercise's function name) on every case; compares with the reference here.
+
+    Returns:
+        GradeResult with ``score`` (float, never above the exercise's points) and ``report``.
+    Raises:
+        KeyError: unknown exercise id.
+    """
+    from graders.exercises import EXERCISES
+
+    ex = EXERCISES[exercise_id]
+    device = device or default_device()
+    timeout = timeout or float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    cases = _build_cases(ex)
+    for case in cases:
+        case.args = _to(case.args, device)
+    expected = [_expected(ex, c) for c in cases]
+    with tempfile.TemporaryDirectory(prefix=f"grade-{exercise_id}-") as tmp:
+        workdir = Path(tmp)
+        tensors: dict[str, torch.Tensor] = {}
+        job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
+                     for i, c in enumerate(cases)]
+        save_tensors(tensors, workdir / "inputs.safetensors")
+        write_json({"exercise_id": exercise_id, "func_name": func_name or ex.func_name, "source": source,
+                    "device": str(device), "cases": job_cases}, workdir / "job.json")
+        start = time.perf_counter()
+        code, timed_out, stderr = _run_child(workdir, timeout)
+        elapsed = time.perf_counter() - start
+        verdicts = _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr)
+    return _result(ex, cases, verdicts, device, elapsed)
+
+
+def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr) -> list[Optional[str]]:
+    if (workdir / "load.json").exists():
+        msg = read_json(workdir / "load.json")["error"]
+        return [msg] * len(cases)
+    verdicts: list[Optional[str]] = []
+    stopped = False
+    for i, case in enumerate(cases):
+        path = workdir / f"result_{i}.json"
+        if path.exists():
+            result = read_json(path)
+            verdicts.append(_case_verdict(ex, case, expected[i], result,
+                                          load_tensors(workdir / f"result_{i}.safetensors"), device))
+        elif stopped:
+            verdicts.append("not run: an earlier case stopped the process")
+        else:
+            stopped = True
+            if timed_out:
+                verdicts.append(f"did not return within the grader's {timeout:.0f} s budget "
+                                f"(an endless loop?); the process was stopped")
+            else:
+                verdicts.append(f"the process ended (exit code {code}) during this case: "
+                                f"sys.exit / os._exit / a crash in your function" + _tail(stderr))
+    return verdicts
+
+
+def _tail(stderr: str) -> str:
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    return ("\n  last output on stderr: " + lines[-1][:300]) if lines else ""
+
+
+def _result(ex: Exercise, cases: list[Case], verdicts: list[Optional[str]], device, elapsed) -> GradeResult:
+    points = POINTS[ex.id]
+    groups = {g: all(v is None for c, v in zip(cases, verdicts) if c.group == g) for g in points}
+    score = float(sum(p for g, p in points.items() if groups[g]))
+    max_score = float(sum(points.values()))
+    lines = [f"{ex.id} {ex.func_name}: {score:g} / {max_score:g} points  (device: {device.type}, {elapsed:.1f} s)"]
+    for g, p in points.items():
+        members = [(c, v) for c, v in zip(cases, verdicts) if c.group == g]
+        if groups[g]:
+            lines.append(f"  {g:<7}[{p:g} pt] passed ({len(members)} cases)")
+            continue
+        case, verdict = next((c, v) for c, v in members if v is not None)
+        if g == "hidden":
+            lines.append(f"  {g:<7}[{p:g} pt] FAILED: a hidden case failed (inputs are not shown; "
+                         f"the visible groups test the same contract, so fix those first)")
+            continue
+        lines.append(f"  {g:<7}[{p:g} pt] FAILED at case '{case.name}': {case.describe}")
+        lines.extend("    " + l for l in verdict.splitlines())
+    return GradeResult(ex.id, score, max_score, groups, "\n".join(lines))

@@ -1,0 +1,41 @@
+"""The one tolerance table of the graders, keyed by (device type, dtype, op kind).
+
+A result passes where |got - expected| <= atol + rtol * |expected|, elementwise; NaN never passes.
+Inputs are scaled so outputs are O(1) (x ~ N(0,1), A ~ N(0, 1/in), B ~ N(0, 1/r)), so atol is
+meaningful. Every learner mistake the book anticipates moves outputs by O(1), far above these.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TOLERANCES", "tolerance"]
+
+_F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+
+#: (device_type, dtype, op) -> (rtol, atol, reason)
+TOLERANCES: dict[tuple[str, torch.dtype, str], tuple[float, float, str]] = {
+    ("cpu", _F32, "matmul"): (1e-5, 1e-5, "fp32, sums of <= a few hundred products in any order"),
+    ("cuda", _F32, "matmul"): (1e-4, 1e-4, "fp32 on the GPU; a learner may enable TF32-free paths in any order"),
+    ("cpu", _F16, "matmul"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
+    ("cuda", _F16, "matmul"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
+    ("cpu", _BF16, "matmul"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
+    ("cuda", _BF16, "matmul"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
+}
+
+_MERGE_NOTE = "a merged weight rounds W + s*B@A once; accumulation order may differ"
+
+
+def tolerance(device_type: str, dtype: torch.dtype, op: str) -> tuple[float, float, str]:
+    """(rtol, atol, reason) for comparing a result of ``op`` in ``dtype`` on ``device_type``.
+
+    Integer dtypes and ``op == "exact"`` compare exactly. ``merge`` uses the matmul row.
+
+    Raises:
+        KeyError: no row for this combination (add one with its reason).
+    """
+    if op == "exact" or not dtype.is_floating_point:
+        return 0.0, 0.0, "exact: integer metadata or a pure gather"
+    if op == "merge":
+        rtol, atol, _ = TOLERANCES[(device_type, dtype, "matmul")]
+        return rtol, atol, _MERGE_NOTE
+    return TOLERANCES[(device_type, dtype, op)]
