@@ -181,15 +181,15 @@ def _describe_mismatch(name, exp, got, bad, case) -> str:
         rows = torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=1)).flatten().tolist()
         spans = _spans(rows)
         parts = [f"rows {a}..{b}" if a != b else f"row {a}" for a, b in spans[:4]]
-        labels = sorted({case.row_labels[r] for r in rows}, key=lambda s: rows[0])
+        labels = list(dict.fromkeys(case.row_labels[r] for r in rows))  # in row order, once each
         lines.append(f"{name}: {len(rows)} of {got.shape[0]} rows differ ({', '.join(parts)}"
                      f"{', ...' if len(spans) > 4 else ''}); they belong to: {'; '.join(labels[:4])}")
     else:
         lines.append(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ")
     nan = got.is_floating_point() and bool((torch.isnan(got) & bad).any())
     if nan:
-        lines.append("  NaN in the result: an element the contract defines was never written "
-                     "(outputs are filled with NaN before the call), or NaN was computed")
+        lines.append("  NaN in the result: computed, or an element the contract defines was left unwritten "
+                     "(the grader fills shrink outputs with NaN before the call)")
     for idx in torch.nonzero(bad)[:3].tolist():
         e, g = exp[tuple(idx)].item(), got[tuple(idx)].item()
         lines.append(f"  {name}{_index(idx)}: expected {_fmt(e)}, got {_fmt(g)}")
@@ -253,6 +253,8 @@ def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> 
 def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
                   device: torch.device) -> Optional[str]:
     if "error" in result:
+        if result["error"].startswith("NotImplementedError"):
+            return "not implemented yet (the function raises NotImplementedError)"
         return "raised " + result["error"]
     if case.out_index is not None:
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,

@@ -63,10 +63,11 @@ def merge_lora(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float
     """Return the merged weight ``W + scaling * B @ A`` ([out, in], W.dtype); W is not modified.
 
     A merged layer runs at exactly the base model's cost but serves one adapter per weight copy.
-    The product is formed in fp32 and rounded once, so merging in bf16 loses as little as it can.
+    The product is formed in fp32 (or the weight's own wider dtype) and rounded once, so merging in bf16 loses as little as it can.
     """
-    delta = scaling * (B.float() @ A.float())
-    return (W.float() + delta).to(W.dtype)
+    acc = torch.promote_types(W.dtype, torch.float32)
+    delta = scaling * (B.to(acc) @ A.to(acc))
+    return (W.to(acc) + delta).to(W.dtype)
 
 
 def unmerge_lora(W_merged: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -75,8 +76,9 @@ def unmerge_lora(W_merged: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scali
     Exact in fp32 up to rounding; in bf16 merge-then-unmerge does not give back W bit for bit,
     which is one reason servers keep the base weights untouched and apply LoRA unmerged.
     """
-    delta = scaling * (B.float() @ A.float())
-    return (W_merged.float() - delta).to(W_merged.dtype)
+    acc = torch.promote_types(W_merged.dtype, torch.float32)
+    delta = scaling * (B.to(acc) @ A.to(acc))
+    return (W_merged.to(acc) - delta).to(W_merged.dtype)
 
 
 def lora_scaling(lora_alpha: float, r: int, use_rslora: bool) -> float:

@@ -30,6 +30,11 @@ __all__ = [
 ]
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Accumulation precision: fp32 for 16-bit inputs, never below the input's own precision."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _segment_rows(batch_info: LoRABatchInfo, seg: int, seg_indptr: list[int]) -> torch.Tensor:
     """Rows of x that segment ``seg`` covers, through the permutation when there is one."""
     rows = torch.arange(seg_indptr[seg], seg_indptr[seg + 1], device=batch_info.seg_indptr.device)
@@ -65,9 +70,9 @@ def lora_loop(
         if r == 0 or indptr[seg] == indptr[seg + 1]:
             continue
         rows = _segment_rows(batch_info, seg, indptr)
-        t = (x[rows].float() @ A_stack[slot, :r].float().T).to(x.dtype)
-        delta = batch_info.scalings[slot] * (t.float() @ B_stack[slot, :, :r].float().T)
-        out[rows] = (out[rows].float() + delta).to(out.dtype)
+        t = (_acc(x[rows]) @ _acc(A_stack[slot, :r]).T).to(x.dtype)
+        delta = batch_info.scalings[slot] * (_acc(t) @ _acc(B_stack[slot, :, :r]).T)
+        out[rows] = (_acc(out[rows]) + delta).to(out.dtype)
     return out
 
 
@@ -86,8 +91,8 @@ def bgmv_shrink(
     Columns past stack_num*r are left as they were. Reads only ``token_slots``. Returns ``out``.
     """
     slots = batch_info.token_slots.long()
-    A = A_stack[slots].float()  # [num_tokens, stack_num * max_rank, in]: the per-token gather
-    t = torch.einsum("ti,tri->tr", x.float(), A)
+    A = _acc(A_stack[slots])  # [num_tokens, stack_num * max_rank, in]: the per-token gather
+    t = torch.einsum("ti,tri->tr", _acc(x), A)
     width = stack_num * batch_info.lora_ranks[slots].long()
     defined = torch.arange(A.shape[1], device=x.device)[None, :] < width[:, None]
     region = out[:, : A.shape[1]]
@@ -117,12 +122,12 @@ def bgmv_expand(
     k = torch.arange(max_rank, device=t.device)
     for i, (lo, hi) in enumerate(_slices(slice_offsets, out.shape[1])):
         cols = (i * ranks[:, None] + k[None, :]).clamp(max=t.shape[1] - 1)  # part i of each token
-        part = torch.gather(t.float(), 1, cols)
+        part = torch.gather(_acc(t), 1, cols)
         keep = k[None, :] < ranks[:, None]
         part = torch.where(keep, part, 0.0)
-        B = torch.where(keep[:, None, :], B_stack[slots, lo:hi].float(), 0.0)  # per-token gather
+        B = torch.where(keep[:, None, :], _acc(B_stack[slots, lo:hi]), 0.0)  # per-token gather
         delta = scale[:, None] * torch.einsum("tr,tor->to", part, B)
-        out[:, lo:hi] = (out[:, lo:hi].float() + delta).to(out.dtype)
+        out[:, lo:hi] = (_acc(out[:, lo:hi]) + delta).to(out.dtype)
     return out
 
 
@@ -149,7 +154,7 @@ def sgmv_shrink(
         if width == 0 or indptr[seg] == indptr[seg + 1]:
             continue
         rows = _segment_rows(batch_info, seg, indptr)
-        out[rows, :width] = (x[rows].float() @ A_stack[slot, :width].float().T).to(out.dtype)
+        out[rows, :width] = (_acc(x[rows]) @ _acc(A_stack[slot, :width]).T).to(out.dtype)
     return out
 
 
@@ -177,9 +182,9 @@ def sgmv_expand(
             continue
         rows = _segment_rows(batch_info, seg, indptr)
         for i, (lo, hi) in enumerate(_slices(slice_offsets, out.shape[1])):
-            part = t[rows, i * r : (i + 1) * r].float()
-            delta = batch_info.scalings[slot] * (part @ B_stack[slot, lo:hi, :r].float().T)
-            out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+            part = _acc(t[rows, i * r : (i + 1) * r])
+            delta = batch_info.scalings[slot] * (part @ _acc(B_stack[slot, lo:hi, :r]).T)
+            out[rows, lo:hi] = (_acc(out[rows, lo:hi]) + delta).to(out.dtype)
     return out
 
 

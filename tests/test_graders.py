@@ -1,0 +1,116 @@
+"""The graders accept the reference and reject a catalogue of planted faults, each with a message
+that names what is wrong. Faults come from the bundled submissions where one is there (so the demo
+and these tests agree) and are written here otherwise."""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import graders
+from graders.core import DEFAULT_TIMEOUT_S
+from graders.course import parse_answers
+from graders.exercises import EXERCISES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _submission(learner: str, exercise_id: str) -> str:
+    chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters"}[exercise_id[:4]]
+    return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_reference_gets_full_marks_well_within_budget(exercise_id):
+    ex = EXERCISES[exercise_id]
+    source = inspect.getsource(inspect.getmodule(ex.reference))
+    result = graders.grade_source(exercise_id, source, func_name=ex.reference.__name__)
+    assert result.score == graders.total_points(exercise_id), result.report
+    assert isinstance(result.score, float)
+    seconds = float(result.report.split(", ")[1].split(" s)")[0])
+    print(f"{exercise_id}: graded in {seconds:.1f} s (budget {DEFAULT_TIMEOUT_S:.0f} s)")
+    assert seconds < DEFAULT_TIMEOUT_S / 2, "the grader's case budget no longer fits its hang timeout"
+
+
+# (exercise, learner file or None, inline source, expected phrase in the report)
+FAULTS = [
+    ("ch01.4", "plausible_mistakes", None, "expected 4.0, got 1.0"),                 # alpha/r for rsLoRA
+    ("ch01.5", "plausible_mistakes", None, "hidden x hidden"),                       # the 58 MB estimate
+    ("ch01.6", "plausible_mistakes", None, "not a percentage"),
+    ("ch01.2", "plausible_mistakes", None, "modified its input 'W'"),
+    ("ch02.1", "plausible_mistakes", None, "starts with 0"),                          # no leading 0
+    ("ch02.3", "plausible_mistakes", None, "the base model is the slot of rank 0"),   # rank-0 slot
+    ("ch02.4", "plausible_mistakes", None, "einsum"),                                 # per-segment gather
+    ("ch02.6", "plausible_mistakes", None, "scales the delta twice"),                 # scaling twice
+    ("ch02.7", "plausible_mistakes", None, "without its permutation"),
+    ("ch01.1", "broken_code", None, "raised AttributeError"),
+    ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
+    ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
+    ("ch02.5", "broken_code", None, "NaN"),
+    ("ch02.3", "broken_code", None, "the process ended"),
+    ("ch02.6", "broken_code", None, "differ"),                                        # patches torch.allclose
+    ("ch02.7", "broken_code", None, "differ"),                                        # patches the graders
+    ("ch02.9", "broken_code", None, "not implemented yet"),
+    ("ch01.5", "broken_code", None, "expected a number, got str"),
+    ("ch02.4", None, """
+        def bgmv_shrink(x, A_stack, batch_info, out):
+            return out  # writes nothing
+        """, "left unwritten"),
+    ("ch02.7", None, """
+        def sgmv_expand(t, B_stack, batch_info, out):
+            for seg, slot in enumerate(batch_info.weight_indices.tolist()):
+                lo, hi = batch_info.seg_indptr[seg].item(), batch_info.seg_indptr[seg + 1].item()
+                rows = batch_info.permutation[lo:hi] if batch_info.permutation is not None else torch.arange(lo, hi)
+                delta = batch_info.scalings[slot] * (t[rows].float() @ B_stack[slot].float().T)  # no clip to the rank
+                out[rows] = (out[rows].float() + delta).to(out.dtype)
+            return out
+        """, "padding past a slot's rank"),
+    ("ch02.8", None, """
+        def stable_sort_by_slot(token_slots):
+            perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable
+            return perm, torch.argsort(perm)
+        """, "differ"),
+]
+
+
+@pytest.mark.parametrize("exercise_id, learner, inline, phrase", FAULTS,
+                         ids=[f"{f[0]}-{f[3][:24]}" for f in FAULTS])
+def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, inline, phrase):
+    source = _submission(learner, exercise_id) if learner else textwrap.dedent(inline)
+    result = graders.grade_source(exercise_id, source)
+    assert result.score < graders.total_points(exercise_id), result.report
+    assert not result.groups["edge"], result.report
+    assert phrase in result.report, result.report
+
+
+def test_a_hang_costs_only_the_grader_budget():
+    result = graders.grade_source("ch01.4", _submission("broken_code", "ch01.4"), timeout=8)
+    assert result.score == 0.0
+    assert "did not return within the grader's 8 s budget" in result.report
+
+
+def test_check_in_a_notebook_like_namespace_prints_and_returns_a_float(tmp_path, capsys):
+    cell = tmp_path / "cell.py"
+    cell.write_text(_submission("all_correct", "ch01.4"))
+    namespace: dict = {}
+    exec(compile(cell.read_text(), str(cell), "exec"), namespace)
+    score = graders.check("ch01.4", namespace["lora_scaling"])
+    out = capsys.readouterr()
+    assert type(score) is float and score == 3.0
+    assert "ch01.4 lora_scaling: 3 / 3 points" in out.out and out.err == ""
+
+
+def test_check_never_raises_for_a_learner_mistake(capsys):
+    assert graders.check("ch01.4", None) == 0.0
+    assert graders.check("ch99.1", print) == 0.0
+    assert "unknown exercise id" in capsys.readouterr().out
+
+
+def test_hidden_cases_depend_on_the_secret(monkeypatch):
+    from graders.core import hidden_seed
+    monkeypatch.setenv("LORA_BOOK_SECRET", "a")
+    a = hidden_seed("ch02.3")
+    monkeypatch.setenv("LORA_BOOK_SECRET", "b")
+    assert hidden_seed("ch02.3") != a
