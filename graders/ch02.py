@@ -275,7 +275,9 @@ def _sort_case(name, slots) -> Case:
 
 def _sort_edge() -> list[Case]:
     return [_sort_case("no_tokens", []), _sort_case("one_token", [3]), _sort_case("already_grouped", [0, 0, 1, 1, 1]),
-            _sort_case("small_example", [1, 0, 1, 2]), _sort_case("interleaved_stability_matters", [2, 1, 2, 1, 2, 1, 0])]
+            _sort_case("small_example", [1, 0, 1, 2]), _sort_case("interleaved_stability_matters", [2, 1, 2, 1, 2, 1, 0]),
+            # torch's CPU argsort happens to be stable below 17 elements: this one is long enough to tell
+            _sort_case("interleaved_40_tokens", [(7 * i) % 3 for i in range(40)])]
 
 
 def _sort_random(rng: random.Random, gen, hidden: bool) -> list[Case]:

@@ -209,12 +209,16 @@ def _spans(rows: list[int]) -> list[tuple[int, int]]:
 def _compare_number(name: str, exp: float | int, desc: Any, tensors: dict) -> Optional[str]:
     if isinstance(desc, dict) and "tensor" in desc and tensors[desc["tensor"]].numel() == 1:
         got = tensors[desc["tensor"]].item()
+        if isinstance(exp, int) and tensors[desc["tensor"]].is_floating_point():
+            return f"{name}: expected an integer (a count), got a floating-point tensor"
     elif isinstance(desc, dict) and desc.get("kind") in ("int", "float", "bool") and desc.get("value") is not None:
         got = desc["value"]
     else:
         kind = (desc.get("unsupported") or desc.get("kind")) if isinstance(desc, dict) else "?"
         return f"{name}: expected a number, got {kind}"
     if isinstance(exp, int) and not isinstance(exp, bool):
+        if isinstance(got, float):
+            return f"{name}: expected an int (a count of bytes is whole), got the float {got!r}"
         if got != exp:
             return f"{name}: expected {exp:,}, got {got:,}" if isinstance(got, (int, float)) else f"{name}: expected {exp}"
         return None
@@ -254,7 +258,8 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
                   device: torch.device) -> Optional[str]:
     if "error" in result:
         if result["error"].startswith("NotImplementedError"):
-            return "not implemented yet (the function raises NotImplementedError)"
+            where = result["error"].partition(" (answer cell")[2]
+            return "not implemented yet: NotImplementedError" + (" (answer cell" + where if where else "")
         return "raised " + result["error"]
     if case.out_index is not None:
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,

@@ -68,6 +68,9 @@ def build_submission(release_nb: Path, answers: dict[str, str], dest: Path) -> N
 
 def _nbgrader(course: Path, *args: str, env: dict | None = None) -> None:
     cmd = [sys.executable, "-m", "nbgrader", *args, "--log-level=ERROR"]
+    env = dict(env or os.environ)
+    # nbgrader runs `alembic` (and kernels run `python`) from PATH: the environment's bin first
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     proc = subprocess.run(cmd, cwd=course, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -99,11 +102,26 @@ class Mismatch:
                 f"the re-grade outside the kernel gives {self.trusted:g} ({why}); recorded {self.trusted:g}")
 
 
-def trusted_regrade(course: Path, assignment: str, secret: str | None = None) -> tuple[dict, list[Mismatch]]:
+@dataclass
+class Attempt:
+    """An answer cell that refers to the graders: an attempt to tamper, whatever it achieved."""
+
+    student: str
+    exercise: str
+
+    def __str__(self) -> str:
+        return f"{self.student} {self.exercise}: the answer cell refers to the graders (a tampering attempt)"
+
+
+_GRADERS_REF = re.compile(r"\bgraders\b")
+
+
+def trusted_regrade(course: Path, assignment: str, secret: str | None = None) -> tuple[dict, list]:
     """Re-grade every answer cell of ``assignment``'s autograded submissions outside the kernel.
 
     Writes the trusted score of every exercise into the gradebook (``manual_score``, which nbgrader
-    prefers over the autograde score) and returns ({student: {exercise: score}}, mismatches).
+    prefers over the autograde score) and returns ({student: {exercise: score}}, findings): the
+    answer cells that refer to the graders, then every score that differs from the kernel's.
     """
     from nbgrader.api import Gradebook
 
@@ -122,7 +140,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     scores: dict[str, dict[str, float]] = {}
-    mismatches = []
+    mismatches = [Attempt(student, ex) for student, _, ex, source in jobs if _GRADERS_REF.search(source)]
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         for (student, notebook, ex, _), trusted in zip(jobs, results):
             scores.setdefault(student, {})[ex] = trusted
@@ -162,7 +180,8 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
         mismatches += chapter_mismatches
         _nbgrader(course, "generate_feedback", chapter, "--force", env=env)
     _nbgrader(course, "export", env=env)
-    summary = {"scores": scores, "mismatches": [vars(m) for m in mismatches], "course": str(course)}
+    summary = {"scores": scores, "findings": [{"kind": type(m).__name__, **vars(m)} for m in mismatches],
+               "course": str(course)}
     (course / "scores.json").write_text(json.dumps(summary, indent=1))
     print_table(scores, mismatches, course)
     return summary
@@ -179,7 +198,8 @@ def print_table(scores: dict, mismatches: list[Mismatch], course: Path) -> None:
         print(f"{s:<{width}}{cells}{sum(d.values()):>9g}")
     print()
     if mismatches:
-        print("Scores that differed from the notebook's own test cells (trusted score recorded):")
+        print("Tampering attempts, and scores that differed from the notebooks' own test cells "
+              "(the trusted score is what is recorded):")
         for m in mismatches:
             print("  " + str(m))
     else:

@@ -1,0 +1,65 @@
+"""The main job end to end: nbgrader generate -> the bundled submissions -> autograde -> trusted
+re-grade -> feedback, with the exact score of every learner x exercise (CPU and GPU alike)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from graders.course import DEMO_SECRET, chapters, run_demo
+from graders.points import POINTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
+         "ch02.1", "ch02.2", "ch02.3", "ch02.4", "ch02.5", "ch02.6", "ch02.7", "ch02.8", "ch02.9"]
+EXPECTED = {
+    "all_correct":        [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+    # no scaling; W modified in place; alpha/r for rsLoRA; hidden x hidden; percent; no leading 0;
+    # base = slot 0; per-segment gather; scaled twice; no permutation; waste over useful FLOPs
+    "plausible_mistakes": [0, 0, 3, 0, 0, 0, 0, 3, 0, 0, 3, 0, 0, 3, 0],
+    # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
+    # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel
+    "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0],
+}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    assert sorted(ORDER) == sorted(POINTS)
+    course = tmp_path_factory.mktemp("course")
+    return run_demo(course, secret=DEMO_SECRET), course
+
+
+@pytest.mark.slow
+def test_every_score_is_the_expected_one(demo):
+    summary, _ = demo
+    got = {s: [summary["scores"][s][ex] for ex in ORDER] for s in EXPECTED}
+    assert got == EXPECTED
+
+
+@pytest.mark.slow
+def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
+    summary, course = demo
+    findings = {(f["kind"], f["student"], f["exercise"]): f for f in summary["findings"]}
+    assert set(findings) == {("Attempt", "broken_code", "ch02.7"), ("Attempt", "broken_code", "ch02.8"),
+                             ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
+    assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
+    with open(course / "grades.csv") as f:
+        exported = {(row["student_id"], row["assignment"]): float(row["score"]) for row in csv.DictReader(f)}
+    for student, expected in EXPECTED.items():
+        per_chapter = {"01_lora_basics": sum(expected[:6]), "02_batching_adapters": sum(expected[6:])}
+        for chapter, total in per_chapter.items():
+            assert exported[(student, chapter)] == total
+
+
+@pytest.mark.slow
+def test_feedback_for_every_learner_and_chapter(demo):
+    _, course = demo
+    for student in EXPECTED:
+        for chapter in chapters(ROOT / "notebooks"):
+            html = (course / "feedback" / student / chapter / f"{chapter}.html").read_text()
+            assert "graders.check" in html
+    ch02 = (course / "feedback" / "plausible_mistakes" / "02_batching_adapters" / "02_batching_adapters.html").read_text()
+    assert "starts with 0" in ch02  # the learner sees what is wrong, in the feedback itself
