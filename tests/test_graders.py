@@ -108,6 +108,15 @@ def test_check_never_raises_for_a_learner_mistake(capsys):
     assert "unknown exercise id" in capsys.readouterr().out
 
 
+def test_grading_runs_on_cuda_when_present():
+    import torch
+
+    ex = EXERCISES["ch02.6"]
+    result = graders.grade_source("ch02.6", inspect.getsource(inspect.getmodule(ex.reference)), func_name="sgmv_shrink")
+    assert f"(device: {'cuda' if torch.cuda.is_available() else 'cpu'}," in result.report
+    assert result.score == 3.0, result.report
+
+
 def test_hidden_cases_depend_on_the_secret(monkeypatch):
     from graders.core import hidden_seed
     monkeypatch.setenv("LORA_BOOK_SECRET", "a")
