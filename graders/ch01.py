@@ -90,6 +90,7 @@ def _scaling_edge() -> list[Case]:
         _scaling_case("plain_r8_alpha32", 32, 8, False),
         _scaling_case("rslora_r64_alpha8", 8, 64, True),
         _scaling_case("rank_1", 4, 1, True),
+        _scaling_case("rank_0_raises_value_error", 16, 0, False),
     ]
 
 
@@ -122,6 +123,7 @@ def _size_edge() -> list[Case]:
         _size_case("llama3_8b_all_seven_r16_bf16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16, torch.bfloat16),
         _size_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "o_proj"], 8, torch.bfloat16),
         _size_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64, torch.float32),
+        _size_case("unknown_module_raises_key_error", _TINY_GQA, ["q_proj", "lm_head"], 2, torch.float32),
     ]
 
 
@@ -150,6 +152,14 @@ def _size_hint(case: Case, expected, got) -> str | None:
     if not isinstance(got, (int, float)):
         return None
     h = cfg["hidden_size"]
+    if "head_dim" in cfg and cfg["head_dim"] != h // cfg["num_attention_heads"]:
+        without = dict(cfg)
+        del without["head_dim"]
+        try:
+            if got == ref.adapter_num_bytes(without, targets, r, dtype):
+                return "this config sets head_dim explicitly: q/k/v/o widths are heads x head_dim, not hidden"
+        except KeyError:
+            pass
     square = 2 * h * r * len(targets) * cfg["num_hidden_layers"] * torch.empty((), dtype=dtype).element_size()
     if got == square and got != expected:
         return "that is the size if every projection were hidden x hidden; k/v (GQA) and the MLP are not square"

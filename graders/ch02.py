@@ -1,9 +1,10 @@
 """Cases for chapter 02 (many adapters in one batch, in PyTorch).
 
 Every batch poisons what an op must not read or may leave alone: weights past a slot's rank and
-the whole of a rank-0 slot hold large junk, shrink outputs start as NaN, expand inputs carry junk
-past each token's rank. An op that forgets to clip to the rank, reads another slot, or leaves a
-defined element unwritten fails loudly.
+the whole of a rank-0 slot hold NaN (so padding multiplied by a 0/1 mask still shows: 0 * NaN is
+NaN), shrink outputs start as NaN, expand inputs carry NaN past each token's rank. An op that forgets
+to clip to the rank, reads another slot, or leaves a defined element unwritten fails loudly. Rows of
+rank-0 tokens must come back bit for bit unchanged.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from reference.ops import torch_ref
 
 __all__ = ["EXERCISES"]
 
-JUNK = 1000.0
+JUNK = float("nan")  # what an op must never read
 
 
 @dataclass
@@ -45,8 +46,8 @@ def _weights(spec: BatchSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch
     A = torch.randn(n, spec.max_rank, spec.d_in, generator=gen) * spec.d_in**-0.5
     B = torch.randn(n, spec.d_out, spec.max_rank, generator=gen) * max(spec.max_rank, 1) ** -0.5
     for s, r in enumerate(spec.ranks):
-        A[s, r:] = JUNK * torch.randn(spec.max_rank - r, spec.d_in, generator=gen)
-        B[s, :, r:] = JUNK * torch.randn(spec.d_out, spec.max_rank - r, generator=gen)
+        A[s, r:] = JUNK
+        B[s, :, r:] = JUNK
     return A.to(spec.dtype), B.to(spec.dtype)
 
 
@@ -82,13 +83,20 @@ def _x(spec, gen):
     return torch.randn(sum(spec.req_lens), spec.d_in, generator=gen).to(spec.dtype)
 
 
+def _base_rows(spec: BatchSpec, width: int) -> torch.Tensor:
+    """Mask of output rows whose token uses a rank-0 slot: they must stay bit for bit."""
+    per_token = [spec.ranks[s] == 0 for n, s in zip(spec.req_lens, spec.req_slots) for _ in range(n)]
+    return torch.tensor(per_token, dtype=torch.bool)[:, None].expand(len(per_token), width)
+
+
 def loop_case(spec: BatchSpec, gen: torch.Generator) -> Case:
     A, B = _weights(spec, gen)
     info, _ = _batch_info(spec)
     x = _x(spec, gen)
     out = torch.randn(x.shape[0], spec.d_out, generator=gen).to(spec.dtype)
     first = f"x {list(x.shape)}, A_stack {list(A.shape)}, B_stack {list(B.shape)}, out {list(out.shape)}"
-    return Case(spec.name, [x, A, B, info, out], _describe(spec, first), out_index=4, row_labels=_row_labels(spec))
+    return Case(spec.name, [x, A, B, info, out], _describe(spec, first), out_index=4, row_labels=_row_labels(spec),
+                exact=_base_rows(spec, spec.d_out))
 
 
 def shrink_case(spec: BatchSpec, gen: torch.Generator) -> Case:
@@ -113,7 +121,8 @@ def expand_case(spec: BatchSpec, gen: torch.Generator) -> Case:
     t = torch.where(past_rank, JUNK, t).to(spec.dtype)
     out = torch.randn(n, spec.d_out, generator=gen).to(spec.dtype)
     first = f"t {list(t.shape)}, B_stack {list(B.shape)}, out {list(out.shape)} (the base output)"
-    return Case(spec.name, [t, B, info, out], _describe(spec, first), out_index=3, row_labels=_row_labels(spec))
+    return Case(spec.name, [t, B, info, out], _describe(spec, first), out_index=3, row_labels=_row_labels(spec),
+                exact=_base_rows(spec, spec.d_out))
 
 
 def _edge_specs(sgmv: bool) -> list[BatchSpec]:
@@ -203,12 +212,18 @@ def _batch_hint_common(case: Case, expected, got) -> Optional[str]:
     if case.defined is not None:
         bad &= case.defined
     bad_rows = bad.reshape(bad.shape[0], -1).any(dim=1)
+    hints = []
+    finite_bad = bad_rows & torch.isfinite(g.reshape(g.shape[0], -1)).all(dim=1)
+    if bool(finite_bad.any()) and bool((slots[finite_bad] == 0).all()) and int(info.lora_ranks[0]) > 0:
+        hints.append("rows of slot 0 differ, and slot 0 holds an adapter here: the base model is the slot "
+                     "of rank 0, wherever it is")
     if bool(bad_rows.any()) and bool((ranks[bad_rows] == 0).all()):
-        return "only rows of rank-0 slots differ: a slot of rank 0 (the base model) must add exactly nothing"
-    if bool(bad_rows.any()) and bool((slots[bad_rows] == 0).all()) and int(info.lora_ranks[0]) > 0:
-        return "only rows of slot 0 differ, and slot 0 holds an adapter here: the base model is the slot of rank 0, wherever it is"
-    if bool((g.abs() > JUNK / 10).any()) and not bool((e.abs() > JUNK / 10).any()):
-        return "values of order 1000 come from padding past a slot's rank: clip A to its first r rows and B to its first r columns"
+        hints.append("only rows of rank-0 slots differ: a slot of rank 0 (the base model) must add exactly nothing")
+    if bool(torch.isnan(g).any()) and not bool(torch.isnan(e).any()):
+        hints.append("NaN came from padding past a slot's rank (the grader fills it with NaN): clip A to its "
+                     "first r rows and B to its first r columns by slicing or torch.where (0 * NaN is NaN)")
+    if hints:
+        return "; ".join(hints)
     if case.defined is not None:
         scale = info.scalings.cpu().double()[slots][:, None].expand_as(e)
         region = case.defined & (scale != 1.0)
@@ -292,7 +307,8 @@ def _waste_edge() -> list[Case]:
     return [_waste_case("empty_batch", [], []), _waste_case("all_base", [3, 4], [0, 0]),
             _waste_case("same_rank_no_waste", [5, 9], [16, 16]),
             _waste_case("one_r64_three_r16", [100, 100, 100, 100], [64, 16, 16, 16]),
-            _waste_case("long_r16_short_r64", [2000, 10], [16, 64])]
+            _waste_case("long_r16_short_r64", [2000, 10], [16, 64]),
+            _waste_case("lengths_differ_raises_value_error", [5, 9, 2], [16, 16])]
 
 
 def _waste_random(rng: random.Random, gen, hidden: bool) -> list[Case]:

@@ -46,6 +46,7 @@ class Case:
     out_index: Optional[int] = None  # compare args[out_index] after the call, not the return value
     defined: Optional[torch.Tensor] = None  # bool mask of the output elements the contract defines
     row_labels: Optional[list[str]] = None  # per output row: "segment 1, slot 2 (rank 7)"
+    exact: Optional[torch.Tensor] = None  # bool mask of output elements that must match bit for bit
     group: str = ""
 
 
@@ -110,9 +111,19 @@ def _clone(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Raises:
+    """The expected outcome of a case whose contract is an exception."""
+
+    name: str  # exception class name, e.g. "ValueError"
+
+
 def _expected(ex: Exercise, case: Case) -> Any:
     args = _clone(case.args)
-    returned = ex.reference(*args)
+    try:
+        returned = ex.reference(*args)
+    except Exception as exc:  # the contract says: raise
+        return Raises(type(exc).__name__)
     return args[case.out_index] if case.out_index is not None else returned
 
 
@@ -170,6 +181,8 @@ def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case
         bad = ~((g - e).abs() <= atol + rtol * e.abs())  # NaN compares False: never passes
     if case.defined is not None:
         bad &= case.defined.cpu()
+    if case.exact is not None:  # e.g. rows of rank-0 tokens: "adds exactly nothing"
+        bad |= case.exact.cpu() & ~((got == exp) | (torch.isnan(got) & torch.isnan(exp)) if got.is_floating_point() else (got == exp))
     if not bool(bad.any()):
         return None
     return _describe_mismatch(name, exp, got, bad, case)
@@ -241,6 +254,15 @@ def _compare(expected: Any, desc: Any, tensors: dict, case: Case, device: torch.
     return _compare_number(name, expected, desc, tensors)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, NaN equal to NaN (the graders' poison)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
 def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> Optional[str]:
     for j, (before, desc) in enumerate(zip(case.args, result["args_after"])):
         if j == case.out_index:
@@ -249,17 +271,34 @@ def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> 
         if isinstance(before, LoRABatchInfo):
             pairs = [(getattr(before, k), v) for k, v in desc["batch_info"].items() if v is not None]
         for b, d in pairs:
-            if isinstance(b, torch.Tensor) and not torch.equal(b.cpu(), tensors[d["tensor"]]):
+            if isinstance(b, torch.Tensor) and not _same(b.cpu(), tensors[d["tensor"]]):
                 return f"your function modified its input {ex.arg_names[j]!r}; inputs must stay unchanged"
     return None
 
 
 def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
                   device: torch.device) -> Optional[str]:
+    msg = _outcome(ex, case, expected, result, tensors, device)
+    if msg and result.get("printed"):
+        lines = result["printed"].rstrip().splitlines()
+        msg += f"\n  (your function printed {len(lines)} line(s); the last: {lines[-1][:120]!r})"
+    return msg
+
+
+def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
+             device: torch.device) -> Optional[str]:
+    if isinstance(expected, Raises):
+        if result.get("error", "").startswith(expected.name + ":"):
+            return None
+        got = ("raised " + result["error"]) if "error" in result else "returned normally"
+        return f"the contract says this input raises {expected.name}; your function {got}"
     if "error" in result:
         if result["error"].startswith("NotImplementedError"):
             where = result["error"].partition(" (answer cell")[2]
             return "not implemented yet: NotImplementedError" + (" (answer cell" + where if where else "")
+        if result["error"].startswith("NameError"):
+            return ("raised " + result["error"] + "\n  hint: the grader runs your answer cell on its own "
+                    "(after import math, torch): define or import that name inside the cell")
         return "raised " + result["error"]
     if case.out_index is not None:
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,
@@ -269,7 +308,10 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
     msg = msg or _unchanged_inputs(ex, case, result, tensors)
     if msg and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
-        hint = ex.hint(case, expected, _materialize(got, tensors))
+        try:
+            hint = ex.hint(case, expected, _materialize(got, tensors))
+        except Exception:  # a hint is a courtesy: it must never cost a verdict
+            hint = None
         if hint:
             msg += "\n  hint: " + hint
     return msg

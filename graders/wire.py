@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,12 @@ def encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
                 "kind": type(value).__name__}
     if isinstance(value, dict):
         return {"mapping": {str(k): encode(v, f"{key}.{k}", tensors) for k, v in value.items()}}
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, str)):
         return {"value": value, "kind": type(value).__name__}
+    if isinstance(value, numbers.Integral):  # int, numpy integers
+        return {"value": int(value), "kind": "int"}
+    if isinstance(value, numbers.Real):  # float, numpy floats
+        return {"value": float(value), "kind": "float"}
     return {"unsupported": type(value).__module__ + "." + type(value).__qualname__, "repr": repr(value)[:200]}
 
 

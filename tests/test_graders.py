@@ -67,6 +67,29 @@ FAULTS = [
                 out[rows] = (out[rows].float() + delta).to(out.dtype)
             return out
         """, "padding past a slot's rank"),
+    ("ch02.5", None, """
+        def bgmv_expand(t, B_stack, batch_info, out):
+            slots = batch_info.token_slots.long()
+            keep = (torch.arange(B_stack.shape[2])[None, :] < batch_info.lora_ranks[slots][:, None]).float()
+            part = t[:, :B_stack.shape[2]].float() * keep  # a 0/1 mask multiplies padding by 0
+            B = B_stack[slots].float() * keep[:, None, :]
+            delta = torch.einsum("tr,tor->to", part, B) * batch_info.scalings[slots][:, None]
+            out.copy_((out.float() + delta).to(out.dtype))
+            return out
+        """, "0 * NaN is NaN"),
+    ("ch01.4", None, """
+        def lora_scaling(lora_alpha, r, use_rslora):
+            return lora_alpha / (math.sqrt(r) if use_rslora else r)  # r = 0: ZeroDivisionError
+        """, "the contract says this input raises ValueError; your function raised ZeroDivisionError"),
+    ("ch02.3", None, """
+        def lora_loop(x, A_stack, B_stack, batch_info, out):
+            for seg, slot in enumerate(batch_info.weight_indices.tolist()):
+                lo, hi = batch_info.seg_indptr[seg].item(), batch_info.seg_indptr[seg + 1].item()
+                r = int(batch_info.lora_ranks[slot])
+                t = (x[lo:hi].float() @ A_stack[slot, :r].float().T)
+                out[lo:hi] = (out[lo:hi].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
+            return out  # no rank-0 shortcut: adding an exact 0.0 keeps base rows bit for bit
+        """, None),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):
             perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable
@@ -76,13 +99,23 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("exercise_id, learner, inline, phrase", FAULTS,
-                         ids=[f"{f[0]}-{f[3][:24]}" for f in FAULTS])
+                         ids=[f"{f[0]}-{(f[3] or 'correct variant')[:24]}" for f in FAULTS])
 def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, inline, phrase):
     source = _submission(learner, exercise_id) if learner else textwrap.dedent(inline)
     result = graders.grade_source(exercise_id, source)
+    if phrase is None:  # a correct variant: must pass
+        assert result.score == graders.total_points(exercise_id), result.report
+        return
     assert result.score < graders.total_points(exercise_id), result.report
     assert not result.groups["edge"], result.report
     assert phrase in result.report, result.report
+
+
+def test_numpy_scalars_count_as_numbers():
+    source = _submission("all_correct", "ch02.9").replace("return (padded - used) / padded",
+                                                          "import numpy as np\n    return np.float64((padded - used) / padded)")
+    assert "np.float64" in source
+    assert graders.grade_source("ch02.9", source).score == 3.0
 
 
 def test_a_hang_costs_only_the_grader_budget():

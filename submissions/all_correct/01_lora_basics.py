@@ -19,6 +19,8 @@ def unmerge_lora(W_merged, A, B, scaling):
 import math
 
 def lora_scaling(lora_alpha, r, use_rslora):
+    if r <= 0:
+        raise ValueError(f"the rank must be positive, got r={r}")
     if use_rslora:
         return lora_alpha / math.sqrt(r)
     return lora_alpha / r

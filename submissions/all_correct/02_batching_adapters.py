@@ -83,6 +83,8 @@ def stable_sort_by_slot(token_slots):
 
 # %% ch02.9
 def padded_flop_waste(seg_lens, ranks):
+    if len(seg_lens) != len(ranks):
+        raise ValueError("one rank per request")
     if not seg_lens:
         return 0.0
     R = max(ranks)

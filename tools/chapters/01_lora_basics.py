@@ -109,8 +109,9 @@ print("B = 0 gives the base output exactly:", torch.equal(lora_math.lora_forward
 # - `W`: `[out, in]`; `A`: `[r, in]`; `B`: `[out, r]`; same dtype as `x`.
 # - `scaling`: a Python float (it can be `0.0`, which must give the base output).
 # - **Returns** a tensor `[..., out]` in `x.dtype`: $x W^\top + \text{scaling}\cdot(x A^\top) B^\top$.
-# - Compute the low-rank path as two products (shrink, then expand); do not form `B @ A`.
-#   Do not modify any input. Results are compared within the rounding tolerance of the
+# - Compute the low-rank path as two products (shrink, then expand). Forming `B @ A` gives the
+#   same numbers (the grader cannot tell), but costs a full `[out, in]` matrix per step: the cell
+#   above counts it. Do not modify any input. Results are compared within the rounding tolerance of the
 #   dtype (`graders/tolerances.py`).
 
 # %% exercise="ch01.1" role="answer"

@@ -91,7 +91,7 @@ print(f"LoRA FLOPs / base FLOPs of the same projections at rank 16: {share:.4f}"
 # 1. a slot of rank 0 adds **exactly** nothing (the output rows of its tokens keep their bits);
 # 2. padding past a slot's rank is **never read**. The pool zero-fills a slot when it loads an adapter,
 #    but an op must not rely on that: here we fill the padding with NaN, so any op that lets it into
-#    its arithmetic returns NaN. (The graders fill it with junk of order 1000.)
+#    its arithmetic returns NaN. (The graders fill it with NaN too.)
 #
 # A small pool: slot 0 holds the base model, slot 1 an adapter of rank 4, slot 2 one of rank 8,
 # slot 3 is empty.
@@ -211,8 +211,8 @@ print(inspect.getsource(ref_batch_info.seg_indptr_from_seg_lens))
 #   segments give an empty tensor. Do not modify the inputs.
 # - Running example: `seg_indptr [0, 3, 13, 18]`, `weight_indices [2, 0, 1]` ->
 #   `[2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]`.
-# - `torch.repeat_interleave(values, repeats)` repeats `values[i]` `repeats[i]` times; `repeats`
-#   must be int64.
+# - `torch.repeat_interleave(values, repeats)` repeats `values[i]` `repeats[i]` times (older torch
+#   versions want int64 `repeats`, so casting with `.long()` is the portable choice).
 
 # %% exercise="ch02.2" role="answer"
 import torch
@@ -228,7 +228,7 @@ def token_slots_from_segments(seg_indptr: torch.Tensor, weight_indices: torch.Te
         [seg_indptr[-1]] int32 on weight_indices' device.
     """
     ### BEGIN SOLUTION
-    seg_lens = (seg_indptr[1:] - seg_indptr[:-1]).long()  # repeat_interleave wants int64 repeats
+    seg_lens = (seg_indptr[1:] - seg_indptr[:-1]).long()  # int64 repeats work on every torch version
     return torch.repeat_interleave(weight_indices.to(torch.int32), seg_lens)
     ### END SOLUTION
 
@@ -275,7 +275,7 @@ print(inspect.getsource(ref_batch_info.token_slots_from_segments))
 #   `out[rows] += scalings[s] * (x[rows] @ A_stack[s, :r].T) @ B_stack[s, :, :r].T`,
 #   accumulating in fp32, the intermediate rounded to `x.dtype`, the result written in `out.dtype`.
 # - Rank 0 (base model or empty slot) and empty segments: their rows of `out` stay exactly as they were.
-# - Read only `A_stack[s, :r]` and `B_stack[s, :, :r]`: everything past the rank holds junk.
+# - Read only `A_stack[s, :r]` and `B_stack[s, :, :r]`: everything past the rank holds NaN in the graders' pools.
 # - In place: update `out` and return it. Do not modify any other input.
 
 # %% exercise="ch02.3" role="answer"
@@ -332,9 +332,9 @@ print(inspect.getsource(torch_ref.lora_loop))
 # | expand | `out[tok] += scalings[s] * t[tok, :r] @ B_stack[s, :, :r].T` | K = `r` (small), N = `out` (large) |
 #
 # - **Shrink applies no scaling; expand applies it once.** Scaling in both would scale the delta twice.
-# - **Shrink defines only columns `:r`** of its row. Columns `r:` of `t` are unspecified: shrink leaves
-#   them as they were, and expand never reads them. The graders fill `t` with NaN before calling a
-#   shrink, and put junk past each token's rank in the `t` they give an expand.
+# - **Shrink defines only columns `:r`** of its row. Columns `r:` of `t` are unspecified: shrink may
+#   leave them or write anything there, and expand never reads them. The graders fill `t` with NaN
+#   before calling a shrink, and put NaN past each token's rank in the `t` they give an expand.
 # - **Expand adds in place** into the base output (read, add, write). The base layer never knows that
 #   LoRA exists; callers preallocate `out` (CUDA graphs, in a later chapter, need fixed buffers).
 # - The two GEMMs have opposite shapes (small N against small K), so their best tilings differ
@@ -384,8 +384,9 @@ print("defined columns of t for tokens 0, 3 and 13:\n", keep[[0, 3, 13]].int())
 # - For every token, with `s = token_slots[tok]` and `r = lora_ranks[s]`:
 #   `out[tok, :r] = x[tok] @ A_stack[s, :r].T`, accumulated in fp32, written in `out.dtype`.
 #   **No scaling.**
-# - `out[tok, r:]` is unspecified: leave it (the graders compare only columns `:r`; a token of rank 0
-#   defines nothing). Never let `A_stack[s, r:]` (junk) into the arithmetic.
+# - `out[tok, r:]` is unspecified: the graders compare only columns `:r` (a token of rank 0 defines
+#   nothing), so whatever lands there is fine. Rows of `A_stack` past the rank hold NaN in the
+#   graders' pools; they may only reach those unspecified columns.
 # - In place: write into `out` and return it; do not modify the other inputs.
 # - Only one stacked part here (`stack_num = 1`; a later chapter fuses q, k and v).
 
@@ -424,7 +425,7 @@ graders.check("ch02.4", bgmv_shrink)
 
 # %% [markdown]
 # The reference computes the product from the whole gathered A and then keeps only the defined
-# columns; the padding's NaN or junk lands in columns that `torch.where` throws away:
+# columns; the padding's NaN lands in columns that `torch.where` throws away:
 
 # %%
 print(inspect.getsource(torch_ref.bgmv_shrink))
@@ -434,7 +435,7 @@ print(inspect.getsource(torch_ref.bgmv_shrink))
 #
 # `bgmv_expand(t, B_stack, batch_info, out) -> out`
 #
-# - `t`: `[num_tokens, >= max_rank]`, the shrink output (columns past each token's rank hold junk);
+# - `t`: `[num_tokens, >= max_rank]`, the shrink output (columns past each token's rank hold NaN);
 #   `B_stack`: `[num_slots, out_dim, max_rank]`; `out`: `[num_tokens, out_dim]`, the base output.
 # - Reads only `batch_info.token_slots`, `lora_ranks` and `scalings`.
 # - For every token, with `s = token_slots[tok]` and `r = lora_ranks[s]`:
@@ -568,7 +569,7 @@ print(inspect.getsource(torch_ref.sgmv_shrink))
 #
 # `sgmv_expand(t, B_stack, batch_info, out) -> out`
 #
-# - `t`: `[num_tokens, >= max_rank]` (junk past each token's rank); `B_stack`: `[num_slots, out_dim, max_rank]`;
+# - `t`: `[num_tokens, >= max_rank]` (NaN past each token's rank); `B_stack`: `[num_slots, out_dim, max_rank]`;
 #   `out`: `[num_tokens, out_dim]`, the base output.
 # - Reads `batch_info.seg_indptr`, `weight_indices`, `lora_ranks`, `scalings` and `permutation`.
 # - For every segment `i`, with `s`, `r` and `rows` as in ch02.6:
