@@ -1,0 +1,182 @@
+"""Benchmark the book's LoRA ops on a GPU (chapters 03-04).
+
+    python benchmarks/benchmark_lora_ops.py [--sweep] [--out benchmarks/results/lora_ops_<gpu>.json]
+
+Method: every op is captured in a CUDA graph and timed as
+``triton.testing.do_bench(lambda: graph.replay(), return_mode="median")`` (do_bench clears the L2
+before every run); the torch references cannot be captured (host loops) and are timed the same way
+without a graph, marked so. A 1 GiB device-to-device copy in the same run gives the copy bandwidth
+(2 x bytes / time); each case reports its bytes, achieved GB/s, the fraction of copy bandwidth and
+the LoRA time as a fraction of the base projection's own bf16 GEMM (also graph-timed).
+
+Bytes: shrink = x read + A of each distinct adapter read + t written; expand = t read + B of each
+distinct adapter read + the base output read and written; fused = the shrink's reads + the expand's.
+Cases: bf16, one adapter per request, request i uses adapter 1 + (i mod D), slot 0 holds the base
+model (rank 0), the pool holds the adapters used plus that slot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from reference.batch_info import build_batch_info
+from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+DT = torch.bfloat16
+EL = 2  # bytes per bf16 element
+
+
+def graph_time(fn) -> float:
+    """Median microseconds of one replay of ``fn`` captured in a CUDA graph."""
+    fn()  # compile and warm up outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * do_bench(lambda: graph.replay(), return_mode="median")
+
+
+def eager_time(fn) -> float:
+    return 1e3 * do_bench(fn, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time(lambda: dst.copy_(src))
+    return 2 * src.numel() / (us * 1e-6) / 1e9  # GB/s
+
+
+def problem(n_req: int, tokens: int, n_adapters: int, d_in: int, d_out: int, rank: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slots = n_adapters + 1
+    A = (torch.randn(slots, rank, d_in, generator=g, device="cuda") * d_in**-0.5).to(DT)
+    B = (torch.randn(slots, d_out, rank, generator=g, device="cuda") * rank**-0.5).to(DT)
+    ranks = [0] + [rank] * n_adapters
+    info = build_batch_info([tokens] * n_req, [1 + i % n_adapters for i in range(n_req)], ranks,
+                            [0.0] + [1.0] * n_adapters, "cuda")
+    n = n_req * tokens
+    x = torch.randn(n, d_in, generator=g, device="cuda").to(DT)
+    return dict(A=A, B=B, info=info, x=x, t=torch.zeros(n, rank, dtype=DT, device="cuda"),
+                out=torch.randn(n, d_out, generator=g, device="cuda").to(DT), n=n, D=min(n_adapters, n_req),
+                d_in=d_in, d_out=d_out, rank=rank)
+
+
+def nbytes(p, op: str) -> int:
+    n, D, r = p["n"], p["D"], p["rank"]
+    shrink = EL * (n * p["d_in"] + D * r * p["d_in"] + n * r)
+    expand = EL * (n * r + D * p["d_out"] * r + 2 * n * p["d_out"])
+    fused = EL * (n * p["d_in"] + D * r * p["d_in"] + D * p["d_out"] * r + 2 * n * p["d_out"])
+    return {"shrink": shrink, "expand": expand, "fused": fused}[op]
+
+
+def ops_for(p, kind: str, cfg: dict):
+    A, B, info, x, t, out = p["A"], p["B"], p["info"], p["x"], p["t"], p["out"]
+    if kind == "decode":
+        return {
+            "shrink": lambda: bgmv_shrink(x, A, info, t, **cfg.get("bgmv_shrink", {})),
+            "expand": lambda: bgmv_expand(t, B, info, out, **cfg.get("bgmv_expand", {})),
+            "fused": lambda: fused_decode(x, A, B, info, out, **cfg.get("fused_decode", {})),
+        }
+    return {
+        "shrink": lambda: sgmv_shrink(x, A, info, t, **cfg.get("sgmv_shrink", {})),
+        "expand": lambda: sgmv_expand(t, B, info, out, **cfg.get("sgmv_expand", {})),
+    }
+
+
+CASES = (
+    [("decode", n, 1, D, 4096, 4096, 16) for n in (16, 64, 256) for D in (1, 8, 32) if not (n == 16 and D == 32)]
+    + [("prefill", 4, 2048, 4, 4096, 4096, 16), ("prefill", 4, 2048, 4, 4096, 4096, 64),
+       ("prefill", 4, 2048, 4, 4096, 14336, 16), ("prefill", 4, 2048, 4, 4096, 14336, 64)]
+)
+
+SWEEP = {
+    "sgmv_shrink": [dict(block_m=bm, block_k=bk) for bm in (32, 64, 128) for bk in (64, 128, 256)],
+    "sgmv_expand": [dict(block_m=bm, block_n=bn) for bm in (32, 64, 128) for bn in (64, 128, 256)],
+    "bgmv_shrink": [dict(block_k=bk) for bk in (128, 256, 512, 1024)],
+    "bgmv_expand": [dict(block_n=bn) for bn in (64, 128, 256, 512)],
+    "fused_decode": [dict(num_splits=s, block_k=bk, block_n=bn) for s in (4, 8, 16, 32) for bk in (256, 512)
+                     for bn in (64, 128, 256)],
+}
+CONFIG_PATH = ROOT / "benchmarks" / "results" / "tuned_configs.json"
+
+
+def sweep() -> dict:
+    """Bounded sweep on the two cases the targets name; returns the best config per op."""
+    best = {}
+    tune_cases = {"sgmv_shrink": ("prefill", 4, 2048, 4, 4096, 4096, 16),
+                  "sgmv_expand": ("prefill", 4, 2048, 4, 4096, 4096, 16),
+                  "bgmv_shrink": ("decode", 64, 1, 8, 4096, 4096, 16),
+                  "bgmv_expand": ("decode", 64, 1, 8, 4096, 4096, 16),
+                  "fused_decode": ("decode", 64, 1, 8, 4096, 4096, 16)}
+    for op, cfgs in SWEEP.items():
+        kind, *shape = tune_cases[op]
+        p = problem(*shape)
+        name = {"sgmv_shrink": "shrink", "sgmv_expand": "expand", "bgmv_shrink": "shrink",
+                "bgmv_expand": "expand", "fused_decode": "fused"}[op]
+        times = []
+        for cfg in cfgs:
+            times.append((graph_time(ops_for(p, kind, {op: cfg})[name]), cfg))
+        us, cfg = min(times, key=lambda tc: tc[0])
+        best[op] = cfg
+        print(f"sweep {op:13s}: best {cfg} {us:.1f} us (of {len(cfgs)} configs)", flush=True)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="re-tune and write benchmarks/results/tuned_configs.json")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    cfg = sweep() if args.sweep else (json.loads(CONFIG_PATH.read_text()) if CONFIG_PATH.exists() else {})
+    if args.sweep:
+        CONFIG_PATH.parent.mkdir(parents=True, exist_ok=True)
+        CONFIG_PATH.write_text(json.dumps(cfg, indent=1) + "\n")
+    bw = copy_bandwidth()
+    print(f"{device}: copy bandwidth {bw:.0f} GB/s (1 GiB device-to-device, graph-timed median)")
+    rows = []
+    header = f"{'case':40s} {'op':7s} {'us':>8s} {'MB':>8s} {'GB/s':>7s} {'%copy':>6s} {'%base':>6s} {'torch us':>9s}"
+    print(header)
+    for kind, n_req, tokens, D, d_in, d_out, rank in CASES:
+        p = problem(n_req, tokens, D, d_in, d_out, rank)
+        w = torch.randn(d_out, d_in, device="cuda").to(DT)
+        base_us = graph_time(lambda: torch.matmul(p["x"], w.T))
+        case = f"{kind} {n_req}x{tokens} D={D} r={rank} {d_in}->{d_out}"
+        ref = {"shrink": lambda: torch_ref.bgmv_shrink(p["x"], p["A"], p["info"], p["t"]) if kind == "decode"
+               else torch_ref.sgmv_shrink(p["x"], p["A"], p["info"], p["t"]),
+               "expand": lambda: torch_ref.bgmv_expand(p["t"], p["B"], p["info"], p["out"]) if kind == "decode"
+               else torch_ref.sgmv_expand(p["t"], p["B"], p["info"], p["out"]),
+               "fused": lambda: torch_ref.fused_decode(p["x"], p["A"], p["B"], p["info"], p["out"])}
+        for op, fn in ops_for(p, kind, cfg).items():
+            us = graph_time(fn)
+            b = nbytes(p, op)
+            torch_us = eager_time(ref[op])
+            row = dict(case=case, kind=kind, n_req=n_req, tokens=tokens, adapters=D, d_in=d_in, d_out=d_out,
+                       rank=rank, op=op, us=us, bytes=b, gbps=b / (us * 1e-6) / 1e9, frac_copy=b / (us * 1e-6) / 1e9 / bw,
+                       base_gemm_us=base_us, frac_base=us / base_us, torch_ref_us_eager=torch_us)
+            rows.append(row)
+            print(f"{case:40s} {op:7s} {us:8.1f} {b / 1e6:8.2f} {row['gbps']:7.0f} {100 * row['frac_copy']:5.0f}% "
+                  f"{100 * row['frac_base']:5.0f}% {torch_us:9.1f}", flush=True)
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                  copy_bandwidth_gbps=bw, method="CUDA graph replay, triton.testing.do_bench median; torch_ref eager",
+                  configs=cfg, rows=rows)
+    slug = device.lower().replace("nvidia", "").strip().replace(" ", "_")
+    out = args.out or ROOT / "benchmarks" / "results" / f"lora_ops_{slug}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""BGMV expand in Triton: every token gathers its own slot's B and adds its scaled product in place.
+
+Source: Punica's BGMV (Chen et al., 2023); vLLM ``vllm/lora/ops/triton_ops/`` (per-token indices,
+slices for fused QKV).
+
+Call signature (as ``reference.ops.torch_ref.bgmv_expand``)::
+
+    bgmv_expand(t, B_stack, batch_info, out, slice_offsets=None) -> out
+
+Semantics:
+    s = token_slots[tok]; r = lora_ranks[s]
+    for i, (lo, hi) in enumerate(slices):
+        out[tok, lo:hi] += scalings[s] * t[tok, i*r:(i+1)*r] @ B_stack[s, lo:hi, :r].T
+Rank 0 adds exactly nothing. Reads only ``token_slots``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from reference.batch_info import LoRABatchInfo
+from reference.ops._triton_util import check_same_device, next_pow2_at_least
+from reference.ops.sgmv_expand import _slice_bound, slice_bounds
+
+__all__ = ["bgmv_expand"]
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    # pointers
+    t_ptr, b_ptr, out_ptr,
+    # sizes
+    OFF0, OFF1, OFF2, OFF3,
+    # strides
+    stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
+    # batch metadata
+    token_slots_ptr, lora_ranks_ptr, scalings_ptr,
+    # constexpr
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    slot = tl.load(token_slots_ptr + tok)
+    rank = tl.load(lora_ranks_ptr + slot)
+    lo = _slice_bound(part, OFF0, OFF1, OFF2, OFF3)
+    hi = _slice_bound(part + 1, OFF0, OFF1, OFF2, OFF3)
+    if (rank == 0) | (lo + pid_n * BLOCK_N >= hi):
+        return
+    scaling = tl.load(scalings_ptr + slot)
+    offs_n = lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)  # one block covers max_rank: K is the rank
+    n_mask = offs_n < hi
+    k_mask = offs_k < rank
+    t_row = tl.load(t_ptr + tok * stride_tm + (part * rank + offs_k) * stride_tk, mask=k_mask, other=0.0)
+    b_tile = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
+                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    delta = tl.sum(b_tile.to(tl.float32) * t_row.to(tl.float32)[None, :], axis=1)
+    out_ptrs = out_ptr + tok * stride_om + offs_n * stride_on
+    base = tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def bgmv_expand(
+    t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank]
+    B_stack: torch.Tensor,  # [num_slots, out_total, max_rank]
+    batch_info: LoRABatchInfo,
+    out: torch.Tensor,  # [num_tokens, out_total], updated in place
+    slice_offsets: Optional[Sequence[int]] = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
+
+    Raises:
+        ValueError: mismatched shapes or devices, bad ``slice_offsets``, or no ``token_slots``.
+    """
+    check_same_device(t, B_stack, out)
+    if batch_info.token_slots is None or batch_info.token_slots.shape[0] != t.shape[0]:
+        raise ValueError("bgmv_expand needs batch_info.token_slots with one slot per row of t")
+    bounds = slice_bounds(slice_offsets, out.shape[1])
+    num_slices = 1 if slice_offsets is None else len(slice_offsets) - 1
+    if out.shape[0] != t.shape[0] or B_stack.shape[1] < bounds[-1]:
+        raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
+    if t.shape[0] == 0:
+        return out
+    widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    grid = (t.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
+    _bgmv_expand_kernel[grid](
+        t, B_stack, out, *bounds,
+        t.stride(0), t.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
+        out.stride(0), out.stride(1),
+        batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
+        BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]),
+    )
+    return out
