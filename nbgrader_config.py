@@ -12,7 +12,8 @@ c.CourseDirectory.feedback_directory = "feedback"
 
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 # A test cell runs the learner's answer in a child process with its own budget (graders.core,
-# 40 s by default, a case budget measured in tests/test_graders_budget.py); this cell limit sits
+# 40 s on the CPU and 90 s on a GPU, where learner kernels compile; tests/test_graders.py checks
+# that grading the reference takes under half of it); this cell limit sits
 # well above it so a correct answer never times out on 2 CPU cores.
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True

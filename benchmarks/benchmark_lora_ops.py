@@ -52,10 +52,11 @@ def eager_time(fn) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    # int64 elements: a copy of bytes (uint8) runs well below the memory system's speed
+    src = torch.empty(2**27, dtype=torch.int64, device="cuda")
     dst = torch.empty_like(src)
     us = graph_time(lambda: dst.copy_(src))
-    return 2 * src.numel() / (us * 1e-6) / 1e9  # GB/s
+    return 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9  # GB/s
 
 
 def problem(n_req: int, tokens: int, n_adapters: int, d_in: int, d_out: int, rank: int):
@@ -83,6 +84,7 @@ def nbytes(p, op: str) -> int:
 
 def ops_for(p, kind: str, cfg: dict):
     A, B, info, x, t, out = p["A"], p["B"], p["info"], p["x"], p["t"], p["out"]
+    cfg = {op: cfg.get(config_key(op, p["rank"]), cfg.get(op, {})) for op in SWEEP}
     if kind == "decode":
         return {
             "shrink": lambda: bgmv_shrink(x, A, info, t, **cfg.get("bgmv_shrink", {})),
@@ -102,12 +104,16 @@ CASES = (
 )
 
 SWEEP = {
-    "sgmv_shrink": [dict(block_m=bm, block_k=bk) for bm in (32, 64, 128) for bk in (64, 128, 256)],
-    "sgmv_expand": [dict(block_m=bm, block_n=bn) for bm in (32, 64, 128) for bn in (64, 128, 256)],
-    "bgmv_shrink": [dict(block_k=bk) for bk in (128, 256, 512, 1024)],
-    "bgmv_expand": [dict(block_n=bn) for bn in (64, 128, 256, 512)],
-    "fused_decode": [dict(num_splits=s, block_k=bk, block_n=bn) for s in (4, 8, 16, 32) for bk in (256, 512)
-                     for bn in (64, 128, 256)],
+    "sgmv_shrink": [dict(block_m=bm, block_k=bk, num_warps=w) for bm in (32, 64, 128) for bk in (64, 128, 256)
+                    for w in (4, 8)],
+    "sgmv_expand": [dict(block_m=bm, block_n=bn, num_warps=w) for bm in (32, 64, 128) for bn in (64, 128, 256)
+                    for w in (4, 8)],
+    "bgmv_shrink": [dict(block_k=bk, num_warps=w) for bk in (512, 1024, 2048, 4096) for w in (4, 8, 16)],
+    "bgmv_expand": [dict(block_n=bn, num_warps=w) for bn in (128, 256, 512, 1024) for w in (2, 4, 8)],
+    "fused_decode": [dict(schedule="token", num_splits=s, block_k=bk, block_n=bn, num_warps=w) for s in (1, 2, 4, 8)
+                     for bk in (1024, 2048, 4096) for bn in (256, 512) for w in (8, 16)]
+                    + [dict(schedule="slot", num_splits=s, block_k=bk, block_n=bn, block_t=64, num_warps=w)
+                       for s in (8, 16, 32) for bk in (64, 128) for bn in (64, 128) for w in (4, 8)],
 }
 CONFIG_PATH = ROOT / "benchmarks" / "results" / "tuned_configs.json"
 
@@ -115,23 +121,33 @@ CONFIG_PATH = ROOT / "benchmarks" / "results" / "tuned_configs.json"
 def sweep() -> dict:
     """Bounded sweep on the two cases the targets name; returns the best config per op."""
     best = {}
-    tune_cases = {"sgmv_shrink": ("prefill", 4, 2048, 4, 4096, 4096, 16),
-                  "sgmv_expand": ("prefill", 4, 2048, 4, 4096, 4096, 16),
-                  "bgmv_shrink": ("decode", 64, 1, 8, 4096, 4096, 16),
-                  "bgmv_expand": ("decode", 64, 1, 8, 4096, 4096, 16),
-                  "fused_decode": ("decode", 64, 1, 8, 4096, 4096, 16)}
-    for op, cfgs in SWEEP.items():
-        kind, *shape = tune_cases[op]
+    tune_cases = [("sgmv_shrink", ("prefill", 4, 2048, 4, 4096, 4096, 16)),
+                  ("sgmv_shrink", ("prefill", 4, 2048, 4, 4096, 4096, 64)),
+                  ("sgmv_expand", ("prefill", 4, 2048, 4, 4096, 4096, 16)),
+                  ("sgmv_expand", ("prefill", 4, 2048, 4, 4096, 4096, 64)),
+                  ("bgmv_shrink", ("decode", 64, 1, 8, 4096, 4096, 16)),
+                  ("bgmv_expand", ("decode", 64, 1, 8, 4096, 4096, 16)),
+                  ("fused_decode", ("decode", 64, 1, 8, 4096, 4096, 16))]
+    for op, (kind, *shape) in tune_cases:
         p = problem(*shape)
         name = {"sgmv_shrink": "shrink", "sgmv_expand": "expand", "bgmv_shrink": "shrink",
                 "bgmv_expand": "expand", "fused_decode": "fused"}[op]
+        key = config_key(op, shape[-1])
         times = []
-        for cfg in cfgs:
-            times.append((graph_time(ops_for(p, kind, {op: cfg})[name]), cfg))
+        for cfg in SWEEP[op]:
+            try:
+                times.append((graph_time(ops_for(p, kind, {key: cfg})[name]), cfg))
+            except Exception as exc:  # e.g. out of registers or shared memory: not a candidate
+                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
         us, cfg = min(times, key=lambda tc: tc[0])
-        best[op] = cfg
-        print(f"sweep {op:13s}: best {cfg} {us:.1f} us (of {len(cfgs)} configs)", flush=True)
+        best[key] = cfg
+        print(f"sweep {key:17s}: best {cfg} {us:.1f} us (of {len(times)} configs)", flush=True)
     return best
+
+
+def config_key(op: str, rank: int) -> str:
+    """Tuned configs are kept per op and rank (rank 16 is the default entry)."""
+    return op if rank <= 16 else f"{op}@r{rank}"
 
 
 def main() -> None:

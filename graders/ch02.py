@@ -197,6 +197,8 @@ def _ignored_permutation(reference_op, case: Case, got) -> Optional[str]:
     alt = args[case.out_index].cpu().double()
     mask = case.defined if case.defined is not None else torch.ones_like(alt, dtype=torch.bool)
     g = got.double()
+    if case.defined is not None and bool(torch.isnan(g[mask]).all()):
+        return None  # the shrink wrote nothing at all: the NaN note says so
     if torch.allclose(torch.where(mask, g, 0.0), torch.where(mask, alt, 0.0), rtol=0.05, atol=0.05, equal_nan=True):
         return ("your result is what the batch gives without its permutation: segment rows are "
                 "permutation[seg_indptr[i]:seg_indptr[i+1]] when batch_info.permutation is set")

@@ -30,6 +30,9 @@ POINTS: dict[str, dict[str, float]] = {
     "ch02.7": dict(_STANDARD),
     "ch02.8": dict(_STANDARD),
     "ch02.9": dict(_STANDARD),
+    "ch03.1": dict(_STANDARD),
+    "ch03.2": dict(_STANDARD),
+    "ch03.3": dict(_STANDARD),
 }
 
 

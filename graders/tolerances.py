@@ -20,6 +20,13 @@ TOLERANCES: dict[tuple[str, torch.dtype, str], tuple[float, float, str]] = {
     ("cuda", _F16, "matmul"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
     ("cpu", _BF16, "matmul"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
     ("cuda", _BF16, "matmul"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
+    # Triton kernels (chapter 03): the interpreter's fp32 tl.dot is exact; on the GPU a tl.dot of fp32
+    # inputs uses TF32 (10-bit mantissa) unless the kernel asks for "ieee", and learners need not.
+    ("cpu", _F32, "triton"): (1e-5, 1e-5, "the interpreter's fp32 tl.dot is exact numpy"),
+    ("cuda", _F32, "triton"): (5e-3, 5e-3, "tl.dot on fp32 inputs is TF32 on the GPU: 2^-11 relative per product"),
+    ("cpu", _F16, "triton"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
+    ("cuda", _F16, "triton"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
+    ("cuda", _BF16, "triton"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
 }
 
 _MERGE_NOTE = "a merged weight rounds W + s*B@A once; accumulation order may differ"

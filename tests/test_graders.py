@@ -3,6 +3,7 @@ that names what is wrong. Faults come from the bundled submissions where one is 
 and these tests agree) and are written here otherwise."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import textwrap
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import graders
-from graders.core import DEFAULT_TIMEOUT_S
+from graders.core import default_timeout
 from graders.course import parse_answers
 from graders.exercises import EXERCISES
 
@@ -18,20 +19,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _submission(learner: str, exercise_id: str) -> str:
-    chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters"}[exercise_id[:4]]
+    chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv"}[exercise_id[:4]]
     return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
+
+
+# Chapter 03's exercises are Triton kernels: grade the book's Triton ops, not their torch references.
+TRITON_MODULES = {"ch03.1": "reference.ops.sgmv_shrink", "ch03.2": "reference.ops.sgmv_expand",
+                  "ch03.3": "reference.ops.fused_decode"}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
 def test_reference_gets_full_marks_well_within_budget(exercise_id):
     ex = EXERCISES[exercise_id]
-    source = inspect.getsource(inspect.getmodule(ex.reference))
-    result = graders.grade_source(exercise_id, source, func_name=ex.reference.__name__)
+    if exercise_id in TRITON_MODULES:
+        source = inspect.getsource(importlib.import_module(TRITON_MODULES[exercise_id]))
+    else:
+        source = inspect.getsource(inspect.getmodule(ex.reference))
+    result = graders.grade_source(exercise_id, source, func_name=ex.func_name)
     assert result.score == graders.total_points(exercise_id), result.report
     assert isinstance(result.score, float)
     seconds = float(result.report.split(", ")[1].split(" s)")[0])
-    print(f"{exercise_id}: graded in {seconds:.1f} s (budget {DEFAULT_TIMEOUT_S:.0f} s)")
-    assert seconds < DEFAULT_TIMEOUT_S / 2, "the grader's case budget no longer fits its hang timeout"
+    budget = default_timeout()
+    print(f"{exercise_id}: graded in {seconds:.1f} s (budget {budget:.0f} s)")
+    assert seconds < budget / 2, "the grader's case budget no longer fits its hang timeout"
 
 
 # (exercise, learner file or None, inline source, expected phrase in the report)
@@ -45,6 +55,11 @@ FAULTS = [
     ("ch02.4", "plausible_mistakes", None, "einsum"),                                 # per-segment gather
     ("ch02.6", "plausible_mistakes", None, "scales the delta twice"),                 # scaling twice
     ("ch02.7", "plausible_mistakes", None, "without its permutation"),
+    ("ch03.1", "plausible_mistakes", None, "without its permutation"),                # Triton kernels
+    ("ch03.2", "plausible_mistakes", None, "3 of 3 rows differ"),                     # overwrites the base
+    ("ch03.3", "plausible_mistakes", None, "differ"),                                 # no scaling
+    ("ch03.1", "broken_code", None, "left unwritten"),
+    ("ch03.2", "broken_code", None, "missing 1 required positional argument"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
@@ -70,7 +85,7 @@ FAULTS = [
     ("ch02.5", None, """
         def bgmv_expand(t, B_stack, batch_info, out):
             slots = batch_info.token_slots.long()
-            keep = (torch.arange(B_stack.shape[2])[None, :] < batch_info.lora_ranks[slots][:, None]).float()
+            keep = (torch.arange(B_stack.shape[2], device=t.device)[None, :] < batch_info.lora_ranks[slots][:, None]).float()
             part = t[:, :B_stack.shape[2]].float() * keep  # a 0/1 mask multiplies padding by 0
             B = B_stack[slots].float() * keep[:, None, :]
             delta = torch.einsum("tr,tor->to", part, B) * batch_info.scalings[slots][:, None]

@@ -89,7 +89,24 @@ def test_bgmv_and_fused_decode_match_torch_ref(dtype):
     _close(got, exp, dtype, ~torch.isnan(exp))
     base = torch.randn(9, 40, generator=g).to(dtype).to(device)
     _close(bgmv_expand(exp, B, info, base.clone()), torch_ref.bgmv_expand(exp, B, info, base.clone()), dtype)
-    _close(fused_decode(x, A, B, info, base.clone()), torch_ref.fused_decode(x, A, B, info, base.clone()), dtype)
+    expected = torch_ref.fused_decode(x, A, B, info, base.clone())
+    _close(fused_decode(x, A, B, info, base.clone()), expected, dtype)
+    got_slot = fused_decode(x, A, B, info, base.clone(), schedule="slot", block_t=16, num_splits=2, block_n=16)
+    _close(got_slot, expected, dtype)  # 9 tokens in blocks of 16, two column splits
+    rank0 = info.token_slots == 0
+    assert torch.equal(got_slot[rank0], base[rank0])
+
+
+def test_fused_decode_slot_schedule_over_several_token_blocks():
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(4)
+    ranks = [3, 0, 16]
+    A, B = _pool(g, ranks, 16, 40, 24, torch.float32, device)
+    info = _batch([1] * 40, [(5 * i) % 3 for i in range(40)], ranks, device)
+    x = torch.randn(40, 40, generator=g).to(device)
+    base = torch.randn(40, 24, generator=g).to(device)
+    got = fused_decode(x, A, B, info, base.clone(), schedule="slot", block_t=16, num_splits=3, block_n=16)
+    _close(got, torch_ref.fused_decode(x, A, B, info, base.clone()), torch.float32)
 
 
 @pytest.mark.parametrize("expand_op", [sgmv_expand, bgmv_expand], ids=["sgmv", "bgmv"])
@@ -132,5 +149,6 @@ def test_model_sizes_on_gpu(n_out, rank):
     _close(sgmv_expand(t, B, info, base.clone()), torch_ref.sgmv_expand(t, B, info, base.clone()), torch.bfloat16)
     dec = _batch([1] * 64, [1 + i % 4 for i in range(64)], ranks, "cuda")
     xd = x[:64].contiguous()
-    _close(fused_decode(xd, A, B, dec, base[:64].clone()), torch_ref.fused_decode(xd, A, B, dec, base[:64].clone()),
-           torch.bfloat16)
+    expected = torch_ref.fused_decode(xd, A, B, dec, base[:64].clone())
+    _close(fused_decode(xd, A, B, dec, base[:64].clone()), expected, torch.bfloat16)
+    _close(fused_decode(xd, A, B, dec, base[:64].clone(), schedule="slot"), expected, torch.bfloat16)

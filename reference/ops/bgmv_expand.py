@@ -70,7 +70,8 @@ def bgmv_expand(
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out_total], updated in place
     slice_offsets: Optional[Sequence[int]] = None,
-    block_n: int = 128,
+    block_n: int = 256,
+    num_warps: int = 2,
 ) -> torch.Tensor:
     """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
 
@@ -94,5 +95,6 @@ def bgmv_expand(
         out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
         BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]),
+        num_warps=num_warps,
     )
     return out

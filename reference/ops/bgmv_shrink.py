@@ -66,7 +66,8 @@ def bgmv_shrink(
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, >= stack_num * max_rank]
     stack_num: int = 1,
-    block_k: int = 256,
+    block_k: int = 4096,
+    num_warps: int = 16,
 ) -> torch.Tensor:
     """Launch the BGMV shrink kernel (see the module docstring). Returns ``out``.
 
@@ -82,6 +83,7 @@ def bgmv_shrink(
     if x.shape[0] == 0:
         return out
     block_n = next_pow2_at_least(width, floor=16)
+    block_k = min(block_k, max(64, 65536 // block_n))  # one tile of A stays in registers
     grid = (x.shape[0], triton.cdiv(width, block_n))
     _bgmv_shrink_kernel[grid](
         x, A_stack, out, x.shape[1],
@@ -89,5 +91,6 @@ def bgmv_shrink(
         out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks,
         STACK_NUM=stack_num, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
+        num_warps=num_warps,
     )
     return out

@@ -11,8 +11,14 @@ Call signature (as ``reference.ops.torch_ref.fused_decode``)::
 Semantics:
     s = token_slots[tok]; r = lora_ranks[s]
     out[tok] += scalings[s] * (x[tok] @ A_stack[s, :r].T) @ B_stack[s, :, :r].T
-One program per (token, output split): it computes the token's shrink in registers (fp32), rounds
-it to x.dtype as a two-kernel path would, then expands over its share of the output columns.
+Two schedules, same result:
+
+- ``"token"``: one program per (token, output split). It computes the token's shrink in registers
+  (fp32), rounds it to x.dtype as a two-kernel path would, then expands its share of the columns.
+  Every token reads its adapter's whole A: simple, but each program streams 128 KB alone.
+- ``"slot"``: one program per (slot, output split). It scans ``token_slots`` for its tokens, reads
+  the slot's A once for all of them (a ``tl.dot`` over a masked block of token rows), then expands.
+  Adapters shared by many tokens are read once per split instead of once per token.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least
+from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 
 __all__ = ["fused_decode"]
 
@@ -73,20 +79,90 @@ def _fused_decode_kernel(
         tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _fused_decode_by_slot_kernel(
+    # pointers
+    x_ptr, a_ptr, b_ptr, out_ptr,
+    # sizes
+    T, K, N, n_per_split,
+    # strides
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+    stride_om, stride_on,
+    # batch metadata
+    token_slots_ptr, lora_ranks_ptr, scalings_ptr,
+    # constexpr
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    split = tl.program_id(1)
+    rank = tl.load(lora_ranks_ptr + slot)
+    if rank == 0:
+        return
+    scaling = tl.load(scalings_ptr + slot)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < rank
+    n_start = split * n_per_split
+    for tb in range(0, tl.cdiv(T, BLOCK_T)):
+        # which rows of this token block belong to this slot (reads token_slots only)
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        mine = tl.load(token_slots_ptr + offs_t, mask=offs_t < T, other=-1) == slot
+        # phase 1: shrink for all of them at once, t = x[mine] @ A[slot, :r].T
+        acc_t = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_mask = offs_k < K - k * BLOCK_K
+            x_tile = tl.load(x_ptr + offs_t[:, None] * stride_xm + (k * BLOCK_K + offs_k)[None, :] * stride_xk,
+                             mask=mine[:, None] & k_mask[None, :], other=0.0)
+            a_tile = tl.load(a_ptr + slot * stride_as + offs_r[None, :] * stride_ar
+                             + (k * BLOCK_K + offs_k)[:, None] * stride_ak,
+                             mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if UPCAST:
+                x_tile = x_tile.to(tl.float32)
+                a_tile = a_tile.to(tl.float32)
+            if IEEE_FP32:
+                acc_t += tl.dot(x_tile, a_tile, input_precision="ieee")
+            else:
+                acc_t += tl.dot(x_tile, a_tile)
+        t = acc_t.to(x_ptr.dtype.element_ty)  # the rounding a two-kernel path has
+        if UPCAST:
+            t = t.to(tl.float32)
+        # phase 2: expand this program's share of the columns for the same rows, in place
+        for n in range(0, tl.cdiv(n_per_split, BLOCK_N)):
+            offs_n = n_start + n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = (offs_n < N) & (offs_n < n_start + n_per_split)
+            b_tile = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                b_tile = b_tile.to(tl.float32)
+            if IEEE_FP32:
+                delta = tl.dot(t, b_tile, input_precision="ieee")
+            else:
+                delta = tl.dot(t, b_tile)
+            out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_n[None, :] * stride_on
+            mask = mine[:, None] & n_mask[None, :]
+            base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def fused_decode(
     x: torch.Tensor,  # [num_tokens, in]
     A_stack: torch.Tensor,  # [num_slots, max_rank, in]
     B_stack: torch.Tensor,  # [num_slots, out, max_rank]
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out], updated in place
-    num_splits: int = 8,
-    block_k: int = 256,
-    block_n: int = 128,
+    num_splits: int = 2,
+    block_k: int = 2048,
+    block_n: int = 512,
+    schedule: str = "token",
+    block_t: int = 64,
+    num_warps: int = 16,
 ) -> torch.Tensor:
     """Launch the fused decode kernel (see the module docstring). Returns ``out``.
 
-    ``num_splits`` programs share one token's output columns; each recomputes the (small) shrink,
-    which trades re-reading A from L2 for more programs in flight.
+    ``num_splits`` programs share one token's (or slot's) output columns; each recomputes the
+    (small) shrink, which trades re-reading A from L2 for more programs in flight. ``schedule`` is
+    ``"token"`` or ``"slot"``; ``block_t`` is the token block of the slot schedule.
 
     Raises:
         ValueError: mismatched shapes or devices, or no ``token_slots``.
@@ -102,11 +178,31 @@ def fused_decode(
     n = out.shape[1]
     splits = max(1, min(num_splits, triton.cdiv(n, block_n)))
     n_per_split = triton.cdiv(n, splits)
+    if schedule == "slot":
+        # x tiles [BLOCK_T, BLOCK_K] are staged in shared memory: 128 columns (64 in fp32) fit the
+        # H200's 227 KiB with room for pipelining; 512 fp32 columns asked for 513 KiB there.
+        block_k = min(block_k, 64 if x.dtype == torch.float32 else 128)
+        _fused_decode_by_slot_kernel[(A_stack.shape[0], splits)](
+            x, A_stack, B_stack, out, x.shape[0], x.shape[1], n, n_per_split,
+            x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
+            B_stack.stride(0), B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
+            batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
+            BLOCK_T=max(16, min(block_t, triton.next_power_of_2(x.shape[0]))),
+            BLOCK_R=next_pow2_at_least(A_stack.shape[1], floor=16), BLOCK_K=block_k, BLOCK_N=block_n,
+            UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, A_stack, B_stack), num_warps=num_warps,
+        )
+        return out
+    if schedule != "token":
+        raise ValueError(f"schedule must be 'token' or 'slot', got {schedule!r}")
+    block_r = next_pow2_at_least(A_stack.shape[1], floor=16)
+    block_k = min(block_k, max(64, 32768 // block_r))  # tiles of A and B stay in registers
+    block_n = min(block_n, max(32, 8192 // block_r))
     _fused_decode_kernel[(x.shape[0], splits)](
         x, A_stack, B_stack, out, x.shape[1], n, n_per_split,
         x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
         B_stack.stride(0), B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
         BLOCK_R=next_pow2_at_least(A_stack.shape[1], floor=16), BLOCK_K=block_k, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return out

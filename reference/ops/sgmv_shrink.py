@@ -15,6 +15,8 @@ Columns past stack_num*r are not written. ``perm`` is ``batch_info.permutation``
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -87,12 +89,14 @@ def sgmv_shrink(
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, >= stack_num * max_rank]
     stack_num: int = 1,
-    block_m: int = 32,
-    block_k: int = 128,
+    block_m: Optional[int] = None,
+    block_k: int = 256,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Launch the SGMV shrink kernel (see the module docstring). Returns ``out``.
 
-    The grid comes from host ints (``max_len``, ``num_segments``), so launching never synchronizes.
+    Defaults are the configs tuned on an H200 (benchmarks/results/tuned_configs.json). The grid
+    comes from host ints (``max_len``, ``num_segments``), so launching never synchronizes.
 
     Raises:
         ValueError: mismatched shapes or devices.
@@ -104,6 +108,7 @@ def sgmv_shrink(
     if batch_info.num_segments == 0 or batch_info.max_len == 0 or x.shape[0] == 0:
         return out
     block_n = next_pow2_at_least(min(width, 64))
+    block_m = block_m or (32 if width <= 16 else 64)  # tuned on an H200 at rank 16 and 64
     num_n_tiles = triton.cdiv(width, block_n)
     grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments)
     perm = batch_info.permutation
@@ -116,5 +121,6 @@ def sgmv_shrink(
         perm if perm is not None else batch_info.seg_indptr,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, A_stack),
+        num_warps=num_warps,
     )
     return out
