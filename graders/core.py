@@ -250,14 +250,24 @@ def _compare(expected: Any, desc: Any, tensors: dict, case: Case, device: torch.
     if isinstance(expected, torch.Tensor):
         return _compare_tensor(name, expected, desc, tensors, case, device)
     if isinstance(expected, (tuple, list)):
-        if not isinstance(desc, dict) or "sequence" not in desc or len(desc["sequence"]) != len(expected):
+        if not isinstance(desc, dict) or "sequence" not in desc:
             return f"{name}: expected a tuple of {len(expected)} values"
+        if len(desc["sequence"]) != len(expected):
+            return f"{name}: expected {len(expected)} values, got {len(desc['sequence'])}" + _both(expected, desc)
         for i, (e, d) in enumerate(zip(expected, desc["sequence"])):
             msg = _compare(e, d, tensors, case, device, f"{name}[{i}]")
             if msg:
                 return msg
         return None
     return _compare_number(name, expected, desc, tensors)
+
+
+def _both(expected: Sequence, desc: dict) -> str:
+    """Short lists of numbers side by side (host metadata such as segment lengths)."""
+    got = [d.get("value") for d in desc["sequence"] if isinstance(d, dict)]
+    if len(expected) <= 24 and len(got) <= 24 and all(isinstance(v, (int, float)) for v in [*expected, *got]):
+        return f"\n  expected {list(expected)}\n  got      {got}"
+    return ""
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -33,6 +33,10 @@ POINTS: dict[str, dict[str, float]] = {
     "ch03.1": dict(_STANDARD),
     "ch03.2": dict(_STANDARD),
     "ch03.3": dict(_STANDARD),
+    "ch04.1": dict(_STANDARD),
+    "ch04.2": dict(_STANDARD),
+    "ch04.3": dict(_STANDARD),
+    "ch04.4": dict(_STANDARD),
 }
 
 

@@ -19,20 +19,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _submission(learner: str, exercise_id: str) -> str:
-    chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv"}[exercise_id[:4]]
+    chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
+               "ch04": "04_packed_and_chunked"}[exercise_id[:4]]
     return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
 
 
-# Chapter 03's exercises are Triton kernels: grade the book's Triton ops, not their torch references.
-TRITON_MODULES = {"ch03.1": "reference.ops.sgmv_shrink", "ch03.2": "reference.ops.sgmv_expand",
-                  "ch03.3": "reference.ops.fused_decode"}
+# Triton exercises: grade the book's Triton ops, not their torch references (module, the op's name there).
+TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
+                  "ch03.2": ("reference.ops.sgmv_expand", "sgmv_expand"),
+                  "ch03.3": ("reference.ops.fused_decode", "fused_decode"),
+                  "ch04.2": ("reference.ops.sgmv_expand", "sgmv_expand")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
 def test_reference_gets_full_marks_well_within_budget(exercise_id):
     ex = EXERCISES[exercise_id]
     if exercise_id in TRITON_MODULES:
-        source = inspect.getsource(importlib.import_module(TRITON_MODULES[exercise_id]))
+        module, name = TRITON_MODULES[exercise_id]
+        source = inspect.getsource(importlib.import_module(module)) + f"\n{ex.func_name} = {name}\n"
     else:
         source = inspect.getsource(inspect.getmodule(ex.reference))
     result = graders.grade_source(exercise_id, source, func_name=ex.func_name)
@@ -60,6 +64,12 @@ FAULTS = [
     ("ch03.3", "plausible_mistakes", None, "differ"),                                 # no scaling
     ("ch03.1", "broken_code", None, "left unwritten"),
     ("ch03.2", "broken_code", None, "missing 1 required positional argument"),
+    ("ch04.1", "plausible_mistakes", None, "a missing part still takes its place"),     # packed layout
+    ("ch04.2", "plausible_mistakes", None, "not at i * max_rank"),
+    ("ch04.3", "plausible_mistakes", None, "only neighbours merge"),
+    ("ch04.4", "plausible_mistakes", None, "expected [4, 4, 4]"),
+    ("ch04.2", "broken_code", None, "columns 0..23"),
+    ("ch04.4", "broken_code", None, "return a tuple of two lists"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
