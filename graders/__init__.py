@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import os
 import warnings
 from typing import Callable
 
@@ -27,17 +28,33 @@ def answer_source(fn: Callable) -> str:
         TypeError: ``fn`` is not a Python function.
         OSError: its source cannot be found.
     """
-    if not inspect.isfunction(fn):
-        raise TypeError(f"expected your function, got {type(fn).__name__}")
-    lines = linecache.getlines(fn.__code__.co_filename)
+    code = _first_code(fn)
+    if code is None:
+        raise TypeError(f"expected your function or class, got {type(fn).__name__}")
+    lines = linecache.getlines(code.co_filename)
     return "".join(lines) if lines else inspect.getsource(fn)
 
 
+def _first_code(obj):
+    """The code object of a function, or of a class's first method (a class has none of its own)."""
+    if inspect.isfunction(obj):
+        return obj.__code__
+    if inspect.isclass(obj):
+        for value in vars(obj).values():
+            value = getattr(value, "__func__", value)  # staticmethod / classmethod
+            if inspect.isfunction(value):
+                return value.__code__
+    return None
+
+
 def check(exercise_id: str, fn: Callable) -> float:
-    """Grade ``fn`` for ``exercise_id``; print the report (stdout only) and return the score.
+    """Grade ``fn`` (a function, or a class for stateful exercises) for ``exercise_id``; print the
+    report (stdout only) and return the score.
 
     Never raises for a learner's mistake: a broken function costs only its own exercise.
     """
+    if os.environ.get("LORA_BOOK_GRADER_CHILD"):  # inside a grader's child: never grade recursively
+        return 0.0
     if exercise_id not in POINTS:
         print(f"graders.check: unknown exercise id {exercise_id!r}; known: {', '.join(POINTS)}")
         return 0.0

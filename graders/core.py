@@ -67,6 +67,10 @@ class Exercise:
     edge_cases: Callable[[], list[Case]]
     random_cases: Callable[[random.Random, torch.Generator, bool], list[Case]]  # (rng, gen, hidden)
     hint: Optional[Callable[[Case, Any, Any], Optional[str]]] = None
+    # Stateful exercises: a grader function ``driver(learner_object, *case_args)`` that replays a
+    # trace on what the learner defined (a class) and returns plain data (an event log). It runs in
+    # the child next to the learner's code; ``reference`` is then ``driver`` applied to the reference.
+    driver: Optional[Callable] = None
 
 
 @dataclass
@@ -181,6 +185,8 @@ def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case
     exp = exp.cpu()
     if not exp.dtype.is_floating_point:
         bad = got != exp
+    elif case.op == "exact":  # a copy: bit for bit, and poison left in place stays NaN
+        bad = ~((got == exp) | (torch.isnan(got) & torch.isnan(exp)))
     else:
         rtol, atol, _ = tolerance(device.type, exp.dtype, case.op)
         e, g = exp.double(), got.double()
@@ -259,7 +265,17 @@ def _compare(expected: Any, desc: Any, tensors: dict, case: Case, device: torch.
             if msg:
                 return msg
         return None
+    if expected is None or isinstance(expected, (str, bool)):
+        return _compare_value(name, expected, desc)
     return _compare_number(name, expected, desc, tensors)
+
+
+def _compare_value(name: str, expected: Any, desc: Any) -> Optional[str]:
+    """Names, flags and None (uids, the base model) compare by equality and type."""
+    if isinstance(desc, dict) and "value" in desc and desc.get("kind") == type(expected).__name__:
+        return None if desc["value"] == expected else f"{name}: expected {expected!r}, got {desc['value']!r}"
+    got = desc.get("value", desc.get("unsupported") or desc.get("kind")) if isinstance(desc, dict) else "?"
+    return f"{name}: expected {expected!r}, got {got!r}"
 
 
 def _both(expected: Sequence, desc: dict) -> str:
@@ -374,7 +390,9 @@ def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
         job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
                      for i, c in enumerate(cases)]
         save_tensors(tensors, workdir / "inputs.safetensors")
+        driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
         write_json({"exercise_id": exercise_id, "func_name": func_name or ex.func_name, "source": source,
+                    "driver": driver,
                     "device": str(device), "cases": job_cases}, workdir / "job.json")
         start = time.perf_counter()
         code, timed_out, stderr = _run_child(workdir, timeout)

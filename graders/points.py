@@ -37,6 +37,15 @@ POINTS: dict[str, dict[str, float]] = {
     "ch04.2": dict(_STANDARD),
     "ch04.3": dict(_STANDARD),
     "ch04.4": dict(_STANDARD),
+    "ch05.1": dict(_STANDARD),
+    "ch05.2": dict(_STANDARD),
+    "ch05.3": dict(_STANDARD),
+    "ch05.4": dict(_STANDARD),
+    "ch05.5": dict(_STANDARD),
+    "ch06.1": dict(_STANDARD),
+    "ch06.2": dict(_STANDARD),
+    "ch06.3": dict(_STANDARD),
+    "ch06.4": dict(_STANDARD),
 }
 
 

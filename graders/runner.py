@@ -9,8 +9,11 @@ time is up.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
 import linecache
+import os
 import sys
 import time
 import traceback
@@ -36,8 +39,16 @@ def _load_function(source: str, func_name: str, exercise_id: str):
     exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
     exec(compile(source, filename, "exec"), namespace)
     if func_name not in namespace:
-        raise NameError(f"the answer cell defines no function named {func_name!r}")
+        raise NameError(f"the answer cell defines nothing named {func_name!r}")
     return namespace[func_name]
+
+
+def _driven(target, driver: str | None):
+    """The callable to grade: the learner's function, or a grader's driver bound to their class."""
+    if not driver:
+        return target
+    module, _, name = driver.partition(":")
+    return functools.partial(getattr(importlib.import_module(module), name), target)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -47,13 +58,19 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+#: Set in the child: graders.check does nothing there, so an answer "cell" that is a whole script
+#: (graded from a .py file, where the cell is the file) cannot start graders recursively.
+CHILD_ENV = "LORA_BOOK_GRADER_CHILD"
+
+
 def main(workdir: Path) -> None:
+    os.environ[CHILD_ENV] = "1"
     job = read_json(workdir / "job.json")
     inputs = load_tensors(workdir / "inputs.safetensors")
     device = torch.device(job["device"])
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            fn = _load_function(job["source"], job["func_name"], job["exercise_id"])
+            fn = _driven(_load_function(job["source"], job["func_name"], job["exercise_id"]), job.get("driver"))
     except BaseException as exc:  # the cell itself failed: every case fails with this message
         write_json({"error": "running the answer cell failed: " + _error_text(exc)}, workdir / "load.json")
         return

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _submission(learner: str, exercise_id: str) -> str:
     chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
-               "ch04": "04_packed_and_chunked"}[exercise_id[:4]]
+               "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters"}[exercise_id[:4]]
     return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
 
 
@@ -28,7 +28,11 @@ def _submission(learner: str, exercise_id: str) -> str:
 TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch03.2": ("reference.ops.sgmv_expand", "sgmv_expand"),
                   "ch03.3": ("reference.ops.fused_decode", "fused_decode"),
-                  "ch04.2": ("reference.ops.sgmv_expand", "sgmv_expand")}
+                  "ch04.2": ("reference.ops.sgmv_expand", "sgmv_expand"),
+                  # classes graded through a driver: the reference class under the learner's name
+                  "ch05.1": ("reference.eviction", "LRUEvictionPolicy"),
+                  "ch05.2": ("reference.eviction", "FIFOEvictionPolicy"),
+                  "ch05.5": ("graders.ch05", "reference_slot_manager")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
@@ -70,6 +74,21 @@ FAULTS = [
     ("ch04.4", "plausible_mistakes", None, "expected [4, 4, 4]"),
     ("ch04.2", "broken_code", None, "columns 0..23"),
     ("ch04.4", "broken_code", None, "return a tuple of two lists"),
+    ("ch06.1", "plausible_mistakes", None, "in_memory_key_raises_value_error"),      # lora_A.default.weight accepted
+    ("ch06.2", "plausible_mistakes", None, "must match the WHOLE path"),             # re.search, not fullmatch
+    ("ch06.3", "plausible_mistakes", None, "not lora_alpha / r"),                    # alpha/r for rsLoRA
+    ("ch06.4", "plausible_mistakes", None, "a missing part still takes its place"),
+    ("ch06.1", "broken_code", None, "the layer is an int"),
+    ("ch06.2", "broken_code", None, "return True or False (a bool)"),
+    ("ch06.3", "broken_code", None, "not implemented yet"),
+    ("ch06.4", "broken_code", None, "raised KeyError"),
+    ("ch05.1", "plausible_mistakes", None, "only when it is the only candidate"),     # pool and eviction
+    ("ch05.2", "plausible_mistakes", None, "expected 'A', got 'C'"),
+    ("ch05.3", "plausible_mistakes", None, "zero-fill the whole slot"),
+    ("ch05.4", "plausible_mistakes", None, "expected []"),
+    ("ch05.5", "plausible_mistakes", None, "belongs to a running request"),
+    ("ch05.1", "broken_code", None, "no attribute 'select_victim'"),
+    ("ch05.3", "broken_code", None, "return (A_buffers, B_buffers)"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
@@ -115,6 +134,47 @@ FAULTS = [
                 out[lo:hi] = (out[lo:hi].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
             return out  # no rank-0 shortcut: adding an exact 0.0 keeps base rows bit for bit
         """, None),
+    ("ch06.2", None, """
+        import re
+        def targets_module(target_modules, path):
+            if isinstance(target_modules, str):
+                return target_modules.lower() == "all-linear" or re.fullmatch(target_modules, path) is not None
+            return any(t in path for t in target_modules)  # a substring, not a dot-separated suffix
+        """, "a substring ('proj')"),
+    ("ch06.3", None, """
+        import re
+        def module_scaling(config, path):
+            def last_match(patterns, default):  # the most specific (last) key, not the first
+                hits = [v for k, v in (patterns or {}).items() if re.match(rf"(.*\\.)?({k})$", path)]
+                return hits[-1] if hits else default
+            r = last_match(config.get("rank_pattern"), config["r"])
+            alpha = last_match(config.get("alpha_pattern"), config["lora_alpha"])
+            if r < 1:
+                raise ValueError("rank")
+            return r, float(alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+        """, "the FIRST rank_pattern key"),
+    ("ch06.4", None, """
+        def pack_fused_module(tensors, prefix, parts, out_features, rank):
+            order = list(range(len(parts)))[::-1] if len(parts) == 2 else list(range(len(parts)))  # up before gate
+            offs = [0]
+            for w in out_features:
+                offs.append(offs[-1] + w)
+            got = [(tensors.get(f"{prefix}{p}.lora_A.weight"), tensors.get(f"{prefix}{p}.lora_B.weight")) for p in parts]
+            if all(a is None for a, _ in got):
+                return None
+            like = next(a for a, _ in got if a is not None)
+            A = like.new_zeros(len(parts) * rank, like.shape[1])
+            B = like.new_zeros(offs[-1], rank)
+            for slot, i in enumerate(order):
+                a, b = got[i]
+                if a is None:
+                    continue
+                if b is None or a.shape[0] > rank or tuple(b.shape) != (out_features[i], a.shape[0]):
+                    raise ValueError("bad part")
+                A[slot * rank:slot * rank + a.shape[0]] = a
+                B[offs[slot]:offs[slot] + b.shape[0], :a.shape[0]] = b
+            return A, B
+        """, "gate before up"),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):
             perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable
