@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(PY) -m graders.course demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadscope
 
 learner: $(STAMP)
 	$(PY) -m graders.course learner --out learner
