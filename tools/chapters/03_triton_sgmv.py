@@ -1165,8 +1165,10 @@ for dtype in (torch.float32, torch.float16):
 # `benchmarks/results/lora_ops_<gpu>.json`; the cell prints what is committed. Method (from the
 # script): every op is captured in a CUDA graph and timed by replaying it
 # (`triton.testing.do_bench`, median, L2 cleared before every run); bytes by the accounting of
-# section 6; GB/s against the bandwidth of a 1 GiB device-to-device copy measured in the same run;
-# the LoRA op's time against the base projection's own bf16 GEMM, also graph-timed.
+# section 6; GB/s against the bandwidth of a 1 GiB device-to-device copy measured in the same run
+# (the fastest of three ways of copying, all printed: a `copy_` captured in a graph becomes a memcpy
+# node, which runs well below what a kernel reaches, so it cannot be the ceiling); the LoRA op's time
+# against the base projection's own bf16 GEMM, also graph-timed.
 
 # %%
 results_dir = Path(reference.__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -1178,6 +1180,8 @@ for path in result_files:
     res = json.loads(path.read_text())
     print(f"{path.name}: {res['device']}, torch {res.get('torch')}, triton {res.get('triton')}; "
           f"copy bandwidth {res['copy_bandwidth_gbps']:.0f} GB/s ({res.get('method', '')})")
+    if res.get("copy_bandwidths_gbps"):
+        print("copy, GB/s:", ", ".join(f"{k} {v:.0f}" for k, v in res["copy_bandwidths_gbps"].items()))
     if res.get("note"):
         print("note:", res["note"])
     print(f"{'case':40s} {'op':7s} {'us':>8s} {'MB':>7s} {'GB/s':>7s} {'%copy':>6s} {'%base GEMM':>10s}")
