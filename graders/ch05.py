@@ -80,6 +80,12 @@ def _random_trace(rng: random.Random, steps: int) -> list:
             seen.remove(uid)
         else:
             trace.append(["victim", rng.sample(seen, rng.randint(1, len(seen)))])
+    # every trace ends by testing the base-model rule: the base model is the oldest use, yet not the victim
+    if None not in seen:
+        trace.append(["use", None])
+    others = [u for u in uids if u in seen and u is not None]
+    if others:
+        trace += [["use", u] for u in others] + [["victim", [None] + others]]
     return trace
 
 
