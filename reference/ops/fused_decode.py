@@ -22,6 +22,8 @@ Two schedules, same result:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -151,8 +153,8 @@ def fused_decode(
     B_stack: torch.Tensor,  # [num_slots, out, max_rank]
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out], updated in place
-    num_splits: int = 2,
-    block_k: int = 2048,
+    num_splits: Optional[int] = None,
+    block_k: Optional[int] = None,
     block_n: int = 512,
     schedule: str = "token",
     block_t: int = 64,
@@ -162,7 +164,10 @@ def fused_decode(
 
     ``num_splits`` programs share one token's (or slot's) output columns; each recomputes the
     (small) shrink, which trades re-reading A from L2 for more programs in flight. ``schedule`` is
-    ``"token"`` or ``"slot"``; ``block_t`` is the token block of the slot schedule.
+    ``"token"`` or ``"slot"``; ``block_t`` is the token block of the slot schedule. By default
+    ``num_splits`` and ``block_k`` follow the batch size, from a sweep on an H200 (hidden 4096, rank
+    16, bf16; ``benchmarks/results/fused_decode_sweep_h200.json``): few tokens need more programs
+    per token to fill the GPU, many tokens already fill it and gain from doing each shrink once.
 
     Raises:
         ValueError: mismatched shapes or devices, or no ``token_slots``.
@@ -176,6 +181,11 @@ def fused_decode(
     if x.shape[0] == 0:
         return out
     n = out.shape[1]
+    tokens = x.shape[0]
+    if num_splits is None:
+        num_splits = 8 if tokens <= 16 else 2 if tokens <= 64 else 1
+    if block_k is None:
+        block_k = 2048 if tokens <= 64 else 1024
     splits = max(1, min(num_splits, triton.cdiv(n, block_n)))
     n_per_split = triton.cdiv(n, splits)
     if schedule == "slot":
