@@ -1214,11 +1214,14 @@ for path in result_files:
 #   should cost a small fraction of the base GEMM (`%base GEMM`).
 # - **Decode**: the last table puts the fused kernel's time next to its bytes' time at the copy
 #   bandwidth. The ratio measures the launch-bound regime of section 6, inside a CUDA graph, so
-#   without the host's share. Then compare the fused kernel with shrink + expand: where they are
-#   close, one launch instead of two is what the fusion buys. Where the fused kernel is slower (more
-#   requests), look at its schedule: the programs of every token read their adapter's whole A again
-#   (from the L2 cache at best), so that work grows with the requests instead of the adapters; the
-#   reference's "slot" schedule, and SGMV for prefill, group tokens by adapter for this reason.
+#   without the host's share. Then compare the fused kernel with shrink + expand: the gap is what one
+#   launch instead of two buys. As requests grow, look at the per-token schedule's cost: the
+#   programs of every token read their adapter's whole A again (from the L2 cache at best), so that
+#   work grows with the requests instead of the adapters. The wrapper's defaults therefore follow the
+#   batch size (several programs per token for a few tokens, one per token for hundreds; from the
+#   sweep in `benchmarks/results/fused_decode_sweep_h200.json`); the reference's "slot" schedule,
+#   and SGMV for prefill, group tokens by adapter instead, which in that sweep did not pay off at
+#   these sizes.
 #
 # ## 9. How production systems do it
 #
