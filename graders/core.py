@@ -252,7 +252,27 @@ def _compare_number(name: str, exp: float | int, desc: Any, tensors: dict) -> Op
     return None
 
 
+def _compare_batch_info(expected: LoRABatchInfo, desc: Any, tensors: dict, case: Case, device: torch.device,
+                        name: str) -> Optional[str]:
+    """Field by field, in the contract's order: host fields equal, tensors exact (dtype included)."""
+    if not isinstance(desc, dict) or "batch_info" not in desc:
+        kind = (desc.get("unsupported") or desc.get("kind")) if isinstance(desc, dict) else "?"
+        return f"{name}: expected a LoRABatchInfo, got {kind}"
+    for field, exp in vars(expected).items():
+        got = desc["batch_info"].get(field)
+        if exp is None or got is None:
+            if (exp is None) != (got is None):
+                return f"{name}.{field}: expected {'None' if exp is None else 'a value'}, got {'None' if got is None else 'a value'}"
+            continue
+        msg = _compare(exp, got, tensors, case, device, f"{name}.{field}")
+        if msg:
+            return msg
+    return None
+
+
 def _compare(expected: Any, desc: Any, tensors: dict, case: Case, device: torch.device, name: str) -> Optional[str]:
+    if isinstance(expected, LoRABatchInfo):
+        return _compare_batch_info(expected, desc, tensors, case, device, name)
     if isinstance(expected, torch.Tensor):
         return _compare_tensor(name, expected, desc, tensors, case, device)
     if isinstance(expected, (tuple, list)):

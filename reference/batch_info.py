@@ -2,7 +2,10 @@
 
 Source: SGLang ``python/sglang/srt/lora/utils.py`` (``LoRABatchInfo``) and Punica's SGMV segments
 (Chen et al., "Punica: Multi-Tenant LoRA Serving", 2023). Chapter 02 builds it from segment lists;
-chapter 07 builds it from requests and the memory pool.
+chapter 07 builds it from requests and the memory pool (:func:`batch_info_from_requests`, after
+SGLang ``lora/backend/triton_backend.py`` / ``chunked_backend.py`` ``prepare_lora_batch`` and vLLM
+``lora/punica_wrapper/punica_base.py``), and the slot-sorted view of CUDA-graph paths
+(:func:`slot_sorted_view`, after TensorRT-LLM's LoRA CUDA-graph parameters).
 
 Running example used in the comments below: three requests of 3, 10 and 5 tokens using slots 2, 0, 1
 (slot 0 holds the base model, rank 0):
@@ -12,7 +15,8 @@ Running example used in the comments below: three requests of 3, 10 and 5 tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from itertools import accumulate
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -22,6 +26,8 @@ __all__ = [
     "token_slots_from_segments",
     "stable_sort_by_slot",
     "build_batch_info",
+    "batch_info_from_requests",
+    "slot_sorted_view",
 ]
 
 
@@ -46,6 +52,10 @@ class LoRABatchInfo:
     scalings: torch.Tensor  # [num_slots] float32, 0 for base and empty slots
     permutation: Optional[torch.Tensor] = None  # [num_tokens] int64: sorted row i is x[permutation[i]]
     token_slots: Optional[torch.Tensor] = None  # [num_tokens] int32, slot of each token (x order)
+    # The per-request view (chapter 07), beside the kernel's segments, which may be sorted, merged or
+    # chunked: MoE LoRA needs request boundaries (virtual experts are per request), the kernels don't.
+    req_seg_indptr: Optional[torch.Tensor] = None  # [bs + 1] int32: request i is x rows [p[i], p[i+1])
+    req_weight_indices: Optional[torch.Tensor] = None  # [bs] int32, slot of each request
 
     @property
     def num_tokens(self) -> int:
@@ -152,3 +162,188 @@ def build_batch_info(
         permutation=permutation,
         token_slots=token_slots,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 07: from requests and the pool to a LoRABatchInfo, without touching the device.
+# ---------------------------------------------------------------------------------------------
+
+def _host_to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """One host->device copy that never makes the host wait for the device.
+
+    On CUDA a plain ``torch.tensor(list, device="cuda")`` copies from pageable memory, which
+    synchronizes (``torch.cuda.set_sync_debug_mode("error")`` raises on it); staging the values in
+    pinned memory makes the copy asynchronous. The caching host allocator keeps the pinned block
+    until the copy has run. On the CPU the host tensor itself is returned.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return values
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def _request_slots(req_uids: Sequence[Hashable], req_lens: Sequence[int], uid_to_slot: Mapping[Hashable, int],
+                   lora_ranks: Sequence[int], scalings: Sequence[float]) -> list[int]:
+    """Slot of each request, after checking every host input (raises ValueError, see the caller)."""
+    if len(req_uids) != len(req_lens):
+        raise ValueError(f"{len(req_uids)} req_uids but {len(req_lens)} req_lens")
+    if len(lora_ranks) != len(scalings):
+        raise ValueError(f"{len(lora_ranks)} lora_ranks but {len(scalings)} scalings (one of each per slot)")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in req_lens):
+        raise ValueError(f"req_lens must be ints >= 0, got {list(req_lens)}")
+    slots = []
+    for i, uid in enumerate(req_uids):
+        if uid not in uid_to_slot:
+            raise ValueError(f"request {i} uses uid {uid!r}, which is not resident (uid_to_slot has "
+                             f"{list(uid_to_slot)}): make the batch's uids resident first "
+                             "(pool.prepare_lora_batch)")
+        slot = uid_to_slot[uid]
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(lora_ranks):
+            raise ValueError(f"uid {uid!r} maps to slot {slot!r}, outside slots 0..{len(lora_ranks) - 1}")
+        if uid is None and lora_ranks[slot] != 0:
+            raise ValueError(f"the base model (uid None) is in slot {slot}, whose rank is {lora_ranks[slot]}, not 0")
+        slots.append(slot)
+    return slots
+
+
+def batch_info_from_requests(
+    req_uids: Sequence[Hashable],  # [bs] uid per request, x order; None = the base model
+    req_lens: Sequence[int],  # [bs] tokens each request has in this forward (1 when decoding)
+    uid_to_slot: Mapping[Hashable, int],  # e.g. what pool.prepare_lora_batch returned
+    lora_ranks: Sequence[int],  # [num_slots] host ints, 0 for the base model and empty slots
+    scalings: Sequence[float],  # [num_slots] host floats, 0 for the base model and empty slots
+    device: torch.device | str,
+    *,
+    sort_by_slot: bool = False,
+    chunk_size: Optional[int] = None,
+) -> LoRABatchInfo:
+    """Build the :class:`LoRABatchInfo` of one forward from its requests, on the host only.
+
+    Tokens of x are the requests' tokens in request order (request i is rows
+    ``req_seg_indptr[i] : req_seg_indptr[i+1]``). Every field is computed from the host lists, and
+    each tensor is sent with ONE host->device copy (pinned, non-blocking on CUDA), so building a
+    batch never waits for the device; ``has_active_lora`` in particular comes from the lists, never
+    from a ``.item()``. ``lora_ranks`` / ``scalings`` are host lists because reading the pool's
+    device tensors would synchronize: the pool keeps host mirrors (``pool.lora_ranks_host``,
+    ``pool.scalings_host``), updated where it writes a slot.
+
+    Segment views (the kernel's; the per-request view ``req_seg_indptr`` / ``req_weight_indices``
+    is always set beside it, since MoE LoRA needs request boundaries and chunked segments lose them):
+        default:          one segment per request, zero-length ones kept (the kernels skip them)
+        sort_by_slot:     requests grouped by slot through a stable ``permutation`` (None when the
+                          requests already are grouped: the kernel's "already sorted" fast path), then
+                          one segment per slot (Punica's SGMV: one small GEMM per adapter)
+        chunk_size=c:     adjacent same-slot segments merged, then cut into chunks of at most c tokens
+                          (SGLang's csgmv backend); combines with sort_by_slot
+    ``token_slots`` (x order) is set for every batch: decode batches (every length 1) use it for
+    BGMV, the slot-sorted view is built from it, and it gives ``num_tokens`` without a device read.
+
+    Running example: req_uids ["a", None, "b"], req_lens [3, 10, 5], uid_to_slot {None: 0, "b": 1, "a": 2}
+        req slots [2, 0, 1]  ->  req_seg_indptr [0, 3, 13, 18], req_weight_indices [2, 0, 1]
+        default:        seg_lens [3, 10, 5]          weight_indices [2, 0, 1]        permutation None
+        sort_by_slot:   seg_lens [10, 5, 3]          weight_indices [0, 1, 2]
+                        permutation [3, ..., 12, 13, ..., 17, 0, 1, 2]
+        chunk_size 4:   seg_lens [3, 4, 4, 2, 4, 1]  weight_indices [2, 0, 0, 0, 1, 1]  max_len 4
+        token_slots (every view, x order) [2, 2, 2, 0 (x10), 1 (x5)]
+        lora_ranks [0, 4, 8] -> has_active_lora True; all requests on the base -> False
+
+    Shapes and dtypes: as :class:`LoRABatchInfo` (int32 metadata, float32 scalings, int64
+    permutation), on ``device``; ``bs`` = len(req_uids), host ints for bs, num_segments, max_len.
+    Raises:
+        ValueError: req_uids and req_lens of different lengths; lora_ranks and scalings of different
+        lengths; a length that is not an int >= 0; a uid missing from uid_to_slot (not resident); a
+        slot outside 0..num_slots-1; the base model (None) in a slot of rank > 0; chunk_size < 1.
+    """
+    from reference.chunked import cut_into_chunks, merge_adjacent_segments  # chunked imports this module
+
+    slots = _request_slots(req_uids, req_lens, uid_to_slot, lora_ranks, scalings)
+    order = list(range(len(slots)))
+    seg_lens, seg_slots = list(req_lens), list(slots)
+    if sort_by_slot:
+        order.sort(key=lambda i: slots[i])  # stable: requests of one slot keep their order
+        seg_lens, seg_slots = merge_adjacent_segments([req_lens[i] for i in order], [slots[i] for i in order])
+    if chunk_size is not None:
+        seg_lens, seg_slots = cut_into_chunks(*merge_adjacent_segments(seg_lens, seg_slots), chunk_size)
+    token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
+                                          torch.tensor(list(req_lens), dtype=torch.int64))
+    permutation = None  # identity: requests already grouped (or not asked to be)
+    if order != sorted(order):
+        permutation = _host_to_device(stable_sort_by_slot(token_slots)[0], device)
+
+    def send(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+        return _host_to_device(torch.tensor(list(values), dtype=dtype), device)
+
+    return LoRABatchInfo(
+        bs=len(slots),
+        num_segments=len(seg_lens),
+        max_len=max(seg_lens, default=0),
+        has_active_lora=any(n > 0 and lora_ranks[s] > 0 for n, s in zip(req_lens, slots)),
+        seg_lens=send(seg_lens, torch.int32),
+        seg_indptr=send([0, *accumulate(seg_lens)], torch.int32),
+        weight_indices=send(seg_slots, torch.int32),
+        lora_ranks=send(lora_ranks, torch.int32),
+        scalings=send(scalings, torch.float32),
+        permutation=permutation,
+        token_slots=_host_to_device(token_slots, device),
+        req_seg_indptr=send([0, *accumulate(req_lens)], torch.int32),
+        req_weight_indices=send(slots, torch.int32),
+    )
+
+
+def slot_sorted_view(
+    token_slots: Union[Sequence[int], torch.Tensor],  # [num_seqs] slot per sequence (= per token if tps 1)
+    num_slots: int,
+    tokens_per_seq: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens grouped by slot with a segment table of FIXED size: the layout of CUDA-graph paths.
+
+    Segment s is slot s (empty slots give empty segments), so the table's shape never depends on
+    the batch's content, which a captured graph requires (TensorRT-LLM's LoRA CUDA-graph
+    parameters: per-slot counts by bincount, offsets by prefix sum, sorted ids). With speculative
+    decoding each sequence verifies ``tokens_per_seq`` tokens (rows seq*tps .. seq*tps + tps - 1 of
+    x): the sequence-level order is expanded to token level. As a LoRABatchInfo:
+    ``seg_indptr = slot_offsets``, ``weight_indices = arange(num_slots)``,
+    ``permutation = sorted_token_ids``. A graph path copies these into persistent buffers whose
+    padding stays zero, so a stale slot id is never read.
+
+    Semantics:
+        seq_counts[s] = #{q : token_slots[q] == s}            (bincount with minlength num_slots)
+        slot_counts = seq_counts * tps;  slot_offsets = [0, cumsum(slot_counts)]
+        seq_order = stable argsort(token_slots)
+        sorted_token_ids = [q * tps + j for q in seq_order for j in range(tps)]
+    Example: token_slots [2, 0, 2, 1], num_slots 4, tokens_per_seq 2
+        slot_counts [2, 2, 4, 0], slot_offsets [0, 2, 4, 8, 8],
+        sorted_token_ids [2, 3, 6, 7, 0, 1, 4, 5]
+    Computed where ``token_slots`` lives (a host list: on the CPU) without a device read: the count
+    is an ``index_add_``, because ``torch.bincount`` on CUDA reads the maximum on the host.
+
+    Returns:
+        (slot_counts [num_slots] int32, slot_offsets [num_slots + 1] int32,
+         sorted_token_ids [num_seqs * tokens_per_seq] int64), on token_slots' device.
+    Raises:
+        ValueError: num_slots or tokens_per_seq < 1; token_slots not one-dimensional; a host slot
+        outside 0..num_slots-1 (a device tensor's values are not checked: that would synchronize).
+    """
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    if isinstance(tokens_per_seq, bool) or not isinstance(tokens_per_seq, int) or tokens_per_seq < 1:
+        raise ValueError(f"tokens_per_seq must be an int >= 1, got {tokens_per_seq!r}")
+    if not isinstance(token_slots, torch.Tensor):
+        host = list(token_slots)
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_slots for s in host):
+            raise ValueError(f"token_slots {host} must be ints in 0..{num_slots - 1}")
+        token_slots = torch.tensor(host, dtype=torch.int64)
+    if token_slots.dim() != 1:
+        raise ValueError(f"token_slots must be one-dimensional, got shape {list(token_slots.shape)}")
+    slots, device = token_slots.long(), token_slots.device
+    seq_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    seq_counts.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+    slot_counts = seq_counts * tokens_per_seq
+    slot_offsets = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+    slot_offsets[1:] = torch.cumsum(slot_counts, dim=0)
+    seq_order = torch.sort(slots, stable=True).indices
+    within = torch.arange(tokens_per_seq, dtype=torch.int64, device=device)
+    sorted_token_ids = (seq_order[:, None] * tokens_per_seq + within[None, :]).reshape(-1)
+    return slot_counts, slot_offsets, sorted_token_ids

@@ -153,6 +153,9 @@ class LoRAMemoryPool:
         B_buffer: module -> per layer [num_slots, out_total, max_lora_rank], dtype.
         lora_ranks: [num_slots] int32, 0 for the base model and empty slots.
         scalings: [num_slots] float32, 0 for the base model and empty slots.
+        lora_ranks_host, scalings_host: host lists mirroring lora_ranks / scalings, written at the
+            same place (``_write_slot``), so a batch builder reads them without a device read
+            (``batch_info_from_requests``, chapter 07).
         uid_to_buffer_id: uid -> slot, for resident uids only.
         buffer_id_to_uid: slot -> uid, EMPTY_SLOT when free.
         events: the event log (see the module docstring).
@@ -209,6 +212,8 @@ class LoRAMemoryPool:
                                   for _ in range(self.num_layers)] for m in self.modules.values()}
         self.lora_ranks = torch.zeros(s, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(s, dtype=torch.float32, device=self.device)
+        self.lora_ranks_host: list[int] = [0] * s  # mirrors of the two tensors: no device read needed
+        self.scalings_host: list[float] = [0.0] * s
 
     @property
     def num_slots(self) -> int:
@@ -304,8 +309,9 @@ class LoRAMemoryPool:
         for (layer, name), (a, b) in ({} if adapter is None else adapter.weights).items():
             self.A_buffer[name][layer][slot, : a.shape[0]].copy_(a)
             self.B_buffer[name][layer][slot, :, :rank].copy_(b)
-        self.lora_ranks[slot] = rank
-        self.scalings[slot] = 0.0 if adapter is None else float(adapter.scaling)
+        scaling = 0.0 if adapter is None else float(adapter.scaling)
+        self.lora_ranks[slot], self.scalings[slot] = rank, scaling
+        self.lora_ranks_host[slot], self.scalings_host[slot] = rank, scaling
 
     # ---- pinning and admission ---------------------------------------------------------------
     def pin(self, uid: Hashable) -> None:

@@ -1,0 +1,270 @@
+"""LoRA layers that wrap a model's own linear layers and read the batch's LoRABatchInfo: chapter 07.
+
+A :class:`LoRALinear` holds the base layer and calls it; then it adds the LoRA delta of every token
+into that output in place, with the book's ops (``shrink`` then ``expand``) reading the pool's slot
+buffers and the current :class:`~reference.batch_info.LoRABatchInfo`. The base layer's forward is
+never copied, and a batch without an active adapter runs the base layer alone.
+
+How the batch info reaches the layers: through a :class:`LoRAContext` the caller owns and passes
+to :func:`wrap_llama`. ``context.set_batch(batch_info)`` before each forward is the one hook; each
+layer reads ``context.batch_info`` when it runs. No module global, no thread-local: two wrapped
+models with two contexts never see each other's batches.
+
+Token order (the convention shared with :func:`~reference.batch_info.batch_info_from_requests`):
+x [batch, seq, hidden] is flattened row-major to [batch * seq, hidden], and the batch info covers
+those rows in that order. A right-padded batch has one request per row with ``req_lens`` all equal
+to ``seq`` (the padding belongs to its row's request: with causal attention a real token never reads
+a later padding position, and the caller ignores the padding's outputs; PEFT's mixed batch does the
+same); a decode step is x [batch, 1, hidden] with ``req_lens`` all 1; an unpadded (packed) batch is
+x [1, total, hidden] or [total, hidden] with any ``req_lens``.
+
+Packed projections over separate modules: an engine runs q/k/v (and gate/up) as one GEMM, but a
+Hugging Face Llama calls ``q_proj``, ``k_proj`` and ``v_proj`` one after the other on the SAME
+input tensor object. The parts of a packed pool module share one :class:`SharedShrink`: the first
+part to run computes the stacked shrink ``x @ A[:3r].T`` and keeps it, keyed by the identity of the
+input tensor, its version counter (an in-place change invalidates it; tensors made under
+``torch.inference_mode`` have none, so there identity alone counts) and the context's batch
+generation (a new ``set_batch`` invalidates it); the others reuse it, and it is released once every
+part has read it. Each part then runs its own expand into its own output in place, with slice
+offsets that give the other parts zero width: part i of (q, k, v) passes B rows [lo_i, hi_i) and
+``slice_offsets = (0,) * (i + 1) + (hi_i - lo_i,)``, so slice i reads shrink columns [i*r, (i+1)*r)
+of each token's own rank r and writes all of the part's output, while the other slices are empty.
+Shrinks drop from 3 to 1 per attention block (2 to 1 per MLP), as in the engine.
+
+Inference only: the Triton ops write in place behind autograd's back (run under ``torch.no_grad``
+or ``torch.inference_mode``). The pool's buffers are not registered as module buffers, so
+``model.to(...)`` does not move them: put the pool on the model's device.
+
+Sources: SGLang ``python/sglang/srt/lora/layers.py`` (``BaseLayerWithLoRA``: base forward, then
+``apply_lora``; ``QKVParallelLinearWithLoRA``) and ``lora_manager.py`` (``set_lora_module``: wrapping
+the model's modules in place); vLLM ``vllm/lora/layers`` and ``punica_wrapper`` (the wrapper calls
+the base layer, the punica wrapper adds the delta in place).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import nn
+
+from reference import ops
+from reference.adapters import layer_index, projection_map
+from reference.batch_info import LoRABatchInfo
+from reference.mem_pool import LoRAMemoryPool
+
+__all__ = ["LoRAContext", "LoRABackend", "get_backend", "SharedShrink", "LoRALinear", "wrap_llama",
+           "unwrap_llama"]
+
+
+class LoRAContext:
+    """The batch info of the forward about to run: the one hook between the engine and the layers.
+
+    The caller sets it before every forward (``set_batch``); layers read ``batch_info`` at forward
+    time. Nothing survives from one batch to the next: ``set_batch`` replaces the batch info and
+    bumps ``generation``, which invalidates every cached shrink.
+    """
+
+    def __init__(self) -> None:
+        self._batch_info: Optional[LoRABatchInfo] = None
+        self._generation = 0
+
+    def set_batch(self, batch_info: Optional[LoRABatchInfo]) -> None:
+        """Make ``batch_info`` the batch of the next forward (None clears it)."""
+        if batch_info is not None and not isinstance(batch_info, LoRABatchInfo):
+            raise TypeError(f"set_batch takes a LoRABatchInfo or None, got {type(batch_info).__name__}")
+        self._batch_info = batch_info
+        self._generation += 1
+
+    @property
+    def batch_info(self) -> LoRABatchInfo:
+        """The current batch info. Raises RuntimeError if none is set."""
+        if self._batch_info is None:
+            raise RuntimeError("no LoRA batch is set: call context.set_batch(batch_info) before each forward")
+        return self._batch_info
+
+    @property
+    def generation(self) -> int:
+        """How many times ``set_batch`` has been called (a host int)."""
+        return self._generation
+
+
+class LoRABackend(NamedTuple):
+    """The two ops a LoRA layer calls, with the contract's signatures (``reference.ops``)."""
+
+    name: str
+    shrink: Callable  # shrink(x, A_stack, batch_info, out, stack_num=1)
+    expand: Callable  # expand(t, B_stack, batch_info, out, slice_offsets=None)
+
+
+def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
+    """"torch" (the plain-PyTorch references) or "triton" (the SGMV kernels; in the interpreter on
+    the CPU); a LoRABackend is returned as it is. Raises ValueError for another name."""
+    if isinstance(backend, LoRABackend):
+        return backend
+    if backend == "torch":
+        return LoRABackend("torch", ops.torch_ref.shrink, ops.torch_ref.expand)
+    if backend == "triton":
+        return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand)
+    raise ValueError(f"unknown LoRA backend {backend!r}: use 'torch', 'triton' or a LoRABackend")
+
+
+class SharedShrink:
+    """The shrink output of one (layer, packed module), computed once per input, read by every part.
+
+    Running example (q, k, v of layer 3, x the attention's input): q_proj(x) computes
+    t = shrink(x) and keeps (x, t); k_proj(x) and v_proj(x) find the same x object, same version,
+    same batch generation, and reuse t; after the third read the pair is released.
+    """
+
+    def __init__(self, num_parts: int) -> None:
+        self.num_parts = num_parts
+        self._key: Optional[tuple] = None
+        self._x: Optional[torch.Tensor] = None
+        self._t: Optional[torch.Tensor] = None
+        self._reads = 0
+
+    def get(self, x: torch.Tensor, generation: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()`` for a new input, the kept result for the same input of the same batch."""
+        key = (None if x.is_inference() else x._version, generation)  # inference tensors have no version
+        if self._x is not x or self._key != key:
+            self._x, self._key, self._t, self._reads = x, key, compute(), 0
+        t = self._t
+        self._reads += 1
+        if self._reads >= self.num_parts:  # every part has read it: let go of x and t
+            self._x, self._key, self._t = None, None, None
+        return t
+
+
+def _num_tokens(batch_info: LoRABatchInfo) -> Optional[int]:
+    """Rows the batch info covers, when its sizes say so (never a device read); else None."""
+    try:
+        return batch_info.num_tokens
+    except ValueError:
+        return None
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer plus the LoRA deltas of a mixed batch, added in place into its output.
+
+    ``module_name`` names the pool module (e.g. "qkv_proj" or "o_proj"); ``part`` is this layer's
+    part of a packed module (q=0, k=1, v=2; gate=0, up=1). Parts of one packed module share a
+    :class:`SharedShrink` (``shared``; a new one when omitted, which is correct but shrinks per part).
+
+    Semantics (x [..., in], rows = x.reshape(-1, in) in the batch info's token order):
+        y = base(x)                                              (the base layer's own forward)
+        if batch_info.has_active_lora:
+            t = shrink(rows, A[slot], stack_num)                 (shared by the packed parts)
+            y.view(-1, out)[tok] += scalings[s] * t[tok, part*r:(part+1)*r] @ B[s, lo:hi, :r].T
+        return y
+    A token in a rank-0 slot (base model, empty slot) gets exactly base(x).
+    Raises (at construction):
+        ValueError: an unknown module, a layer or part out of range, a base layer whose
+        in_features / out_features differ from the pool module's part.
+    """
+
+    def __init__(self, base: nn.Module, pool: LoRAMemoryPool, module_name: str, layer: int,
+                 context: LoRAContext, backend: Union[str, LoRABackend] = "torch", *, part: int = 0,
+                 shared: Optional[SharedShrink] = None) -> None:
+        super().__init__()
+        if module_name not in pool.modules:
+            raise ValueError(f"module {module_name!r} is not a pool module ({sorted(pool.modules)})")
+        spec = pool.modules[module_name]
+        if not 0 <= layer < pool.num_layers or not 0 <= part < spec.stack_num:
+            raise ValueError(f"{module_name}: layer {layer} / part {part} outside the pool's "
+                             f"{pool.num_layers} layers / {spec.stack_num} parts")
+        lo, hi = spec.slice_offsets[part], spec.slice_offsets[part + 1]
+        want = (spec.in_features, hi - lo)
+        got = (getattr(base, "in_features", want[0]), getattr(base, "out_features", want[1]))
+        if got != want:
+            raise ValueError(f"layer {layer} {module_name} part {part}: base layer is {got[0]} -> {got[1]}, "
+                             f"the pool's part is {want[0]} -> {want[1]}")
+        self.base = base
+        self.pool, self.spec, self.layer, self.part, self.context = pool, spec, layer, part, context
+        self.backend = get_backend(backend)
+        self.shared = shared if shared is not None else SharedShrink(spec.stack_num)
+        self.rows_of_B = (lo, hi)  # this part's rows of the packed B (its output columns)
+        self.slice_offsets = (0,) * (part + 1) + (hi - lo,)  # earlier parts: zero-width slices
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, module={self.spec.name!r}, part={self.part}, backend={self.backend.name!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        info = self.context.batch_info
+        if not info.has_active_lora:
+            return y  # no adapter in the batch: the LoRA ops are not even launched
+        rows = x.reshape(-1, x.shape[-1])
+        expected = _num_tokens(info)
+        if expected is not None and expected != rows.shape[0]:
+            raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
+                             f"batch info covers {expected}: set this forward's batch with context.set_batch")
+        y = y.contiguous()
+        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info))
+        lo, hi = self.rows_of_B
+        B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
+        self.backend.expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
+        return y
+
+    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified."""
+        A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
+        t = rows.new_empty(rows.shape[0], A.shape[1])
+        return self.backend.shrink(rows, A, info, t, stack_num=self.spec.stack_num)
+
+
+def _targets(model: nn.Module, pool: LoRAMemoryPool) -> list[tuple[str, int, str, int]]:
+    """(path, layer, pool module, part) of every nn.Linear ``...layers.N.<projection>`` the pool serves."""
+    served = projection_map(list(pool.modules.values()))
+    found = []
+    for path, mod in model.named_modules():
+        layer, proj = layer_index(path), path.rsplit(".", 1)[-1]
+        if layer is not None and proj in served and isinstance(mod, nn.Linear):
+            found.append((path, layer, *served[proj]))
+    return found
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def wrap_llama(model: nn.Module, pool: LoRAMemoryPool, context: LoRAContext,
+               backend: Union[str, LoRABackend] = "torch") -> nn.Module:
+    """Wrap, in place, every projection of a Hugging Face Llama (or any model whose linear layers
+    are named ``...layers.N.<q|k|v|o|gate|up|down>_proj``) that the pool serves; returns ``model``.
+
+    Fused pool modules ("qkv_proj", "gate_up_proj") map onto the separate projections with one
+    :class:`SharedShrink` per (layer, module); per-projection pool modules wrap one to one. Every
+    wrapper is built (and checked) before the first module is replaced.
+
+    Example: a 2-layer Llama and a pool of (qkv_proj, o_proj, gate_up_proj, down_proj) -> 14
+    LoRALinear modules; ``model.model.layers[0].self_attn.k_proj`` is
+    LoRALinear(base=<the original Linear>, module "qkv_proj", part 1).
+    Raises:
+        ValueError: the model is already wrapped; no linear layer is served by the pool; a layer
+        or shape mismatch (see :class:`LoRALinear`).
+    """
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("the model is already wrapped; unwrap_llama(model) first")
+    targets = _targets(model, pool)
+    if not targets:
+        raise ValueError(f"no linear layer of the model is served by the pool's modules {sorted(pool.modules)}")
+    backend = get_backend(backend)
+    parts: dict[tuple[int, str], int] = {}
+    for _, layer, name, _ in targets:
+        parts[(layer, name)] = parts.get((layer, name), 0) + 1
+    shared = {key: SharedShrink(n) for key, n in parts.items()}
+    wrappers = [(path, LoRALinear(model.get_submodule(path), pool, name, layer, context, backend,
+                                  part=part, shared=shared[(layer, name)]))
+                for path, layer, name, part in targets]
+    for path, wrapper in wrappers:
+        _replace(model, path, wrapper)
+    return model
+
+
+def unwrap_llama(model: nn.Module) -> nn.Module:
+    """Put every wrapped layer's base layer back (the original module objects); returns ``model``."""
+    wrapped = [path for path, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for path in wrapped:
+        _replace(model, path, model.get_submodule(path).base)
+    return model

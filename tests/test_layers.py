@@ -1,0 +1,465 @@
+"""Chapter 07's judge: our LoRA layers on a tiny Llama against PEFT's own mixed-batch forward.
+
+A tiny seeded GQA Llama and four PEFT adapters (ranks 4-8, different target sets, rsLoRA, rank and
+alpha patterns), as in chapter 06, are served from a ``LoRAMemoryPool`` through ``wrap_llama`` with
+the batch info built by ``batch_info_from_requests``; PEFT's ``adapter_names=[..., "__base__"]``
+forward is the reference. Backends: the torch references and the Triton SGMV kernels (on the GPU
+when there is one, else in Triton's CPU interpreter, so sizes stay tiny). fp32 throughout.
+
+Token convention (reference/layers.py): one request per row of a right-padded batch, its padding
+included in its segment (req_lens all equal the row length); decode steps are [batch, 1] with a KV
+cache (past_key_values), explicit position ids and the padding masked, for both models alike.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from reference.adapters import load_peft_adapter
+from reference.batch_info import batch_info_from_requests
+from reference.layers import (LoRABackend, LoRAContext, LoRALinear, SharedShrink, get_backend, unwrap_llama,
+                              wrap_llama)
+from reference.lora_math import projection_shapes
+from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+CUDA = torch.cuda.is_available()
+# (backend, device): Triton runs on the GPU when there is one, else in the interpreter on the CPU.
+RUNS = [("torch", "cpu"), ("triton", "cuda" if CUDA else "cpu")] + ([("torch", "cuda")] if CUDA else [])
+RUN_IDS = [f"{b}-{d}" for b, d in RUNS]
+RTOL = 1e-5  # fp32: PEFT and our ops sum the same short products in another order (errors ~1e-7)
+
+CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=96, vocab_size=128, max_position_embeddings=64)
+LAYERS, MAX_RANK = CFG["num_hidden_layers"], 10
+SHAPES = projection_shapes(CFG)
+FUSED = (ModuleSpec("qkv_proj", 64, (64, 32, 32)), ModuleSpec("o_proj", 64, (64,)),
+         ModuleSpec("gate_up_proj", 64, (96, 96)), ModuleSpec("down_proj", 96, (64,)))
+UNFUSED = tuple(ModuleSpec(p, i, (o,)) for p, (i, o) in SHAPES.items())
+LAYOUTS = {"fused": FUSED, "per_projection": UNFUSED}
+ADAPTERS = {  # the chapter 06 set: several ranks, target sets, rsLoRA, per-module patterns
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=6, lora_alpha=12, target_modules=r".*\.mlp\.(gate|up|down)_proj"),
+    "rs": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "pat": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
+                rank_pattern={"k_proj": 2, "layers.1.self_attn.o_proj": 7},
+                alpha_pattern={"down_proj": 3, "q_proj": 20}),
+}
+NAMES = ["qv", "__base__", "mlp", "rs", "pat", "qv"]  # PEFT's names, one request per row
+LENS = [5, 9, 3, 7, 6, 4]  # real tokens per row; rows are right-padded to max(LENS)
+MODES = {"requests": {}, "sorted": dict(sort_by_slot=True), "chunked": dict(chunk_size=4),
+         "sorted_chunked": dict(sort_by_slot=True, chunk_size=3)}
+
+
+# ---- fixtures: the base model, PEFT adapters on disk, PEFT's model, our adapters ----------------
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
+            model.save_pretrained(root / name)
+    return {name: root / name for name in ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def peft_models(base, adapter_dirs):
+    """device -> PEFT model holding every adapter (built once per device)."""
+    cache = {}
+
+    def get(device):
+        if device not in cache:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_dirs["qv"], adapter_name="qv")
+                for name in ADAPTERS:
+                    if name != "qv":
+                        pm.load_adapter(adapter_dirs[name], adapter_name=name)
+            cache[device] = pm.to(device).eval()
+        return cache[device]
+    return get
+
+
+@pytest.fixture(scope="module")
+def adapters(adapter_dirs):
+    """layout -> uid -> LoRAAdapter in that layout (the pool's "disk" tier)."""
+    return {layout: {name: load_peft_adapter(adapter_dirs[name], mods, LAYERS, MAX_RANK, uid=name)
+                     for name in ADAPTERS} for layout, mods in LAYOUTS.items()}
+
+
+def _pool(layout, adapters, device, num_slots=6, max_loaded_loras=None):
+    return LoRAMemoryPool(LAYOUTS[layout], LAYERS, num_slots, MAX_RANK, device=device,
+                          adapter_source=adapters[layout].__getitem__, max_loaded_loras=max_loaded_loras)
+
+
+def _ours(base, pool, backend, device):
+    context = LoRAContext()
+    return wrap_llama(copy.deepcopy(base).to(device), pool, context, backend), context
+
+
+def _uids(names):
+    return [None if n == "__base__" else n for n in names]
+
+
+def _set_batch(context, pool, names, lens, device, mode="requests"):
+    """prepare_lora_batch (control plane), then the batch info from host lists, then the hook."""
+    uids = _uids(names)
+    uid_to_slot = pool.prepare_lora_batch(uids)
+    info = batch_info_from_requests(uids, lens, uid_to_slot, pool.lora_ranks_host, pool.scalings_host,
+                                    device, **MODES[mode])
+    context.set_batch(info)
+    return info
+
+
+def _prompts(lens, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    pad = max(lens)
+    ids = torch.randint(0, CFG["vocab_size"], (len(lens), pad), generator=g)
+    mask = (torch.arange(pad)[None, :] < torch.tensor(lens)[:, None]).long()  # right padding
+    return ids.to(device), mask.to(device)
+
+
+def _assert_close(got, want, what):
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    print(f"max error {what}: {err:.3g} (scale {scale:.3g})")
+    assert err <= RTOL * scale, f"{what}: max abs error {err:.3g}, scale {scale:.3g}"
+
+
+def _logits(model, **inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+# ---- the judge: prefill, greedy decode, changing adapter sets --------------------------------------
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_prefill_matches_peft(backend, device, layout, mode, base, adapters, peft_models):
+    if backend == "triton" and device == "cpu" and (layout, mode) not in {("fused", "requests"),
+                                                                          ("fused", "sorted_chunked"),
+                                                                          ("per_projection", "sorted")}:
+        pytest.skip("the interpreter is slow: three representative cases on the CPU")
+    ids, mask = _prompts(LENS, 7, device)
+    pool = _pool(layout, adapters, device)
+    ours, context = _ours(base, pool, backend, device)
+    assert sum(isinstance(m, LoRALinear) for m in ours.modules()) == 7 * LAYERS
+    _set_batch(context, pool, NAMES, [ids.shape[1]] * len(NAMES), device, mode)
+    got = _logits(ours, input_ids=ids, attention_mask=mask)
+    want = _logits(peft_models(device), input_ids=ids, attention_mask=mask, adapter_names=NAMES)
+    real = mask.bool()
+    _assert_close(got[real], want[real], f"prefill {backend}-{device} {layout} {mode}")
+    plain = _logits(unwrap_llama(ours), input_ids=ids, attention_mask=mask)
+    assert torch.equal(got[1], plain[1]), "the base request must get exactly the base model's output"
+    for b, name in enumerate(NAMES):  # not vacuous: every adapter changes its row
+        if name != "__base__":
+            assert (got[b, : LENS[b]] - plain[b, : LENS[b]]).abs().max() > 1e-3, name
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # 5.17 has no `cache`
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_greedy_decode_matches_peft(backend, device, base, adapters, peft_models):
+    """Prefill, then 3 decode steps of one token per request with a KV cache: same tokens, close logits."""
+    names, lens = ["rs", "__base__", "qv", "pat", "mlp"], [4, 6, 2, 5, 3]
+    ids, mask = _prompts(lens, 11, device)
+    pool = _pool("fused", adapters, device)
+    ours, context = _ours(base, pool, backend, device)
+    pm = peft_models(device)
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    _set_batch(context, pool, names, [ids.shape[1]] * len(names), device)
+    with torch.no_grad():
+        out = ours(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        ref = pm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, adapter_names=names)
+    last = torch.tensor(lens, device=device) - 1
+    rows = torch.arange(len(names), device=device)
+    got, want = out.logits[rows, last], ref.logits[rows, last]
+    for step in range(4):
+        _assert_close(got, want, f"decode {backend}-{device} step {step}")
+        token, ref_token = got.argmax(-1), want.argmax(-1)
+        assert torch.equal(token, ref_token), f"step {step}: generated tokens differ"
+        if step == 3:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        step_pos = (last + 1 + step)[:, None]
+        info = _set_batch(context, pool, names, [1] * len(names), device, "sorted" if step % 2 else "requests")
+        assert info.token_slots is not None and info.max_len == 1  # a decode batch
+        with torch.no_grad():
+            out = ours(input_ids=token[:, None], attention_mask=mask, position_ids=step_pos,
+                       past_key_values=out.past_key_values, use_cache=True)
+            ref = pm(input_ids=ref_token[:, None], attention_mask=mask, position_ids=step_pos,
+                     past_key_values=ref.past_key_values, use_cache=True, adapter_names=names)
+        got, want = out.logits[:, -1], ref.logits[:, -1]
+
+
+BATCHES = [  # adapter sets that change; 3 slots for 4 adapters + the base model
+    ["qv", "__base__", "mlp"],
+    ["rs", "qv"],
+    ["pat", "mlp", "__base__"],
+    ["qv", "rs", "qv"],
+    ["__base__"],
+    ["mlp", "pat", "rs"],
+]
+
+
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_changing_adapter_sets_evict_and_reload(backend, device, base, adapters, peft_models):
+    pool = _pool("fused", adapters, device, num_slots=3, max_loaded_loras=3)
+    ours, context = _ours(base, pool, backend, device)
+    for i, names in enumerate(BATCHES):
+        lens = [3 + (2 * i + j) % 5 for j in range(len(names))]
+        ids, mask = _prompts(lens, 100 + i, device)
+        _set_batch(context, pool, names, [ids.shape[1]] * len(names), device, "sorted" if i % 2 else "requests")
+        got = _logits(ours, input_ids=ids, attention_mask=mask)
+        want = _logits(peft_models(device), input_ids=ids, attention_mask=mask, adapter_names=names)
+        _assert_close(got[mask.bool()], want[mask.bool()], f"eviction {backend}-{device} batch {i} {names}")
+    evicted, reloaded = set(), set()
+    for event in pool.events:
+        if event[0] == "evict":
+            evicted.add(event[1])
+        elif event[0] == "load" and event[1] in evicted:
+            reloaded.add(event[1])
+    assert {"qv", "mlp", "rs", None} <= evicted, pool.events  # the base model too, in the last batch
+    assert {"qv", "mlp"} <= reloaded, pool.events  # evicted, then loaded again
+    assert {e[3] for e in pool.events if e[0] == "load"} >= {"disk", "cpu"}  # both tiers used
+
+
+# ---- edge cases on the model ------------------------------------------------------------------
+class CountingBackend:
+    """The torch backend, counting its calls (to see what runs and what is skipped)."""
+
+    def __init__(self):
+        self.calls = {"shrink": 0, "expand": 0}
+        ref = get_backend("torch")
+        self.backend = LoRABackend("counting", self._count("shrink", ref.shrink), self._count("expand", ref.expand))
+
+    def _count(self, name, fn):
+        def op(*args, **kw):
+            self.calls[name] += 1
+            return fn(*args, **kw)
+        return op
+
+
+def test_all_base_batch_skips_lora_and_packed_groups_shrink_once(base, adapters):
+    ids, mask = _prompts([4, 6], 3, "cpu")
+    pool = _pool("fused", adapters, "cpu")
+    counting = CountingBackend()
+    ours, context = _ours(base, pool, counting.backend, "cpu")
+    info = _set_batch(context, pool, ["__base__", "__base__"], [6, 6], "cpu")
+    assert info.has_active_lora is False
+    got = _logits(ours, input_ids=ids, attention_mask=mask)
+    assert counting.calls == {"shrink": 0, "expand": 0}, "an all-base batch must not launch LoRA ops"
+    assert torch.equal(got, _logits(base, input_ids=ids, attention_mask=mask))
+    _set_batch(context, pool, ["qv", "__base__"], [6, 6], "cpu")
+    _logits(ours, input_ids=ids, attention_mask=mask)
+    # one shrink per pool module and layer (q/k/v and gate/up share theirs), one expand per projection
+    assert counting.calls == {"shrink": 4 * LAYERS, "expand": 7 * LAYERS}
+
+
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_base_request_right_after_an_adapter_request(backend, device, base, adapters, peft_models):
+    ids, mask = _prompts([5], 5, device)
+    pool = _pool("fused", adapters, device, num_slots=2)
+    ours, context = _ours(base, pool, backend, device)
+    _set_batch(context, pool, ["rs"], [5], device)
+    with_adapter = _logits(ours, input_ids=ids)
+    _set_batch(context, pool, ["__base__"], [5], device)  # same tokens, the next forward
+    after = _logits(ours, input_ids=ids)
+    assert torch.equal(after, _logits(copy.deepcopy(base).to(device), input_ids=ids)), \
+        "metadata of the last batch survived"
+    assert (with_adapter - after).abs().max() > 1e-3
+    _assert_close(with_adapter, _logits(peft_models(device), input_ids=ids, adapter_names=["rs"]),
+                  f"one request {backend}-{device}")
+
+
+def test_inference_mode_matches_no_grad(base, adapters):
+    ids, mask = _prompts([4, 6], 9, "cpu")
+    pool = _pool("fused", adapters, "cpu")
+    counting = CountingBackend()
+    ours, context = _ours(base, pool, counting.backend, "cpu")
+    _set_batch(context, pool, ["rs", "pat"], [6, 6], "cpu")
+    want = _logits(ours, input_ids=ids, attention_mask=mask)
+    _set_batch(context, pool, ["rs", "pat"], [6, 6], "cpu")
+    with torch.inference_mode():
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got, want) and counting.calls["shrink"] == 2 * 4 * LAYERS
+
+
+def test_one_token_request_matches_peft(base, adapters, peft_models):
+    ids = torch.tensor([[17]])
+    pool = _pool("per_projection", adapters, "cpu")
+    ours, context = _ours(base, pool, "torch", "cpu")
+    _set_batch(context, pool, ["pat"], [1], "cpu")
+    _assert_close(_logits(ours, input_ids=ids), _logits(peft_models("cpu"), input_ids=ids, adapter_names=["pat"]),
+                  "one token")
+
+
+def test_forward_needs_this_batch(base, adapters):
+    pool = _pool("fused", adapters, "cpu")
+    ours, context = _ours(base, pool, "torch", "cpu")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="set_batch"):
+        ours(input_ids=ids)
+    _set_batch(context, pool, ["qv", "rs"], [3, 3], "cpu")  # 6 tokens, the input has 3
+    with pytest.raises(ValueError, match="input has 3 tokens but the batch info covers 6"):
+        ours(input_ids=ids)
+    context.set_batch(None)
+    with pytest.raises(RuntimeError, match="set_batch"):
+        ours(input_ids=ids)
+    with pytest.raises(TypeError):
+        context.set_batch({"bs": 1})
+
+
+def test_wrap_and_unwrap(base, adapters):
+    model = copy.deepcopy(base)
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    pool = _pool("fused", adapters, "cpu")
+    context = LoRAContext()
+    assert wrap_llama(model, pool, context) is model
+    k = model.model.layers[1].self_attn.k_proj
+    assert isinstance(k, LoRALinear) and (k.spec.name, k.part, k.layer) == ("qkv_proj", 1, 1)
+    assert k.base is originals["model.layers.1.self_attn.k_proj"]  # wrapped, not copied
+    assert k.shared is model.model.layers[1].self_attn.q_proj.shared  # one shrink per packed group
+    assert not isinstance(model.lm_head, LoRALinear)
+    with pytest.raises(ValueError, match="already wrapped"):
+        wrap_llama(model, pool, context)
+    assert unwrap_llama(model) is model
+    assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == originals
+    only_lm_head = LoRAMemoryPool([ModuleSpec("lm_head", 64, (128,))], LAYERS, 2, 4)
+    with pytest.raises(ValueError, match="no linear layer"):
+        wrap_llama(model, only_lm_head, context)
+    short = LoRAMemoryPool(FUSED, 1, 2, 4)  # one layer, the model has two
+    with pytest.raises(ValueError, match="layer 1"):
+        wrap_llama(model, short, context)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules()), "a failed wrap must change nothing"
+
+
+# ---- edge cases on one layer: empty batch, zero-length segment, one token, packed parts ----------
+IN, OUTS = 24, (16, 8, 8)
+LAYER_SLOTS = {None: 0, "a": 1, "b": 2}
+
+
+def _layer_pool(device):
+    pool = LoRAMemoryPool([ModuleSpec("qkv", IN, OUTS), ModuleSpec("proj", IN, (20,))], 1, 4, 5, device=device)
+    g = torch.Generator().manual_seed(1)
+    pool.load_to_slot(None, 0)
+    for uid, rank, scaling in (("a", 3, 0.5), ("b", 5, 2.0)):
+        w = {(0, "qkv"): (torch.randn(3 * rank, IN, generator=g), torch.randn(sum(OUTS), rank, generator=g)),
+             (0, "proj"): (torch.randn(rank, IN, generator=g), torch.randn(20, rank, generator=g))}
+        pool.load_to_slot(LoRAAdapter(uid, rank, scaling, w), LAYER_SLOTS[uid])
+    return pool
+
+
+def _expected(x, base, pool, name, part, uids, lens):
+    """Per request: base(x) + s * (x @ A_part.T) @ B_part.T, from the pool's buffers."""
+    spec = pool.modules[name]
+    lo, hi = spec.slice_offsets[part], spec.slice_offsets[part + 1]
+    y, start = base(x).clone(), 0
+    for uid, n in zip(uids, lens):
+        slot = LAYER_SLOTS[uid]
+        r, s = pool.lora_ranks_host[slot], pool.scalings_host[slot]
+        A = pool.A_buffer[name][0][slot, part * r:(part + 1) * r]
+        B = pool.B_buffer[name][0][slot, lo:hi, :r]
+        y[start:start + n] += s * (x[start:start + n] @ A.T) @ B.T
+        start += n
+    return y
+
+
+LAYER_CASES = {  # name -> (uids, lens)
+    "empty batch": ([], []),
+    "zero-length segment and one token": (["a", "b", None, "a"], [3, 0, 1, 2]),
+    "one token": (["b"], [1]),
+    "all base": ([None, None], [2, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_layer_edge_cases(backend, device, case):
+    uids, lens = LAYER_CASES[case]
+    pool = _layer_pool(device)
+    context = LoRAContext()
+    torch.manual_seed(2)
+    x = torch.randn(sum(lens), IN, device=device)
+    shared = SharedShrink(3)
+    parts = [nn.Linear(IN, w).to(device) for w in OUTS]
+    layers = [LoRALinear(p, pool, "qkv", 0, context, backend, part=i, shared=shared) for i, p in enumerate(parts)]
+    single = LoRALinear(nn.Linear(IN, 20).to(device), pool, "proj", 0, context, backend)
+    for mode in ("requests", "sorted", "chunked"):
+        info = batch_info_from_requests(uids, lens, LAYER_SLOTS, pool.lora_ranks_host, pool.scalings_host,
+                                        device, **MODES[mode])
+        context.set_batch(info)
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                torch.testing.assert_close(layer(x), _expected(x, parts[i], pool, "qkv", i, uids, lens))
+            torch.testing.assert_close(single(x), _expected(x, single.base, pool, "proj", 0, uids, lens))
+            if not info.has_active_lora:
+                assert torch.equal(single(x), single.base(x))
+
+
+def test_layer_rejects_mismatched_base():
+    pool = _layer_pool("cpu")
+    context = LoRAContext()
+    with pytest.raises(ValueError, match="base layer is 24 -> 9"):
+        LoRALinear(nn.Linear(IN, 9), pool, "qkv", 0, context, part=1)
+    with pytest.raises(ValueError, match="not a pool module"):
+        LoRALinear(nn.Linear(IN, 20), pool, "nope", 0, context)
+    with pytest.raises(ValueError, match="layer 1"):
+        LoRALinear(nn.Linear(IN, 20), pool, "proj", 1, context)
+    with pytest.raises(ValueError, match="unknown LoRA backend"):
+        LoRALinear(nn.Linear(IN, 20), pool, "proj", 0, context, "cuda")
+
+
+def test_shared_shrink_is_keyed_by_input_version_and_batch():
+    calls = []
+    shared = SharedShrink(2)
+    x = torch.zeros(3)
+
+    def compute():
+        calls.append(1)
+        return torch.ones(1)
+    shared.get(x, 1, compute)
+    shared.get(x, 1, compute)  # second part: reused, then released
+    assert len(calls) == 1 and shared._x is None
+    shared.get(x, 1, compute)  # released, so computed again
+    x.add_(1)  # changed in place: a new input
+    shared.get(x, 1, compute)
+    shared.get(x, 2, compute)  # a new batch
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_wrapped_layer_forward_does_not_synchronize():
+    pool = _layer_pool("cuda")
+    context = LoRAContext()
+    shared = SharedShrink(3)
+    parts = [LoRALinear(nn.Linear(IN, w).cuda(), pool, "qkv", 0, context, "triton", part=i, shared=shared)
+             for i, w in enumerate(OUTS)]
+    x = torch.randn(6, IN, device="cuda")
+    uids, lens = ["a", None, "b"], [2, 1, 3]
+
+    def step():
+        info = batch_info_from_requests(uids, lens, LAYER_SLOTS, pool.lora_ranks_host, pool.scalings_host, "cuda",
+                                        sort_by_slot=True)
+        context.set_batch(info)
+        with torch.no_grad():
+            return [p(x) for p in parts]
+    step()  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i, y in enumerate(outs):
+        torch.testing.assert_close(y, _expected(x, parts[i].base, pool, "qkv", i, uids, lens))
