@@ -23,7 +23,7 @@ import torch
 
 from graders.points import POINTS
 from graders.tolerances import tolerance
-from graders.wire import encode, load_tensors, read_json, save_tensors, write_json
+from graders.wire import decode, encode, load_tensors, read_json, save_tensors, write_json
 from reference.batch_info import LoRABatchInfo
 from reference.device import default_device
 
@@ -256,8 +256,10 @@ def _compare_batch_info(expected: LoRABatchInfo, desc: Any, tensors: dict, case:
                         name: str) -> Optional[str]:
     """Field by field, in the contract's order: host fields equal, tensors exact (dtype included)."""
     if not isinstance(desc, dict) or "batch_info" not in desc:
-        kind = (desc.get("unsupported") or desc.get("kind")) if isinstance(desc, dict) else "?"
-        return f"{name}: expected a LoRABatchInfo, got {kind}"
+        kind = "?"
+        if isinstance(desc, dict):
+            kind = desc.get("unsupported") or desc.get("kind") or ("a dict" if {"mapping", "pairs"} & set(desc) else "a tensor")
+        return f"{name}: expected a LoRABatchInfo (reference.batch_info.LoRABatchInfo), got {kind}"
     for field, exp in vars(expected).items():
         got = desc["batch_info"].get(field)
         if exp is None or got is None:
@@ -370,6 +372,8 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
 
 
 def _materialize(desc: Any, tensors: dict) -> Any:
+    if isinstance(desc, dict) and "batch_info" in desc:
+        return decode(desc, tensors, "cpu")
     if isinstance(desc, dict) and "tensor" in desc:
         return tensors[desc["tensor"]]
     if isinstance(desc, dict) and "sequence" in desc:

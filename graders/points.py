@@ -46,6 +46,9 @@ POINTS: dict[str, dict[str, float]] = {
     "ch06.2": dict(_STANDARD),
     "ch06.3": dict(_STANDARD),
     "ch06.4": dict(_STANDARD),
+    "ch07.1": dict(_STANDARD),
+    "ch07.2": dict(_STANDARD),
+    "ch07.3": dict(_STANDARD),
 }
 
 

@@ -37,8 +37,11 @@ def encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, (tuple, list)):
         return {"sequence": [encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)],
                 "kind": type(value).__name__}
-    if isinstance(value, dict):
-        return {"mapping": {str(k): encode(v, f"{key}.{k}", tensors) for k, v in value.items()}}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"mapping": {k: encode(v, f"{key}.{k}", tensors) for k, v in value.items()}}
+    if isinstance(value, dict):  # keys such as None (the base model's uid) or ints: as pairs
+        return {"pairs": [[encode(k, f"{key}.k{i}", tensors), encode(v, f"{key}.v{i}", tensors)]
+                          for i, (k, v) in enumerate(value.items())]}
     if value is None or isinstance(value, (bool, str)):
         return {"value": value, "kind": type(value).__name__}
     if isinstance(value, numbers.Integral):  # int, numpy integers
@@ -62,6 +65,8 @@ def decode(desc: Any, tensors: dict[str, torch.Tensor], device: torch.device | s
         return tuple(items) if desc["kind"] == "tuple" else items
     if "mapping" in desc:
         return {k: decode(v, tensors, device) for k, v in desc["mapping"].items()}
+    if "pairs" in desc:
+        return {decode(k, tensors, device): decode(v, tensors, device) for k, v in desc["pairs"]}
     if "value" in desc:
         return desc["value"]
     raise ValueError(f"cannot decode {desc!r}")

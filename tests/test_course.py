@@ -16,24 +16,26 @@ ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
          "ch02.1", "ch02.2", "ch02.3", "ch02.4", "ch02.5", "ch02.6", "ch02.7", "ch02.8", "ch02.9",
          "ch03.1", "ch03.2", "ch03.3", "ch04.1", "ch04.2", "ch04.3", "ch04.4",
          "ch05.1", "ch05.2", "ch05.3", "ch05.4", "ch05.5",
-         "ch06.1", "ch06.2", "ch06.3", "ch06.4"]
+         "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3"]
 EXPECTED = {
-    "all_correct":        [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+    "all_correct":        [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
     # no scaling; W modified in place; alpha/r for rsLoRA; hidden x hidden; percent; no leading 0;
     # base = slot 0; per-segment gather; scaled twice; no permutation; waste over useful FLOPs;
     # Triton: no permutation; expand overwrites the base output; fused kernel without scaling;
     # ch04: a missing part shifts the others; t read at i * max_rank; non-adjacent merge; empty chunks;
     # ch05: base model evicted like any adapter; FIFO rejuvenated on hits (LRU); no zero-fill;
     # running adapters not counted in admission; a running request's adapter evicted;
-    # ch06: an in-memory key accepted; re.search for target_modules; alpha/r for rsLoRA; a missing part dropped
-    "plausible_mistakes": [0, 0, 3, 0, 0, 0, 0, 3, 0, 0, 3, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    # ch06: an in-memory key accepted; re.search for target_modules; alpha/r for rsLoRA; a missing part dropped;
+    # ch07: a zero-token request counted active; sequences counted, not tokens; the base forward copied
+    "plausible_mistakes": [0, 0, 3, 0, 0, 0, 0, 3, 0, 0, 3, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
     # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
     # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel;
     # Triton: a kernel that writes nothing; a launch with an argument missing; ch03.3 left as the stub;
     # ch04: a list; a kernel zeroing the output; the stub; a generator;
     # ch05: no select_victim; a constructor argument; returns nothing; sets; the stub;
-    # ch06: the layer as a str; a re.Match for a bool; the stub; KeyError on a missing part
-    "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    # ch06: the layer as a str; a re.Match for a bool; the stub; KeyError on a missing part;
+    # ch07: a dict; host lists; forward returns nothing
+    "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
 }
 
 
@@ -63,7 +65,8 @@ def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
     for student, expected in EXPECTED.items():
         per_chapter = {"01_lora_basics": sum(expected[:6]), "02_batching_adapters": sum(expected[6:15]),
                        "03_triton_sgmv": sum(expected[15:18]), "04_packed_and_chunked": sum(expected[18:22]),
-                       "05_memory_pool": sum(expected[22:27]), "06_loading_adapters": sum(expected[27:31])}
+                       "05_memory_pool": sum(expected[22:27]), "06_loading_adapters": sum(expected[27:31]),
+                       "07_batch_info": sum(expected[31:34])}
         for chapter, total in per_chapter.items():
             assert exported[(student, chapter)] == total
 

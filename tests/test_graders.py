@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _submission(learner: str, exercise_id: str) -> str:
     chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
-               "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters"}[exercise_id[:4]]
+               "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters",
+               "ch07": "07_batch_info"}[exercise_id[:4]]
     return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
 
 
@@ -32,13 +33,18 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   # classes graded through a driver: the reference class under the learner's name
                   "ch05.1": ("reference.eviction", "LRUEvictionPolicy"),
                   "ch05.2": ("reference.eviction", "FIFOEvictionPolicy"),
-                  "ch05.5": ("graders.ch05", "reference_slot_manager")}
+                  "ch05.5": ("graders.ch05", "reference_slot_manager"),
+                  # a LoRABatchInfo must be the reference's class: import the builder, do not re-define the module
+                  "ch07.1": "from reference.batch_info import batch_info_from_requests\n",
+                  "ch07.3": ("graders.ch07", "ReferenceLoRALinear")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
 def test_reference_gets_full_marks_well_within_budget(exercise_id):
     ex = EXERCISES[exercise_id]
-    if exercise_id in TRITON_MODULES:
+    if isinstance(TRITON_MODULES.get(exercise_id), str):
+        source = TRITON_MODULES[exercise_id]
+    elif exercise_id in TRITON_MODULES:
         module, name = TRITON_MODULES[exercise_id]
         source = inspect.getsource(importlib.import_module(module)) + f"\n{ex.func_name} = {name}\n"
     else:
@@ -89,6 +95,11 @@ FAULTS = [
     ("ch05.5", "plausible_mistakes", None, "belongs to a running request"),
     ("ch05.1", "broken_code", None, "no attribute 'select_victim'"),
     ("ch05.3", "broken_code", None, "return (A_buffers, B_buffers)"),
+    ("ch07.1", "plausible_mistakes", None, "has_active_lora: expected False, got True"),  # batch info, layers
+    ("ch07.2", "plausible_mistakes", None, "each sequence brings tokens_per_seq"),
+    ("ch07.3", "plausible_mistakes", None, "never copy it"),
+    ("ch07.1", "broken_code", None, "expected a LoRABatchInfo"),
+    ("ch07.3", "broken_code", None, "forward must return the output tensor"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
