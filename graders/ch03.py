@@ -14,6 +14,9 @@ import torch
 
 from graders.ch02 import BatchSpec, _batch_hint, _edge_specs, _random_specs, expand_case, loop_case, shrink_case
 from graders.core import Case, Exercise
+
+TRITON_REQUIRED = ("@triton.jit", "this exercise asks for a Triton kernel, and the answer cell defines no @triton.jit "
+                   "function: a PyTorch version computes the same numbers, but it is not the exercise")
 from reference.device import interpreting
 from reference.ops import torch_ref
 
@@ -68,9 +71,9 @@ def _decode_edge() -> list[BatchSpec]:
 
 EXERCISES = [
     Exercise("ch03.1", "sgmv_shrink", ("x", "A_stack", "batch_info", "out"), torch_ref.sgmv_shrink,
-             *_cases(shrink_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_shrink)),
+             *_cases(shrink_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_shrink), requires=TRITON_REQUIRED),
     Exercise("ch03.2", "sgmv_expand", ("t", "B_stack", "batch_info", "out"), torch_ref.sgmv_expand,
-             *_cases(expand_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_expand)),
+             *_cases(expand_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_expand), requires=TRITON_REQUIRED),
     Exercise("ch03.3", "fused_decode", ("x", "A_stack", "B_stack", "batch_info", "out"), torch_ref.fused_decode,
-             *_cases(loop_case, _decode_edge, _decode_specs), _batch_hint(torch_ref.fused_decode)),
+             *_cases(loop_case, _decode_edge, _decode_specs), _batch_hint(torch_ref.fused_decode), requires=TRITON_REQUIRED),
 ]

@@ -17,6 +17,9 @@ import torch
 
 from graders.ch02 import JUNK, BatchSpec, _base_rows, _batch_info, _describe, _row_labels, _weights
 from graders.core import Case, Exercise
+
+TRITON_REQUIRED = ("@triton.jit", "this exercise asks for a Triton kernel, and the answer cell defines no @triton.jit "
+                   "function: a PyTorch version computes the same numbers, but it is not the exercise")
 from reference import chunked, packed
 from reference.device import interpreting
 from reference.ops import torch_ref
@@ -54,7 +57,21 @@ def _stack_edge() -> list[Case]:
         _stack_case("only_v_present", g, 2, 8, [16, 4, 4], missing=[0, 1], dtype=torch.bfloat16),
         _stack_case("all_missing_raises_value_error", g, 2, 8, [8, 4, 4], missing=[0, 1, 2]),
         _stack_case("wrong_B_width_raises_value_error", g, 2, 8, [8, 4, 4], break_b=2),
+        _bad_stack_case("lengths_differ_raises_value_error", [torch.ones(2, 8)], [torch.ones(8, 2), None], [8, 4]),
+        _bad_stack_case("A_without_B_raises_value_error", [torch.ones(2, 8), torch.ones(2, 8)],
+                        [torch.ones(8, 2), None], [8, 4]),
+        _bad_stack_case("ranks_differ_raises_value_error", [torch.ones(2, 8), torch.ones(3, 8)],
+                        [torch.ones(8, 2), torch.ones(4, 3)], [8, 4]),
+        _bad_stack_case("B_rank_differs_raises_value_error", [torch.ones(2, 8)], [torch.ones(8, 3)], [8]),
+        _bad_stack_case("dtypes_differ_raises_value_error", [torch.ones(2, 8), torch.ones(2, 8, dtype=torch.float16)],
+                        [torch.ones(8, 2), torch.ones(4, 2, dtype=torch.float16)], [8, 4]),
     ]
+
+
+def _bad_stack_case(name, A, B, widths) -> Case:
+    shape = lambda t: "None" if t is None else f"{list(t.shape)} {t.dtype}"  # noqa: E731
+    return Case(name, [A, B, widths], f"out_features {widths}, A_parts [{', '.join(shape(a) for a in A)}], "
+                f"B_parts [{', '.join(shape(b) for b in B)}]", op="exact")
 
 
 def _stack_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
@@ -242,6 +259,7 @@ def _merge_edge() -> list[Case]:
         _segments_case("zero_length_between_same_slots_merges", [2, 0, 3], [1, 2, 1]),
         _segments_case("base_rows_merge_too", [4, 4], [0, 0]),
         _segments_case("lengths_differ_raises_value_error", [1, 2], [1]),
+        _segments_case("negative_length_raises_value_error", [2, -1], [1, 1]),
     ]
 
 
@@ -292,7 +310,7 @@ EXERCISES = [
     Exercise("ch04.1", "stack_lora_parts", ("A_parts", "B_parts", "out_features"), packed.stack_lora_parts,
              _stack_edge, _stack_random, _stack_hint),
     Exercise("ch04.2", "sgmv_expand_sliced", ("t", "B_stack", "batch_info", "out", "slice_offsets"), _reference_sliced,
-             _sliced_edge, _sliced_random, _sliced_hint),
+             _sliced_edge, _sliced_random, _sliced_hint, requires=TRITON_REQUIRED),
     Exercise("ch04.3", "merge_adjacent_segments", ("seg_lens", "slots"), chunked.merge_adjacent_segments,
              _merge_edge, _merge_random, _segments_hint),
     Exercise("ch04.4", "cut_into_chunks", ("seg_lens", "slots", "chunk_size"), chunked.cut_into_chunks,

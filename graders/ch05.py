@@ -19,7 +19,7 @@ from graders.core import Case, Exercise
 from reference.eviction import FIFOEvictionPolicy, LRUEvictionPolicy
 from reference.mem_pool import EMPTY_SLOT, LoRAAdapter, LoRAMemoryPool, ModuleSpec
 
-__all__ = ["EXERCISES", "replay_policy", "replay_slots", "reference_slot_manager"]
+__all__ = ["EXERCISES", "replay_policy", "replay_slots", "reference_slot_manager", "drive_load_slot"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +102,9 @@ def _policy_hint(kind: str):
         if victims:
             i, e, g = victims[0]
             msg = f"victim step {i + 1}: expected {e!r}, got {g!r}"
-            if e is not None and g is None:
+            if e == "ValueError":
+                msg += " (select_victim with no candidates raises ValueError)"
+            if e is not None and g is None and e != "ValueError":
                 msg += "; the base model (None) is chosen only when it is the only candidate"
             return msg
         if order_got is not None and order_got != order_exp:
@@ -124,8 +126,10 @@ def _load_case(name: str, gen: torch.Generator, modules: list[tuple[int, int]], 
     """Buffers full of a previous adapter's values (and NaN in other slots' padding), one new adapter."""
     A_buffers = [torch.randn(slots, max_rank, d_in, generator=gen).to(dtype) for d_in, _ in modules]
     B_buffers = [torch.randn(slots, d_out, max_rank, generator=gen).to(dtype) for _, d_out in modules]
-    for A in A_buffers if slots > 1 else []:
-        A[(slot + 1) % slots, max_rank - 1] = float("nan")  # another slot: must stay bit for bit
+    for A in A_buffers:
+        if slots > 1:
+            A[(slot + 1) % slots, max_rank - 1] = float("nan")  # another slot: must stay bit for bit
+        A[slot, max_rank - 1, 0] = float("nan")  # the old adapter's NaN: zero-fill must remove it (0 * NaN is NaN)
     weights = [(torch.randn(rank, d_in, generator=gen).to(dtype), torch.randn(d_out, rank, generator=gen).to(dtype))
                if p else None for (d_in, d_out), p in zip(modules, present)]
     desc = (f"{len(modules)} modules (in, out) {modules}, {slots} slots, max_rank {max_rank}; load a rank-{rank} "
@@ -142,6 +146,13 @@ def load_slot(A_buffers, B_buffers, slot, weights, rank):
         if w is not None:
             A[slot, :w[0].shape[0]].copy_(w[0])
             B[slot, :, :rank].copy_(w[1])
+    return A_buffers, B_buffers
+
+
+def drive_load_slot(load_fn, A_buffers, B_buffers, slot, weights, rank):
+    """Call the learner's ``load_slot`` and return the buffers it was given (the pool's fixed
+    buffers): what it returns is not used, so a version that writes into copies changes nothing."""
+    load_fn(A_buffers, B_buffers, slot, weights, rank)
     return A_buffers, B_buffers
 
 
@@ -170,7 +181,10 @@ def _load_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list
 def _load_hint(case: Case, expected, got) -> Optional[str]:
     A_buffers, B_buffers, slot, weights, rank = case.args
     if not (isinstance(got, tuple) and len(got) == 2):
-        return "return (A_buffers, B_buffers): the two lists, updated in place"
+        return None
+    if all(torch.equal(g.cpu().nan_to_num(7.0), a.cpu().nan_to_num(7.0)) for g, a in zip(got[0], A_buffers)):
+        return ("the buffers you were given are unchanged: write into A_buffers[m][slot] in place (the pool's "
+                "buffers keep their addresses); a copy changes nothing the kernels read")
     for m, w in enumerate(weights):
         if w is None and isinstance(got[0][m], torch.Tensor) and bool(got[0][m][slot].ne(0).any()):
             return (f"module {m} is absent from this adapter, and its slot still holds the previous "
@@ -264,8 +278,9 @@ def replay_slots(manager_cls, num_slots: int, policy: str, steps: list) -> list:
             try:
                 manager.prepare(list(step[1]), list(step[2]))
                 events = [list(e) for e in manager.events[before:]]
-            except ValueError:
-                events = "ValueError"
+            except ValueError:  # refused: nothing may have changed, the event log included
+                events = "ValueError" if len(manager.events) == before else \
+                    ["ValueError after logging"] + [list(e) for e in manager.events[before:]]
         out.append([events, [_slot_label(u) for u in manager.buffer_id_to_uid]])
     return out
 
@@ -311,6 +326,11 @@ def _slots_edge() -> list[Case]:
                                                                   [B, ["B"], []]]),
         _slots_case("pinned_never_evicted", 3, "lru", [[B, ["A"], []], ["pin", "A"], [B, ["B", "C"], []],
                                                        [B, ["D"], []]]),
+        # a resident pinned adapter the batch does not use blocks its slot: 3 other uids cannot fit
+        _slots_case("pinned_resident_blocks_a_slot", 3, "lru", [[B, ["A"], []], ["pin", "A"], [B, ["B", "C", "D"], []],
+                                                                [B, ["B", "C"], []]]),
+        # pinning a uid that is not resident reserves nothing yet
+        _slots_case("pinned_but_not_resident_takes_no_slot", 2, "lru", [["pin", "Z"], [B, ["A", "B"], []]]),
     ]
 
 
@@ -346,7 +366,9 @@ def _slots_hint(case: Case, expected, got) -> Optional[str]:
         if running:
             msg += (f"; {running[0]!r} belongs to a running request and was evicted: the set to keep is "
                     "uids | running")
-        if isinstance(g_slots, list) and None in g_slots and "EMPTY_SLOT" in e[1] and g_slots.count(None) > e[1].count(None):
+        if e[0] == "ValueError" and g_events != "ValueError":
+            msg += "; a refused batch must leave everything unchanged: check capacity before the first event or load"
+        elif isinstance(g_slots, list) and None in g_slots and "EMPTY_SLOT" in e[1] and g_slots.count(None) > e[1].count(None):
             msg += "; a free slot holds EMPTY_SLOT, not None (None is the base model, a real uid)"
         return msg
     return None
@@ -357,8 +379,9 @@ EXERCISES = [
              _policy_edge, _policy_random, _policy_hint("lru"), driver=replay_policy),
     Exercise("ch05.2", "FIFOEvictionPolicy", ("trace",), functools.partial(replay_policy, FIFOEvictionPolicy),
              _policy_edge, _policy_random, _policy_hint("fifo"), driver=replay_policy),
-    Exercise("ch05.3", "load_slot", ("A_buffers", "B_buffers", "slot", "weights", "rank"), load_slot,
-             _load_edge, _load_random, _load_hint),
+    Exercise("ch05.3", "load_slot", ("A_buffers", "B_buffers", "slot", "weights", "rank"),
+             functools.partial(drive_load_slot, load_slot), _load_edge, _load_random, _load_hint,
+             driver=drive_load_slot),
     Exercise("ch05.4", "admit", ("request_uids", "running_uids", "num_slots"), admit, _admit_edge, _admit_random,
              _admit_hint),
     Exercise("ch05.5", "SlotManager", ("num_slots", "policy", "steps"),

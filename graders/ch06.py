@@ -132,6 +132,7 @@ def _target_edge() -> list[Case]:
         _target_case("regex_full_path", r".*\.mlp\.(gate|up|down)_proj", up1),
         _target_case("regex_full_path_not_attention", r".*\.mlp\.(gate|up|down)_proj", o1),
         _target_case("regex_layer_1_not_10", r".*layers\.1\..*", _path(10, "up_proj")),
+        _target_case("regex_prefix_is_not_enough", r".*layers\.1", o1),  # re.match would say True
         _target_case("all_linear", "all-linear", _path(5, "down_proj")),
         _target_case("all_linear_any_case", "All-Linear", q0),
     ]
@@ -221,6 +222,7 @@ def _scaling_edge() -> list[Case]:
         _scaling_case("rslora_with_patterns", {"r": 8, "lora_alpha": 16, "use_rslora": True,
                                                "rank_pattern": {"o_proj": 2}, "alpha_pattern": {"o_proj": 4}}, o1),
         _scaling_case("rank_0_raises_value_error", {"r": 0, "lora_alpha": 8}, q0),
+        _scaling_case("rank_pattern_0_raises_value_error", {"r": 4, "lora_alpha": 8, "rank_pattern": {"q_proj": 0}}, q0),
     ]
 
 

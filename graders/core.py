@@ -71,6 +71,9 @@ class Exercise:
     # trace on what the learner defined (a class) and returns plain data (an event log). It runs in
     # the child next to the learner's code; ``reference`` is then ``driver`` applied to the reference.
     driver: Optional[Callable] = None
+    # Text the answer cell must contain, and why (e.g. "@triton.jit" for the kernel exercises: a
+    # PyTorch loop gives the same numbers but is not the exercise).
+    requires: Optional[tuple[str, str]] = None
 
 
 @dataclass
@@ -407,6 +410,8 @@ def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
     cases = _build_cases(ex)
     for case in cases:
         case.args = _to(case.args, device)
+    if ex.requires and ex.requires[0] not in source:
+        return _result(ex, cases, [ex.requires[1]] * len(cases), device, 0.0)
     expected = [_expected(ex, c) for c in cases]
     with tempfile.TemporaryDirectory(prefix=f"grade-{exercise_id}-") as tmp:
         workdir = Path(tmp)

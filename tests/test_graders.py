@@ -33,6 +33,7 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   # classes graded through a driver: the reference class under the learner's name
                   "ch05.1": ("reference.eviction", "LRUEvictionPolicy"),
                   "ch05.2": ("reference.eviction", "FIFOEvictionPolicy"),
+                  "ch05.3": ("graders.ch05", "load_slot"),
                   "ch05.5": ("graders.ch05", "reference_slot_manager"),
                   # a LoRABatchInfo must be the reference's class: import the builder, do not re-define the module
                   "ch07.1": "from reference.batch_info import batch_info_from_requests\n",
@@ -94,7 +95,7 @@ FAULTS = [
     ("ch05.4", "plausible_mistakes", None, "expected []"),
     ("ch05.5", "plausible_mistakes", None, "belongs to a running request"),
     ("ch05.1", "broken_code", None, "no attribute 'select_victim'"),
-    ("ch05.3", "broken_code", None, "return (A_buffers, B_buffers)"),
+    ("ch05.3", "broken_code", None, "the buffers you were given are unchanged"),
     ("ch07.1", "plausible_mistakes", None, "has_active_lora: expected False, got True"),  # batch info, layers
     ("ch07.2", "plausible_mistakes", None, "each sequence brings tokens_per_seq"),
     ("ch07.3", "plausible_mistakes", None, "never copy it"),

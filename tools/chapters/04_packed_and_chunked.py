@@ -88,9 +88,11 @@ separate = {"launches": 2 * 7, "x_bytes": tokens * el * (3 * hidden + hidden + 2
 fused = {"launches": 2 * 4, "x_bytes": tokens * el * (hidden + hidden + hidden + cfg["intermediate_size"])}
 for name, d in (("separate", separate), ("packed", fused)):
     print(f"{name:9s}: {d['launches']:2d} LoRA launches per layer, shrink inputs read {d['x_bytes'] / 2**20:7.1f} MiB")
+layers_n = cfg["num_hidden_layers"]
 print(f"packing removes {separate['launches'] - fused['launches']} launches and "
-      f"{(separate['x_bytes'] - fused['x_bytes']) / 2**20:.1f} MiB of reads per layer, "
-      f"x {cfg['num_hidden_layers']} layers")
+      f"{(separate['x_bytes'] - fused['x_bytes']) / 2**20:.1f} MiB of reads per layer; over {layers_n} layers: "
+      f"{layers_n * (separate['launches'] - fused['launches'])} launches and "
+      f"{layers_n * (separate['x_bytes'] - fused['x_bytes']) / 2**30:.2f} GiB per prefill of {tokens} tokens")
 
 # %% [markdown]
 # ## 2. The packed layout
@@ -385,12 +387,14 @@ print(inspect.getsource(ref_sgmv_expand._sgmv_expand_kernel.fn))
 #   nearly all of those programs return at once.
 #
 # SGLang's default LoRA backend, `csgmv` ("chunked SGMV", `python/sglang/srt/lora/backend/
-# chunked_backend.py`), fixes both in the metadata, not in the kernel: **merge** adjacent requests
-# that use the same slot into one segment, then **cut** every segment into chunks of at most
-# `chunk_size` tokens (the default is 16). Every program then has one chunk's worth of work: the grid
-# is `(column tiles, chunks)` with one row tile per chunk. Merging only joins *adjacent* requests:
-# a scheduler that groups requests by adapter (or a permutation that sorts tokens by slot, chapter 02)
-# makes more of them adjacent.
+# chunked_backend.py`), fixes both in the metadata, not in the kernel: it sorts the batch's tokens by
+# adapter (a stable argsort, so every adapter's tokens form one run, reached through a permutation as
+# in chapter 02), then **cuts** every run into chunks of at most `chunk_size` tokens (16 by default).
+# Every program then has one chunk's worth of work: the grid is `(column tiles, chunks)` with one row
+# tile per chunk. This chapter splits the first step in two: **merge** requests that are already
+# adjacent and use the same slot (no permutation needed), and, optionally, group first
+# (`build_chunked_batch_info(..., group_by_slot=True)`, SGLang's behaviour; the reference's default is
+# `False`, and the measurements below merge adjacent requests only).
 #
 # Running example (chunk size 4): `seg_lens [3, 2, 6, 1]` with slots `[1, 1, 2, 0]` merge to
 # `[5, 6, 1]` / `[1, 2, 0]` and cut to `[4, 1, 4, 2, 1]` / `[1, 1, 2, 2, 0]`.
@@ -539,6 +543,10 @@ for path in bench_files:
             print(f"{bname:16s} {r['layout']:12s} {r['segments']:8d} {r['programs']:8d} {r['shrink_us']:9.1f} "
                   f"{r['expand_us']:9.1f} {r['total_us']:8.1f} {per_request / r['total_us']:13.2f}x")
 
+# %%
+default_tile = next(l.strip() for l in inspect.getsource(ref_sgmv_expand.sgmv_expand).splitlines() if "block_m = block_m or" in l)
+print("the expand's default row tile (reference/ops/sgmv_expand.py):", default_tile)
+
 # %% [markdown]
 # ![Chunked SGMV on an H200: shrink + expand time per segment layout, for four batches](chunked_sgmv.png)
 #
@@ -549,7 +557,8 @@ for path in bench_files:
 #   those programs exit at once; chunks launch only programs with work. Compare the `programs` column
 #   with the time.
 # - **Skewed** batches of short requests gain from merging alone (the `merged` row keeps the default
-#   blocks): the expand's row tiles (`BLOCK_M = 128` by default, tuned for long prefills) are full
+#   blocks): the expand's row tiles (the reference's default `BLOCK_M`, printed above with the
+#   results, was tuned for long prefills) are full
 #   over the merged run instead of a quarter full per 32-token request, and each adapter's weights
 #   are read once per tile instead of once per request. For long requests (256 tokens each) every
 #   layout already has full tiles, and the times are close.

@@ -125,26 +125,34 @@ from collections import OrderedDict
 class LRUEvictionPolicy:
     """Least recently used first; the base model (None) only as the last resort."""
 
-    ### BEGIN SOLUTION
     def __init__(self):
+        ### BEGIN SOLUTION
         self._order = OrderedDict()
+        ### END SOLUTION
 
     def mark_used(self, uid):
+        ### BEGIN SOLUTION
         self._order[uid] = None
         self._order.move_to_end(uid)
+        ### END SOLUTION
 
     def remove(self, uid):
+        ### BEGIN SOLUTION
         self._order.pop(uid, None)
+        ### END SOLUTION
 
     def order(self):
+        ### BEGIN SOLUTION
         return tuple(self._order)
+        ### END SOLUTION
 
     def select_victim(self, candidates):
+        ### BEGIN SOLUTION
         if not candidates:
             raise ValueError("no candidates")
         allowed = set(candidates) - {None} or set(candidates)
         return next(uid for uid in self._order if uid in allowed)
-    ### END SOLUTION
+        ### END SOLUTION
 
 
 # %% exercise="ch05.1" role="test"
@@ -163,25 +171,33 @@ from collections import OrderedDict
 class FIFOEvictionPolicy:
     """First loaded, first out; the base model (None) only as the last resort."""
 
-    ### BEGIN SOLUTION
     def __init__(self):
+        ### BEGIN SOLUTION
         self._order = OrderedDict()
+        ### END SOLUTION
 
     def mark_used(self, uid):
+        ### BEGIN SOLUTION
         self._order.setdefault(uid, None)
+        ### END SOLUTION
 
     def remove(self, uid):
+        ### BEGIN SOLUTION
         self._order.pop(uid, None)
+        ### END SOLUTION
 
     def order(self):
+        ### BEGIN SOLUTION
         return tuple(self._order)
+        ### END SOLUTION
 
     def select_victim(self, candidates):
+        ### BEGIN SOLUTION
         if not candidates:
             raise ValueError("no candidates")
         allowed = set(candidates) - {None} or set(candidates)
         return next(uid for uid in self._order if uid in allowed)
-    ### END SOLUTION
+        ### END SOLUTION
 
 
 # %% exercise="ch05.2" role="test"
@@ -246,12 +262,15 @@ print("B's v delta without zero-fill:", v_delta(leaky, 0).abs().max().item())
 # ### Exercise ch05.3: `load_slot`
 #
 # Write `load_slot(A_buffers, B_buffers, slot, weights, rank)` for one layer:
-# - `A_buffers[m]`: `[num_slots, max_rank, in_m]`, `B_buffers[m]`: `[num_slots, out_m, max_rank]`, one
-#   per module m; `weights[m]`: `(A [rank, in_m], B [out_m, rank])` or `None` (the adapter lacks m);
-#   `rank`: the adapter's rank.
-# - In place: zero `A_buffers[m][slot]` and `B_buffers[m][slot]` for every module, then copy each
-#   present module's A into rows `[0, rank)` and B into columns `[0, rank)` of the slot. Other slots
-#   stay bit for bit as they were. Return `(A_buffers, B_buffers)`.
+# - `A_buffers`, `B_buffers` and `weights` are lists with one entry per module m, in the same order:
+#   `A_buffers[m]` `[num_slots, max_rank, in_m]`, `B_buffers[m]` `[num_slots, out_m, max_rank]`,
+#   `weights[m]` `(A [rank, in_m], B [out_m, rank])` or `None` (the adapter lacks m); `rank`: the
+#   adapter's rank.
+# - In place, into the tensors you are given (they are the pool's fixed buffers; the grader reads
+#   them after your call, not your return value): zero `A_buffers[m][slot]` and `B_buffers[m][slot]`
+#   for every module, then copy each present module's A into rows `[0, rank)` and B into columns
+#   `[0, rank)` of the slot. Other slots stay bit for bit as they were. Return
+#   `(A_buffers, B_buffers)` for convenience.
 
 # %% exercise="ch05.3" role="answer"
 def load_slot(A_buffers, B_buffers, slot, weights, rank):
@@ -341,8 +360,9 @@ graders.check("ch05.4", admit)
 # step; evicting it mid-generation would corrupt that request). The reference's
 # `prepare_lora_batch(uids, running)`, and the rules the grader replays:
 #
-# 1. needed = uids ∪ running; if that is more than the slots (or than the slots left by pinned
-#    adapters outside it), raise `ValueError` and change nothing;
+# 1. needed = uids ∪ running; if that is more than the slots, or than the slots left by pinned
+#    adapters that are resident and not needed, raise `ValueError` and change nothing (no event
+#    either);
 # 2. go through needed in a fixed order (base model first, then uids sorted), so the result never
 #    depends on Python's set order;
 # 3. a resident uid is a **hit**: event `("hit", uid, slot)`;
@@ -383,18 +403,22 @@ from reference.mem_pool import EMPTY_SLOT
 class SlotManager:
     """Which uid lives in which slot; loads and evictions recorded as events."""
 
-    ### BEGIN SOLUTION
     def __init__(self, num_slots, policy):
+        ### BEGIN SOLUTION
         self.buffer_id_to_uid = [EMPTY_SLOT] * num_slots
         self.uid_to_buffer_id = {}
         self.events = []
         self.pinned = set()
         self.policy = get_eviction_policy(policy)
+        ### END SOLUTION
 
     def pin(self, uid):
+        ### BEGIN SOLUTION
         self.pinned.add(uid)
+        ### END SOLUTION
 
     def prepare(self, uids, running):
+        ### BEGIN SOLUTION
         needed = set(uids) | set(running)
         blocked = {u for u in self.pinned if u in self.uid_to_buffer_id and u not in needed}
         if len(needed) + len(blocked) > len(self.buffer_id_to_uid):
@@ -406,8 +430,10 @@ class SlotManager:
                 self._load(uid, needed)
             self.policy.mark_used(uid)
         return {uid: self.uid_to_buffer_id[uid] for uid in needed}
+        ### END SOLUTION
 
     def _load(self, uid, needed):
+        ### BEGIN SOLUTION
         free = [s for s, u in enumerate(self.buffer_id_to_uid) if u is EMPTY_SLOT]
         if free:
             slot = free[0]
@@ -420,7 +446,7 @@ class SlotManager:
         self.buffer_id_to_uid[slot] = uid
         self.uid_to_buffer_id[uid] = slot
         self.events.append(("load", uid, slot))
-    ### END SOLUTION
+        ### END SOLUTION
 
 
 # %% exercise="ch05.5" role="test"
@@ -489,9 +515,8 @@ for slots in (4, 8, 16):
 # popular adapters are used at almost every step; LRU keeps them because each use makes them young
 # again, while FIFO evicts them on schedule and reloads them soon after. When slots are scarce the
 # policies barely differ: most residents belong to running requests and are not candidates, so there
-# is little to choose from. With too few slots both
-# policies thrash: most batches evict, requests wait in admission, and the tail latency jumps long
-# before the median moves (the brief's warning about too-small tiers).
+# is little to choose from. With too few slots both policies thrash: most batches evict and requests
+# wait in admission (the `max waiting` column), which a server sees as a long tail of slow requests.
 #
 # ## 9. How production systems do it
 #

@@ -267,7 +267,7 @@ graders.check("ch06.2", targets_module)
 # every linear projection path of the model:
 
 # %%
-print(inspect.getsource(targets_module))
+print(inspect.getsource(adapters.targets_module))
 from peft.tuners.tuners_utils import check_target_module_exists
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -275,7 +275,7 @@ PATHS = [f"model.layers.{i}.{'self_attn' if p in ATTN else 'mlp'}.{p}" for i in 
 tricky = [["q_proj", "v_proj"], "q_proj", ".*q_proj", ["proj"], ["p_proj"], ["layers.1.self_attn.o_proj"],
           r".*\.mlp\.(gate|up|down)_proj", r".*layers\.1\..*"]
 for targets in tricky:
-    ours = [targets_module(targets, p) for p in PATHS]
+    ours = [adapters.targets_module(targets, p) for p in PATHS]
     theirs = [bool(check_target_module_exists(peft.LoraConfig(target_modules=targets), p)) for p in PATHS]
     print(f"{str(targets):34s} selects {sum(ours):2d} of {len(PATHS)} paths; agrees with PEFT: {ours == theirs}")
 
