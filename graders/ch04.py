@@ -216,8 +216,8 @@ def _sliced_hint(case: Case, expected, got) -> Optional[str]:
     where = ", ".join(f"{names[i]} (columns {offsets[i]}..{offsets[i + 1] - 1})" for i in wrong)
     msg = f"the differing columns are in slice(s) {where}"
     if bool(torch.isnan(g).any()) and len(offsets) > 2:
-        msg += ("; NaN in the result: part i of t starts at column i * r, the slot's own rank (t holds NaN "
-                "from num_parts * r on), not at i * max_rank")
+        msg += ("; NaN in the result: t holds NaN from column num_parts * r on, so either part i was read at "
+                "i * max_rank instead of i * r (the slot's own rank), or the K loop lacks its mask offs_k < r")
     elif wrong != list(range(len(offsets) - 1)):
         msg += "; the slices are of different widths (GQA): take each slice's bounds from slice_offsets"
     return msg

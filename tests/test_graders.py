@@ -76,7 +76,7 @@ FAULTS = [
     ("ch03.1", "broken_code", None, "left unwritten"),
     ("ch03.2", "broken_code", None, "missing 1 required positional argument"),
     ("ch04.1", "plausible_mistakes", None, "a missing part still takes its place"),     # packed layout
-    ("ch04.2", "plausible_mistakes", None, "not at i * max_rank"),
+    ("ch04.2", "plausible_mistakes", None, "instead of i * r"),
     ("ch04.3", "plausible_mistakes", None, "only neighbours merge"),
     ("ch04.4", "plausible_mistakes", None, "expected [4, 4, 4]"),
     ("ch04.2", "broken_code", None, "columns 0..23"),
