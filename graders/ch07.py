@@ -100,6 +100,8 @@ def _view_edge() -> list[Case]:
         _view_case("empty_slots_give_empty_segments", [3, 3], 5, 1),
         _view_case("no_sequences", [], 3, 2),
         _view_case("stable_order_within_a_slot", [1, 0, 1, 0, 1, 0], 2, 3),
+        # torch's CPU argsort happens to be stable on short inputs: 40 sequences tell
+        _view_case("stable_order_40_sequences", [(7 * q) % 3 for q in range(40)], 3, 1),
         _view_case("slot_out_of_range_raises_value_error", [0, 4], 4, 1),
     ]
 
@@ -117,6 +119,9 @@ def _view_hint(case: Case, expected, got) -> Optional[str]:
         return "slot_counts count tokens: each sequence brings tokens_per_seq of them"
     if got[1].shape[0] == expected[1].shape[0] - 1:
         return "slot_offsets has num_slots + 1 entries, starting at 0"
+    if torch.equal(got[0].cpu(), expected[0].cpu()) and not torch.equal(got[2].cpu(), expected[2].cpu()):
+        return ("sorted_token_ids: sequences of one slot keep their original order (a stable sort), and each "
+                "sorted sequence q contributes q*tps .. q*tps + tps - 1 consecutively")
     return None
 
 
@@ -136,14 +141,38 @@ class _CountingLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return super().forward(x)
+        self.last = super().forward(x)
+        return self.last
+
+
+class _OpCounter:
+    """Counts calls of the reference ops (reference.ops.torch_ref) while active."""
+
+    NAMES = ("shrink", "expand", "sgmv_shrink", "sgmv_expand", "bgmv_shrink", "bgmv_expand")
+
+    def __enter__(self):
+        self.calls, self.saved = 0, {n: getattr(torch_ref, n) for n in self.NAMES}
+        for name, fn in self.saved.items():
+            setattr(torch_ref, name, self._counted(fn))
+        return self
+
+    def _counted(self, fn):
+        def op(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return op
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(torch_ref, name, fn)
 
 
 def drive_lora_linear(layer_cls, x, weight, bias, A_buffer, B_buffer, batch_info, base_info):
     """One forward with ``batch_info`` then one with ``base_info`` (no active adapter).
 
     Returns (y [batch, seq, out], base calls during the first forward, the second forward's output
-    equal to the base layer's, bit for bit, base calls in all).
+    equal to the base layer's, bit for bit, base calls in all, the first output being the base
+    layer's own tensor (the delta added in place), reference ops called in the base-only forward).
     """
     base = _CountingLinear(weight, bias)
     context = SimpleNamespace(batch_info=batch_info)
@@ -151,12 +180,14 @@ def drive_lora_linear(layer_cls, x, weight, bias, A_buffer, B_buffer, batch_info
     with torch.no_grad():
         y = layer(x)
         first_calls = base.calls
+        in_place = y is getattr(base, "last", None)
         context.batch_info = base_info
-        y_base = layer(x)
+        with _OpCounter() as ops:
+            y_base = layer(x)
         # the base layer's own parameters (same memory, same kernel path; a copy elsewhere could round differently)
         plain = nn.functional.linear(x, base.weight, base.bias)
     base_exact = isinstance(y_base, torch.Tensor) and y_base.shape == plain.shape and bool(torch.equal(y_base, plain))
-    return y, first_calls, base_exact, base.calls
+    return y, first_calls, base_exact, base.calls, in_place, ops.calls
 
 
 class ReferenceLoRALinear(nn.Module):
@@ -220,9 +251,9 @@ def _linear_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> li
 
 
 def _linear_hint(case: Case, expected, got) -> Optional[str]:
-    if not (isinstance(got, tuple) and len(got) == 4):
+    if not (isinstance(got, tuple) and len(got) == 6):
         return None
-    y, calls, base_exact, total = got
+    y, calls, base_exact, total, in_place, ops = got
     if not isinstance(y, torch.Tensor):
         return "forward must return the output tensor y (base(x) plus the deltas)"
     if calls != 1:
@@ -230,6 +261,11 @@ def _linear_hint(case: Case, expected, got) -> Optional[str]:
     if base_exact is False:
         return ("a batch with no active adapter must give exactly the base layer's output: return base(x) "
                 "without calling the LoRA ops (batch_info.has_active_lora is False)")
+    if ops:
+        return (f"the base-only forward called the LoRA ops {ops} times: when batch_info.has_active_lora is "
+                "False, return base(x) without launching them")
+    if in_place is False:
+        return "add the delta in place into the base layer's output (y.view(-1, out) as expand's out) and return that tensor"
     if isinstance(got[0], torch.Tensor) and bool(torch.isnan(got[0]).any()):
         return "NaN: padding past a slot's rank was read (the kernels/ops clip to lora_ranks; a hand-written version must too)"
     return None
