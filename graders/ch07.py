@@ -148,19 +148,26 @@ class _CountingLinear(nn.Linear):
 class _OpCounter:
     """Counts calls of the reference ops (reference.ops.torch_ref) while active."""
 
-    NAMES = ("shrink", "expand", "sgmv_shrink", "sgmv_expand", "bgmv_shrink", "bgmv_expand")
+    SHRINKS = ("shrink", "sgmv_shrink", "bgmv_shrink")  # (x, A_stack, batch_info, out, stack_num=1)
+    EXPANDS = ("expand", "sgmv_expand", "bgmv_expand")  # (t, B_stack, batch_info, out, slice_offsets=None)
 
     def __enter__(self):
-        self.calls, self.saved = 0, {n: getattr(torch_ref, n) for n in self.NAMES}
+        self.calls, self.saved = 0, {n: getattr(torch_ref, n) for n in self.SHRINKS + self.EXPANDS}
         for name, fn in self.saved.items():
-            setattr(torch_ref, name, self._counted(fn))
+            setattr(torch_ref, name, self._shrink(fn) if name in self.SHRINKS else self._expand(fn))
         return self
 
-    def _counted(self, fn):
-        def op(*args, **kwargs):
+    def _shrink(self, fn):
+        def shrink(x, A_stack, batch_info, out, stack_num=1):
             self.calls += 1
-            return fn(*args, **kwargs)
-        return op
+            return fn(x, A_stack, batch_info, out, stack_num)
+        return shrink
+
+    def _expand(self, fn):
+        def expand(t, B_stack, batch_info, out, slice_offsets=None):
+            self.calls += 1
+            return fn(t, B_stack, batch_info, out, slice_offsets)
+        return expand
 
     def __exit__(self, *exc):
         for name, fn in self.saved.items():

@@ -241,13 +241,19 @@ class CountingBackend:
     def __init__(self):
         self.calls = {"shrink": 0, "expand": 0}
         ref = get_backend("torch")
-        self.backend = LoRABackend("counting", self._count("shrink", ref.shrink), self._count("expand", ref.expand))
+        self.backend = LoRABackend("counting", self._shrink(ref.shrink), self._expand(ref.expand))
 
-    def _count(self, name, fn):
-        def op(*args, **kw):
-            self.calls[name] += 1
-            return fn(*args, **kw)
-        return op
+    def _shrink(self, fn):
+        def shrink(x, A_stack, batch_info, out, stack_num=1):
+            self.calls["shrink"] += 1
+            return fn(x, A_stack, batch_info, out, stack_num)
+        return shrink
+
+    def _expand(self, fn):
+        def expand(t, B_stack, batch_info, out, slice_offsets=None):
+            self.calls["expand"] += 1
+            return fn(t, B_stack, batch_info, out, slice_offsets)
+        return expand
 
 
 def test_all_base_batch_skips_lora_and_packed_groups_shrink_once(base, adapters):
