@@ -7,6 +7,7 @@ cell's last expression, which nbgrader reads as partial credit).
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import linecache
 import os
@@ -18,7 +19,10 @@ import reference  # noqa: F401  (device choice before anything imports triton)
 from graders.core import GradeResult, grade_source
 from graders.points import POINTS, total_points
 
-__all__ = ["check", "grade_source", "answer_source", "GradeResult", "POINTS", "total_points"]
+__all__ = ["check", "show_reference", "grade_source", "answer_source", "GradeResult", "POINTS", "total_points"]
+
+#: Exercises whose check passed with full marks in this process (this notebook's kernel).
+_PASSED: set[str] = set()
 
 
 def answer_source(fn: Callable) -> str:
@@ -47,10 +51,19 @@ def _first_code(obj):
     return None
 
 
-def check(exercise_id: str, fn: Callable) -> float:
-    """Grade ``fn`` (a function, or a class for stateful exercises) for ``exercise_id``; print the
-    report (stdout only) and return the score.
+def _bound_name(fn: Callable, caller_globals: dict, default: str) -> str:
+    """The name the answer cell gave ``fn``: its ``__name__``, or for a lambda the global bound to it."""
+    name = getattr(fn, "__name__", "")
+    if name.isidentifier():
+        return name
+    return next((k for k, v in caller_globals.items() if v is fn and k.isidentifier()), default)
 
+
+def check(exercise_id: str, fn: Callable) -> float:
+    """Grade ``fn`` (a function, a lambda, or a class for stateful exercises) for ``exercise_id``;
+    print the report (stdout only) and return the score.
+
+    Works in the answer cell itself too (the grader re-runs the cell, where ``check`` does nothing).
     Never raises for a learner's mistake: a broken function costs only its own exercise.
     """
     if os.environ.get("LORA_BOOK_GRADER_CHILD"):  # inside a grader's child: never grade recursively
@@ -65,6 +78,39 @@ def check(exercise_id: str, fn: Callable) -> float:
         return 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anything on stderr would zero the cell in nbgrader
-        result = grade_source(exercise_id, source, func_name=fn.__name__)
+        from graders.exercises import EXERCISES
+
+        caller = inspect.currentframe().f_back
+        name = _bound_name(fn, caller.f_globals if caller else {}, EXERCISES[exercise_id].func_name)
+        result = grade_source(exercise_id, source, func_name=name)
     print(result.report)
+    if result.score == result.max_score:
+        _PASSED.add(exercise_id)
     return result.score
+
+
+def show_reference(exercise_id: str, reveal: bool = False) -> None:
+    """Print the book's reference for ``exercise_id`` (the objects named in ``graders.shown``), but
+    only once your own answer passed ``check(exercise_id, ...)`` with full marks in this kernel, or
+    when you ask for it with ``reveal=True``: "Run All" on an unsolved notebook spoils nothing.
+    """
+    from graders.shown import SHOWN
+
+    if exercise_id not in SHOWN:
+        print(f"graders.show_reference: unknown exercise id {exercise_id!r}")
+        return
+    if not (reveal or exercise_id in _PASSED):
+        print(f"The reference for {exercise_id} is shown here once your answer passes "
+              f"graders.check(\"{exercise_id}\", ...) in this notebook. To read it now anyway, run: "
+              f"graders.show_reference(\"{exercise_id}\", reveal=True)")
+        return
+    for i, name in enumerate(SHOWN[exercise_id]):
+        print(("\n" if i else "") + inspect.getsource(_resolve(name)).rstrip())
+
+
+def _resolve(name: str):
+    module, _, qualname = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "fn", obj)  # a @triton.jit kernel: its Python function

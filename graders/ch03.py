@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from graders.ch02 import BatchSpec, _batch_hint, _edge_specs, _random_specs, expand_case, loop_case, shrink_case
+from graders.cases import BatchSpec, batch_hint, edge_specs, random_specs, expand_case, loop_case, shrink_case
 from graders.core import Case, Exercise
 
 TRITON_REQUIRED = ("@triton.jit", "this exercise asks for a Triton kernel, and the answer cell defines no @triton.jit "
@@ -60,20 +60,20 @@ def _cases(make, edge_specs, random_specs):
 
 
 def _sgmv_random(rng: random.Random) -> list[BatchSpec]:
-    return _random_specs(rng, hidden=False, sgmv=True)
+    return random_specs(rng, hidden=False, sgmv=True)
 
 
 def _decode_edge() -> list[BatchSpec]:
-    return [s for s in _edge_specs(sgmv=False)] + [
+    return [s for s in edge_specs(sgmv=False)] + [
         BatchSpec("decode_base_in_slot_1", [1] * 5, [0, 1, 2, 1, 0], [7, 0, 16], 16, 72, 40),
     ]
 
 
 EXERCISES = [
     Exercise("ch03.1", "sgmv_shrink", ("x", "A_stack", "batch_info", "out"), torch_ref.sgmv_shrink,
-             *_cases(shrink_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_shrink), requires=TRITON_REQUIRED),
+             *_cases(shrink_case, lambda: edge_specs(sgmv=True), _sgmv_random), batch_hint(torch_ref.sgmv_shrink), requires=TRITON_REQUIRED),
     Exercise("ch03.2", "sgmv_expand", ("t", "B_stack", "batch_info", "out"), torch_ref.sgmv_expand,
-             *_cases(expand_case, lambda: _edge_specs(sgmv=True), _sgmv_random), _batch_hint(torch_ref.sgmv_expand), requires=TRITON_REQUIRED),
+             *_cases(expand_case, lambda: edge_specs(sgmv=True), _sgmv_random), batch_hint(torch_ref.sgmv_expand), requires=TRITON_REQUIRED),
     Exercise("ch03.3", "fused_decode", ("x", "A_stack", "B_stack", "batch_info", "out"), torch_ref.fused_decode,
-             *_cases(loop_case, _decode_edge, _decode_specs), _batch_hint(torch_ref.fused_decode), requires=TRITON_REQUIRED),
+             *_cases(loop_case, _decode_edge, _decode_specs), batch_hint(torch_ref.fused_decode), requires=TRITON_REQUIRED),
 ]

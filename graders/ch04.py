@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from graders.ch02 import JUNK, BatchSpec, _base_rows, _batch_info, _describe, _row_labels, _weights
+from graders.cases import JUNK, BatchSpec, base_rows, batch_info_for, describe, row_labels, weights
 from graders.core import Case, Exercise
 
 TRITON_REQUIRED = ("@triton.jit", "this exercise asks for a Triton kernel, and the answer cell defines no @triton.jit "
@@ -115,7 +115,7 @@ class PackedSpec:
 
 def _packed_weights(spec: PackedSpec, gen: torch.Generator) -> torch.Tensor:
     b = spec.batch
-    _, B = _weights(b, gen)  # [num_slots, out_total, max_rank], NaN past each rank
+    _, B = weights(b, gen)  # [num_slots, out_total, max_rank], NaN past each rank
     offs = packed.slice_offsets_for(spec.out_features)
     for slot, parts in spec.missing.items():
         for p in parts:
@@ -133,7 +133,7 @@ def _packed_t(spec: PackedSpec, gen: torch.Generator, token_slots: torch.Tensor)
 def _exact_mask(spec: PackedSpec, token_slots: torch.Tensor) -> torch.Tensor:
     """Rank-0 rows, and the columns of parts an adapter lacks: both must come back bit for bit."""
     b = spec.batch
-    exact = _base_rows(b, sum(spec.out_features)).clone()
+    exact = base_rows(b, sum(spec.out_features)).clone()
     offs = packed.slice_offsets_for(spec.out_features)
     for slot, parts in spec.missing.items():
         rows = token_slots == slot
@@ -145,15 +145,15 @@ def _exact_mask(spec: PackedSpec, token_slots: torch.Tensor) -> torch.Tensor:
 def sliced_case(spec: PackedSpec, gen: torch.Generator) -> Case:
     b = spec.batch
     B = _packed_weights(spec, gen)
-    info, token_slots = _batch_info(b)
+    info, token_slots = batch_info_for(b)
     t = _packed_t(spec, gen, token_slots)
     out = torch.randn(t.shape[0], sum(spec.out_features), generator=gen).to(b.dtype)
     offsets = packed.slice_offsets_for(spec.out_features)
     lacks = "".join(f"; slot {s} lacks part(s) {list(p)} (zeros)" for s, p in spec.missing.items())
     first = (f"t {list(t.shape)}, B_stack {list(B.shape)}, out {list(out.shape)}, "
              f"slice_offsets {offsets}{lacks}")
-    return Case(b.name, [t, B, info, out, offsets], _describe(b, first), op="triton", out_index=3,
-                row_labels=_row_labels(b), exact=_exact_mask(spec, token_slots))
+    return Case(b.name, [t, B, info, out, offsets], describe(b, first), op="triton", out_index=3,
+                row_labels=row_labels(b), exact=_exact_mask(spec, token_slots))
 
 
 def _on_device(spec: PackedSpec) -> PackedSpec:

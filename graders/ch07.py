@@ -281,10 +281,10 @@ def _linear_hint(case: Case, expected, got) -> Optional[str]:
 EXERCISES = [
     Exercise("ch07.1", "batch_info_from_requests",
              ("req_uids", "req_lens", "uid_to_slot", "lora_ranks", "scalings", "device"), batch_info_default,
-             _requests_edge, _requests_random, _requests_hint),
+             _requests_edge, _requests_random, _requests_hint, no_device_reads=True),
     Exercise("ch07.2", "slot_sorted_view", ("token_slots", "num_slots", "tokens_per_seq"), slot_sorted_view,
              _view_edge, _view_random, _view_hint),
     Exercise("ch07.3", "LoRALinear", ("x", "weight", "bias", "A_buffer", "B_buffer", "batch_info", "base_info"),
              functools.partial(drive_lora_linear, ReferenceLoRALinear), _linear_edge, _linear_random, _linear_hint,
-             driver=drive_lora_linear),
+             driver=drive_lora_linear, no_device_reads=True),
 ]

@@ -27,7 +27,7 @@ from graders.wire import decode, encode, load_tensors, read_json, save_tensors, 
 from reference.batch_info import LoRABatchInfo
 from reference.device import default_device
 
-__all__ = ["Case", "Exercise", "GradeResult", "grade_source", "hidden_seed", "default_timeout", "PUBLIC_SEED"]
+__all__ = ["Case", "Exercise", "GradeResult", "grade_source", "grade_under_secrets", "hidden_seed", "default_timeout", "PUBLIC_SEED"]
 
 PUBLIC_SEED = 20261129
 SECRET_ENV = "LORA_BOOK_SECRET"
@@ -54,6 +54,7 @@ class Case:
     row_labels: Optional[list[str]] = None  # per output row: "segment 1, slot 2 (rank 7)"
     exact: Optional[torch.Tensor] = None  # bool mask of output elements that must match bit for bit
     group: str = ""
+    secret: Optional[str] = None  # which secret drew a hidden case (mutation tests grade several at once)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class Exercise:
     # Text the answer cell must contain, and why (e.g. "@triton.jit" for the kernel exercises: a
     # PyTorch loop gives the same numbers but is not the exercise).
     requires: Optional[tuple[str, str]] = None
+    # The contract builds its result from host data alone (chapter 07): any read of a tensor's value
+    # on the host (.item(), .tolist(), bool(t), int(t), ...) made by the answer cell fails the case.
+    no_device_reads: bool = False
+    # The contract says "returns a new tensor": a result that shares memory with an input fails.
+    # (Exercises with an ``out=`` argument return ``out`` and are not checked.)
+    fresh_result: bool = True
 
 
 @dataclass
@@ -85,21 +92,30 @@ class GradeResult:
     report: str = ""
 
 
-def hidden_seed(exercise_id: str) -> int:
-    """Seed of the hidden cases: from the instructor's secret when set, else a public default."""
-    secret = os.environ.get(SECRET_ENV, "self-study")
+def hidden_seed(exercise_id: str, secret: Optional[str] = None) -> int:
+    """Seed of the hidden cases: from ``secret``, else the instructor's secret when set, else a
+    public default."""
+    secret = secret if secret is not None else os.environ.get(SECRET_ENV, "self-study")
     return int.from_bytes(hashlib.sha256(f"{secret}:{exercise_id}".encode()).digest()[:8], "little")
 
 
-def _build_cases(ex: Exercise) -> list[Case]:
+def _hidden_cases(ex: Exercise, seed: int) -> list[Case]:
+    return ex.random_cases(random.Random(seed), torch.Generator().manual_seed(seed % 2**62), True)
+
+
+def _build_cases(ex: Exercise, secrets: Optional[Sequence[Optional[str]]] = None) -> list[Case]:
+    """Edge, random and hidden cases; with ``secrets``, one hidden group per secret (tagged
+    ``case.secret``), so a mutation test grades one child process under several secrets."""
     cases = []
-    for group, make in (
-        ("edge", lambda: ex.edge_cases()),
-        ("random", lambda: ex.random_cases(random.Random(PUBLIC_SEED), torch.Generator().manual_seed(PUBLIC_SEED), False)),
-        ("hidden", lambda: ex.random_cases(random.Random(hidden_seed(ex.id)), torch.Generator().manual_seed(hidden_seed(ex.id) % 2**62), True)),
-    ):
+    makers = [("edge", None, ex.edge_cases),
+              ("random", None, lambda: ex.random_cases(random.Random(PUBLIC_SEED),
+                                                       torch.Generator().manual_seed(PUBLIC_SEED), False))]
+    for secret in (secrets if secrets is not None else [None]):
+        seed = hidden_seed(ex.id) if secret is None else hidden_seed(ex.id, secret)
+        makers.append(("hidden", secret, lambda seed=seed: _hidden_cases(ex, seed)))
+    for group, secret, make in makers:
         for case in make():
-            case.group = group
+            case.group, case.secret = group, secret
             cases.append(case)
     return cases
 
@@ -344,6 +360,12 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
 
 def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
              device: torch.device) -> Optional[str]:
+    if result.get("device_reads"):
+        reads = result["device_reads"]
+        return (f"your function read a tensor's value on the host {len(reads)} time(s); the first: {reads[0]}\n"
+                "  this exercise builds everything from host data (Python ints and lists): on a GPU every "
+                "such read (.item(), .tolist(), bool(t), int(t), `if t:`) waits for all queued kernels, "
+                "and a CUDA graph cannot contain it")
     if isinstance(expected, Raises):
         if result.get("error", "").startswith(expected.name + ":"):
             return None
@@ -363,6 +385,10 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     else:
         msg = _compare(expected, result["returned"], tensors, case, device, "returned value")
     msg = msg or _unchanged_inputs(ex, case, result, tensors)
+    if not msg and result.get("aliases") is not None:
+        name = ex.arg_names[result["aliases"]] if result["aliases"] < len(ex.arg_names) else "an input"
+        msg = (f"the returned tensor shares memory with your input {name!r} (a view or the same tensor); "
+               "the contract asks for a new tensor: a caller that later writes one changes the other")
     if msg and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
         try:
@@ -402,16 +428,33 @@ def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
     Raises:
         KeyError: unknown exercise id.
     """
+    return _grade(exercise_id, source, func_name, device, timeout, None)[None]
+
+
+def grade_under_secrets(exercise_id: str, source: str, secrets: Sequence[str], func_name: Optional[str] = None,
+                        device: Optional[torch.device] = None,
+                        timeout: Optional[float] = None) -> dict[str, GradeResult]:
+    """Grade ``source`` as an instructor holding each of ``secrets`` would, in one child process.
+
+    The edge and random groups are the same for every secret; each secret draws its own hidden
+    group. Mutation tests use it to check that a mistake costs the same under any secret.
+    """
+    return _grade(exercise_id, source, func_name, device, timeout, list(secrets))
+
+
+def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     from graders.exercises import EXERCISES
 
     ex = EXERCISES[exercise_id]
     device = device or default_device()
-    timeout = timeout or default_timeout(device)
-    cases = _build_cases(ex)
+    timeout = timeout or default_timeout(device) * (1 + 0.5 * (len(secrets or [None]) - 1))
+    cases = _build_cases(ex, secrets)
     for case in cases:
         case.args = _to(case.args, device)
+    keys = secrets if secrets is not None else [None]
     if ex.requires and ex.requires[0] not in source:
-        return _result(ex, cases, [ex.requires[1]] * len(cases), device, 0.0)
+        verdicts = [ex.requires[1]] * len(cases)
+        return {k: _result(ex, cases, verdicts, device, 0.0, k) for k in keys}
     expected = [_expected(ex, c) for c in cases]
     with tempfile.TemporaryDirectory(prefix=f"grade-{exercise_id}-") as tmp:
         workdir = Path(tmp)
@@ -421,13 +464,14 @@ def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
         save_tensors(tensors, workdir / "inputs.safetensors")
         driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
         write_json({"exercise_id": exercise_id, "func_name": func_name or ex.func_name, "source": source,
-                    "driver": driver,
+                    "driver": driver, "no_device_reads": ex.no_device_reads,
+                    "fresh_result": ex.fresh_result and all(c.out_index is None for c in cases),
                     "device": str(device), "cases": job_cases}, workdir / "job.json")
         start = time.perf_counter()
         code, timed_out, stderr = _run_child(workdir, timeout)
         elapsed = time.perf_counter() - start
         verdicts = _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr)
-    return _result(ex, cases, verdicts, device, elapsed)
+    return {k: _result(ex, cases, verdicts, device, elapsed, k) for k in keys}
 
 
 def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr) -> list[Optional[str]]:
@@ -460,7 +504,11 @@ def _tail(stderr: str) -> str:
     return ("\n  last output on stderr: " + lines[-1][:300]) if lines else ""
 
 
-def _result(ex: Exercise, cases: list[Case], verdicts: list[Optional[str]], device, elapsed) -> GradeResult:
+def _result(ex: Exercise, cases: list[Case], verdicts: list[Optional[str]], device, elapsed,
+            secret: Optional[str] = None) -> GradeResult:
+    keep = [c.group != "hidden" or c.secret == secret for c in cases]
+    cases = [c for c, k in zip(cases, keep) if k]
+    verdicts = [v for v, k in zip(verdicts, keep) if k]
     points = POINTS[ex.id]
     groups = {g: all(v is None for c, v in zip(cases, verdicts) if c.group == g) for g in points}
     score = float(sum(p for g, p in points.items() if groups[g]))

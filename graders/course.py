@@ -1,7 +1,9 @@
 """The book's course jobs (``python -m graders.course COMMAND``).
 
     demo       the main job: generate the learner version of every chapter with nbgrader, build the
-               bundled submissions (submissions/<learner>/<chapter>.py) into the release, autograde
+               sample learners into the release (all_correct: the solution cells; plausible_mistakes:
+               the catalogue's plausible mutants, graders.mutation; and every
+               submissions/<learner>/<chapter>.py, e.g. broken_code), autograde
                them, re-grade every answer cell outside the learner's kernel (trusted scores go into
                the gradebook; every mismatch is reported), generate feedback, print the score table.
     learner    self-study: write the learner version of every chapter into --out (default learner/);
@@ -28,6 +30,7 @@ from pathlib import Path
 import nbformat
 
 from graders.core import SECRET_ENV, grade_source
+from graders.mutation import SAMPLE_LEARNERS, sample_learner
 from graders.points import POINTS, total_points
 
 __all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "chapters"]
@@ -160,7 +163,8 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
     """The main job; returns {"scores": {student: {exercise: points}}, "mismatches": [...], ...}."""
     _new_course(course)
     env = dict(os.environ, **{SECRET_ENV: secret})
-    learners = sorted(p.name for p in submissions.iterdir() if p.is_dir())
+    built = {name: sample_learner(name) for name in SAMPLE_LEARNERS}  # edits of the solution cells
+    learners = sorted([*built, *(p.name for p in submissions.iterdir() if p.is_dir())])
     scores: dict[str, dict[str, float]] = {s: {} for s in learners}
     mismatches: list[Mismatch] = []
     for chapter in chapters(course / "notebooks"):
@@ -169,7 +173,10 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
         release = course / "release" / chapter / f"{chapter}.ipynb"
         for learner in learners:
             answers_file = submissions / learner / f"{chapter}.py"
-            answers = parse_answers(answers_file.read_text()) if answers_file.exists() else {}
+            if learner in built:
+                answers = {ex: src for ex, src in built[learner].items() if ex[2:4] == chapter[:2]}
+            else:
+                answers = parse_answers(answers_file.read_text()) if answers_file.exists() else {}
             build_submission(release, answers, course / "submitted" / learner / chapter / f"{chapter}.ipynb")
         print(f"[{chapter}] autograde {len(learners)} submissions", flush=True)
         _nbgrader(course, "autograde", chapter, "--create", "--force", env=env)

@@ -18,15 +18,99 @@ import sys
 import time
 import traceback
 import types
+import warnings
 from pathlib import Path
 
 import reference  # noqa: F401  (fixes the device choice before anything imports triton)
 import torch
+from torch.overrides import TorchFunctionMode
 
 from graders.wire import decode, encode, load_tensors, read_json, save_tensors, write_json
 
-#: Executed before the answer cell, as the notebooks' set-up cell does.
-PREAMBLE = "import math\nimport torch\n"
+#: Executed before the answer cell, as the notebooks' set-up cell does. ``graders`` is there so an
+#: answer cell that ends with its own ``graders.check(...)`` runs (check does nothing in the child).
+PREAMBLE = "import math\nimport torch\nimport graders\n"
+
+#: Tensor methods that bring a tensor's value to the host: on a GPU each waits for the device.
+HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                        "__format__", "equal", "allclose", "is_nonzero"})
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class HostReadRecorder(TorchFunctionMode):
+    """Records every host read of a tensor value made directly by the answer cell's code.
+
+    The CPU has no device to wait for, so ``torch.cuda.set_sync_debug_mode`` sees nothing there; a
+    TorchFunctionMode sees the Tensor methods that would synchronize on a GPU. A read is the answer
+    cell's when the first frame outside torch is an answer-cell frame (a grader's driver, and the
+    reference the learner may call, read what they like). Recorded, not raised: a bare ``except``
+    in learner code cannot hide it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and len(self.reads) < 5:
+            where = _answer_frame()
+            if where:
+                self.reads.append(f"`{_spelled(name)}` at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def _spelled(name: str) -> str:
+    return {"__bool__": "bool(tensor) / if tensor", "__int__": "int(tensor)", "__float__": "float(tensor)",
+            "__index__": "a tensor used as a Python index", "__format__": "a tensor in an f-string"}.get(name, "." + name + "()")
+
+
+def _answer_frame() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith("<answer cell"):
+        return None
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"answer cell line {frame.f_lineno}: {line}"
+
+
+@contextlib.contextmanager
+def watching_host_reads(device: torch.device, enabled: bool):
+    """Yield a list that fills with the answer cell's host reads during the block."""
+    if not enabled:
+        yield []
+        return
+    if device.type == "cuda":  # the device itself reports synchronizations
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+            reads: list[str] = []
+            try:
+                yield reads
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+                reads += [f"a synchronizing CUDA call at {w.filename}:{w.lineno}" for w in caught
+                          if "synchroniz" in str(w.message) and w.filename.startswith("<answer cell")]
+        return
+    recorder = HostReadRecorder()
+    with recorder:
+        yield recorder.reads
+
+
+def _alias_of(returned, args) -> int | None:
+    """Index of the input argument whose memory a returned tensor shares, if any."""
+    outs = [returned] if isinstance(returned, torch.Tensor) else [
+        v for v in (returned if isinstance(returned, (tuple, list)) else []) if isinstance(v, torch.Tensor)]
+    for j, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or a.numel() == 0:
+            continue
+        ptr = a.untyped_storage().data_ptr()
+        if any(o.numel() and o.untyped_storage().data_ptr() == ptr for o in outs):
+            return j
+    return None
 
 
 def _load_function(source: str, func_name: str, exercise_id: str):
@@ -79,14 +163,19 @@ def main(workdir: Path) -> None:
         printed = io.StringIO()
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
+        returned, reads = None, []
         try:
-            with contextlib.redirect_stdout(printed):
+            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads:
                 returned = fn(*args)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             result = {"returned": encode(returned, "returned", tensors)}
         except Exception as exc:
             result = {"error": _error_text(exc)}
+        if reads:
+            result["device_reads"] = reads
+        if job.get("fresh_result") and "error" not in result:
+            result["aliases"] = _alias_of(returned, args)
         result["args_after"] = [encode(a, f"arg{j}", tensors) for j, a in enumerate(args)]
         result["seconds"] = time.perf_counter() - start
         result["printed"] = printed.getvalue()[-500:]

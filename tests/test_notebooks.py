@@ -81,3 +81,39 @@ def test_nbgrader_validator_passes_the_solutions_and_fails_the_stubs(tmp_path):
     nbformat.write(nb, stub)
     failed = Validator().validate(str(stub)).get("failed", [])
     assert failed, "the learner version (stubs) passed nbgrader validate"
+
+
+def test_no_chapter_prints_a_solution_itself():
+    """Solutions are printed only through graders.show_reference, which waits for the learner's own
+    passing check (or an explicit reveal=True): "Run All" on an unsolved notebook spoils nothing."""
+    import importlib
+
+    from graders.shown import SHOWN
+
+    for exercise_id, names in SHOWN.items():
+        for name in names:
+            module, _, qualname = name.partition(":")
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)  # every entry resolves
+    shown = {name.partition(":")[2] for names in SHOWN.values() for name in names}
+    printed = re.compile(r"inspect\.getsource\(\s*([\w.]+?)(?:\.fn)?\s*\)")
+    for source in sorted((ROOT / "tools" / "chapters").glob("[0-9][0-9]_*.py")):
+        for m in printed.finditer(source.read_text()):
+            target = m.group(1)
+            spoiled = [q for q in shown if target == q or target.endswith("." + q)]
+            assert not spoiled, f"{source.name} prints the solution {target} itself: use graders.show_reference"
+    for exercise_id in POINTS:
+        chapter = next(c for c in CHAPTERS if c[:2] == exercise_id[2:4])
+        assert f'graders.show_reference("{exercise_id}")' in (ROOT / "tools" / "chapters" / f"{chapter}.py").read_text() \
+            or not SHOWN[exercise_id], f"{exercise_id}: no graders.show_reference cell"
+
+
+def test_show_reference_waits_for_a_passing_check(capsys):
+    import graders
+
+    graders._PASSED.discard("ch01.4")
+    graders.show_reference("ch01.4")
+    assert "def lora_scaling" not in capsys.readouterr().out
+    graders.show_reference("ch01.4", reveal=True)
+    assert "def lora_scaling" in capsys.readouterr().out

@@ -1,0 +1,91 @@
+"""Mutation testing of the graders (graders.mutation): every exercise's solution cell gets full marks,
+and every mutant of its catalogue (tests/mutants/chNN.py) loses points, the same points under any
+instructor's secret, with a visible report that names the mistake.
+
+Tests are grouped in one class per chapter so pytest-xdist's ``loadscope`` spreads the chapters over
+its workers.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from graders.core import grade_under_secrets
+from graders.exercises import EXERCISES
+from graders.mutation import apply_edits, load_catalogue, solution_answers
+from graders.points import total_points
+
+CATALOGUE = load_catalogue()
+SOLUTIONS = solution_answers()
+#: Three instructors' secrets: a mistake must cost the same under each.
+SECRETS = ("mutants-secret-one", "mutants-secret-two", "mutants-secret-three")
+#: Kernel exercises (a @triton.jit answer): their catalogues must include tiling mutants (a loop or
+#: a grid axis that only one tile exercised).
+KERNEL_EXERCISES = sorted(e for e, ex in EXERCISES.items() if ex.requires and "triton.jit" in ex.requires[0])
+KINDS = {"tiling", "layout", "poison", "error", "clause", "dtype", "device-read", "state", "math"}
+MIN_MUTANTS, MIN_KINDS, MIN_TILING = 4, 2, 3
+
+
+def test_every_exercise_has_a_catalogue_of_different_kinds():
+    by_exercise = collections.defaultdict(list)
+    for m in CATALOGUE:
+        assert m.exercise in EXERCISES, f"{m.id}: unknown exercise"
+        assert m.kind in KINDS, f"{m.id}: kind {m.kind!r} not in {sorted(KINDS)}"
+        assert m.expect.strip(), f"{m.id}: name the phrase the report must contain"
+        by_exercise[m.exercise].append(m)
+    thin = {e: len(by_exercise[e]) for e in EXERCISES if len(by_exercise[e]) < MIN_MUTANTS}
+    assert not thin, f"exercises with fewer than {MIN_MUTANTS} mutants: {thin}"
+    narrow = {e: sorted({m.kind for m in ms}) for e, ms in by_exercise.items() if len({m.kind for m in ms}) < MIN_KINDS}
+    assert not narrow, f"exercises whose mutants are all of one kind: {narrow}"
+    for e in KERNEL_EXERCISES:
+        tiling = [m.name for m in by_exercise[e] if m.kind == "tiling"]
+        assert len(tiling) >= MIN_TILING, f"{e}: kernel exercise with tiling mutants {tiling}"
+    plausible = collections.Counter(m.exercise for m in CATALOGUE if m.plausible)
+    assert all(n == 1 for n in plausible.values()), plausible
+
+
+def _grade(exercise_id: str, source: str) -> dict:
+    return grade_under_secrets(exercise_id, source, SECRETS)
+
+
+def _check_solution(exercise_id: str) -> None:
+    results = _grade(exercise_id, SOLUTIONS[exercise_id])
+    for secret, r in results.items():
+        assert r.score == total_points(exercise_id), f"secret {secret!r}:\n{r.report}"
+
+
+def _check_mutant(mutant) -> None:
+    source = apply_edits(SOLUTIONS[mutant.exercise], mutant.edits, mutant.id)
+    assert source != SOLUTIONS[mutant.exercise]
+    results = _grade(mutant.exercise, source)
+    scores = {secret: r.score for secret, r in results.items()}
+    report = results[SECRETS[0]].report
+    assert all(s < total_points(mutant.exercise) for s in scores.values()), f"{mutant.id} passed: {scores}\n{report}"
+    assert len(set(scores.values())) == 1, (f"{mutant.id}: what the mistake costs depends on the secret "
+                                             f"{scores}\n" + "\n---\n".join(r.report for r in results.values()))
+    groups = results[SECRETS[0]].groups
+    assert not (groups["edge"] and groups["random"]), f"{mutant.id}: only the hidden group catches it\n{report}"
+    assert mutant.expect in report, f"{mutant.id}: the report does not name the mistake ({mutant.expect!r})\n{report}"
+
+
+def _chapter_class(chapter: str) -> type:
+    exercises = sorted(e for e in EXERCISES if e.startswith(chapter))
+    mutants = [m for m in CATALOGUE if m.exercise.startswith(chapter)]
+
+    @pytest.mark.parametrize("exercise_id", exercises)
+    def test_solution_cell_gets_full_marks_under_every_secret(self, exercise_id):
+        _check_solution(exercise_id)
+
+    @pytest.mark.parametrize("mutant", mutants, ids=[m.id for m in mutants])
+    def test_mutant_loses_the_same_points_under_every_secret_and_is_named(self, mutant):
+        _check_mutant(mutant)
+
+    return type(f"TestMutants{chapter.capitalize()}", (), {
+        "test_solution_cell_gets_full_marks_under_every_secret": test_solution_cell_gets_full_marks_under_every_secret,
+        "test_mutant_loses_the_same_points_under_every_secret_and_is_named": test_mutant_loses_the_same_points_under_every_secret_and_is_named,
+    })
+
+
+for _chapter in sorted({e[:4] for e in EXERCISES}):
+    globals()[f"TestMutants{_chapter.capitalize()}"] = _chapter_class(_chapter)
