@@ -81,6 +81,9 @@ class Exercise:
     # The contract says "returns a new tensor": a result that shares memory with an input fails.
     # (Exercises with an ``out=`` argument return ``out`` and are not checked.)
     fresh_result: bool = True
+    # Names of a returned tuple's fields, in order (e.g. ("permutation", "inverse")): reports say
+    # "returned permutation" instead of "returned value[0]".
+    result_names: Optional[tuple[str, ...]] = None
 
 
 @dataclass
@@ -383,7 +386,7 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,
                        ex.arg_names[case.out_index])
     else:
-        msg = _compare(expected, result["returned"], tensors, case, device, "returned value")
+        msg = _compare_returned(ex, case, expected, result["returned"], tensors, device)
     msg = msg or _unchanged_inputs(ex, case, result, tensors)
     if not msg and result.get("aliases") is not None:
         name = ex.arg_names[result["aliases"]] if result["aliases"] < len(ex.arg_names) else "an input"
@@ -398,6 +401,20 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         if hint:
             msg += "\n  hint: " + hint
     return msg
+
+
+def _compare_returned(ex: Exercise, case: Case, expected: Any, desc: Any, tensors: dict,
+                      device: torch.device) -> Optional[str]:
+    names = ex.result_names
+    if not names or not isinstance(expected, (tuple, list)) or len(names) != len(expected):
+        return _compare(expected, desc, tensors, case, device, "returned value")
+    if not isinstance(desc, dict) or "sequence" not in desc or len(desc["sequence"]) != len(expected):
+        return _compare(expected, desc, tensors, case, device, "returned value")  # says what is off
+    for name, e, d in zip(names, expected, desc["sequence"]):
+        msg = _compare(e, d, tensors, case, device, f"returned {name}")
+        if msg:
+            return msg
+    return None
 
 
 def _materialize(desc: Any, tensors: dict) -> Any:
