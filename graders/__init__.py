@@ -3,7 +3,29 @@
 In a notebook, the test cell under an exercise is ``graders.check("ch02.3", lora_loop)``: it re-runs
 the answer cell that defined ``lora_loop`` in a child process, calls it on edge, random and hidden
 cases, compares with the reference here, prints a report and returns the score as a float (the
-cell's last expression, which nbgrader reads as partial credit).
+cell's last expression, which nbgrader reads as partial credit). ``show_reference`` prints an
+exercise's reference once the learner's own check of it passed in this kernel.
+
+The case design rule (every chapter's grader follows it; tests/test_mutants.py enforces its effect):
+
+- ``edge``: fixed cases that cover every clause the exercise text states, and both sides of every
+  stated error (A without B and B without A; r < 0 as well as r = 0; chunk_size 0 and negative; a
+  slot id past either bound; requests with zero tokens).
+- ``random``: seeded draws of every layout the contract allows (arrival-order, permuted,
+  slot-sorted and chunked segments where an op reads segments; batches whose segment order differs
+  from x's row order for ops that read only token_slots), sizes that cross every tile and every loop
+  of both the chapter's suggested blocks and the reference's blocks at least twice, finite junk as
+  well as NaN in padding, non-default dtypes, and overlap in stateful traces (a uid running twice, a
+  batch uid also running).
+- ``hidden``: the same families drawn from the instructor's secret, so a mistake costs the same
+  under any secret; only the numbers change.
+- Every exercise keeps a catalogue of realistic wrong answers (tests/mutants/chNN.py, edits of its
+  solution cell: graders.mutation); each must lose the same points under three secrets, in a visible
+  group, with a report that names the mistake. Design cases from the contract, not from the
+  catalogue, so that mistakes nobody listed fail too.
+- Checks every result's dtype and device, that inputs are unchanged, that a "new tensor" shares no
+  memory with an input (``Exercise.fresh_result``), and, where the contract forbids them, host reads
+  of tensor values (``Exercise.no_device_reads``).
 """
 from __future__ import annotations
 

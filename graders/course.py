@@ -117,6 +117,13 @@ class Attempt:
 
 
 _GRADERS_REF = re.compile(r"\bgraders\b")
+#: What an honest answer cell may say about the graders: import them and check itself.
+_HONEST_GRADERS_LINE = re.compile(r"^[ \t]*(import graders|graders\.check\(\s*[\"']ch\d\d\.\d+[\"']\s*,\s*\w+\s*\))[ \t]*$", re.M)
+
+
+def refers_to_graders(source: str) -> bool:
+    """True when an answer cell mentions the graders beyond importing them and checking itself."""
+    return bool(_GRADERS_REF.search(_HONEST_GRADERS_LINE.sub("", source)))
 
 
 def trusted_regrade(course: Path, assignment: str, secret: str | None = None) -> tuple[dict, list]:
@@ -143,7 +150,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     scores: dict[str, dict[str, float]] = {}
-    mismatches = [Attempt(student, ex) for student, _, ex, source in jobs if _GRADERS_REF.search(source)]
+    mismatches = [Attempt(student, ex) for student, _, ex, source in jobs if refers_to_graders(source)]
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         for (student, notebook, ex, _), trusted in zip(jobs, results):
             scores.setdefault(student, {})[ex] = trusted

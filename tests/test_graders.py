@@ -185,8 +185,8 @@ def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, in
 
 
 def test_numpy_scalars_count_as_numbers():
-    source = _submission("all_correct", "ch02.9").replace("return (padded - used) / padded",
-                                                          "import numpy as np\n    return np.float64((padded - used) / padded)")
+    source = _submission("all_correct", "ch02.9").replace("    return wasted / padded",
+                                                          "    import numpy as np\n    return np.float64(wasted / padded)")
     assert "np.float64" in source
     assert graders.grade_source("ch02.9", source).score == 3.0
 
@@ -229,3 +229,14 @@ def test_hidden_cases_depend_on_the_secret(monkeypatch):
     a = hidden_seed("ch02.3")
     monkeypatch.setenv("LORA_BOOK_SECRET", "b")
     assert hidden_seed("ch02.3") != a
+
+
+def test_a_lambda_and_a_check_inside_the_answer_cell_are_graded(tmp_path, capsys):
+    cell = tmp_path / "cell.py"
+    cell.write_text("import math\nimport graders\n"
+                    "lora_scaling = lambda lora_alpha, r, use_rslora: (_ for _ in ()).throw(ValueError('r')) if r <= 0 "
+                    "else lora_alpha / (math.sqrt(r) if use_rslora else r)\n"
+                    "score = graders.check('ch01.4', lora_scaling)\n")
+    namespace: dict = {}
+    exec(compile(cell.read_text(), str(cell), "exec"), namespace)
+    assert namespace["score"] == 3.0, capsys.readouterr().out
