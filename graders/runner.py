@@ -47,13 +47,15 @@ class HostReadRecorder(TorchFunctionMode):
     in learner code cannot hide it.
     """
 
-    def __init__(self):
+    def __init__(self, cuda_only: bool):
         super().__init__()
         self.reads: list[str] = []
+        self.cuda_only = cuda_only  # on a GPU, reading a host (CPU) tensor costs nothing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_READS and len(self.reads) < 5:
+        if name in HOST_READS and len(self.reads) < 5 and (
+                not self.cuda_only or any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)):
             where = _answer_frame()
             if where:
                 self.reads.append(f"`{_spelled(name)}` at {where}")
@@ -82,22 +84,20 @@ def watching_host_reads(device: torch.device, enabled: bool):
     if not enabled:
         yield []
         return
-    if device.type == "cuda":  # the device itself reports synchronizations
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            previous = torch.cuda.get_sync_debug_mode()
+    recorder = HostReadRecorder(cuda_only=device.type == "cuda")
+    with warnings.catch_warnings(record=True) as caught, recorder:
+        warnings.simplefilter("always")
+        previous = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
+        if previous is not None:  # the device also reports synchronizations the mode cannot see
             torch.cuda.set_sync_debug_mode("warn")
-            reads: list[str] = []
-            try:
-                yield reads
-            finally:
+        try:
+            yield recorder.reads
+        finally:
+            if previous is not None:
                 torch.cuda.set_sync_debug_mode(previous)
-                reads += [f"a synchronizing CUDA call at {w.filename}:{w.lineno}" for w in caught
-                          if "synchroniz" in str(w.message) and w.filename.startswith("<answer cell")]
-        return
-    recorder = HostReadRecorder()
-    with recorder:
-        yield recorder.reads
+            if not recorder.reads:
+                recorder.reads += [f"a synchronizing CUDA call at {w.filename} line {w.lineno}" for w in caught
+                                   if "synchroniz" in str(w.message) and w.filename.startswith("<answer cell")]
 
 
 def _alias_of(returned, args) -> int | None:
