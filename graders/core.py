@@ -27,7 +27,7 @@ from graders.wire import decode, encode, load_tensors, read_json, save_tensors, 
 from reference.batch_info import LoRABatchInfo
 from reference.device import default_device
 
-__all__ = ["Case", "Exercise", "GradeResult", "grade_source", "grade_under_secrets", "hidden_seed", "default_timeout", "PUBLIC_SEED"]
+__all__ = ["Case", "Exercise", "GradeResult", "grade_source", "grade_under_secrets", "grade_many_under_secrets", "hidden_seed", "default_timeout", "PUBLIC_SEED"]
 
 PUBLIC_SEED = 20261129
 SECRET_ENV = "LORA_BOOK_SECRET"
@@ -459,6 +459,50 @@ def grade_under_secrets(exercise_id: str, source: str, secrets: Sequence[str], f
     return _grade(exercise_id, source, func_name, device, timeout, list(secrets))
 
 
+def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: Sequence[str],
+                             device: Optional[torch.device] = None) -> list[dict[str, GradeResult]]:
+    """:func:`grade_under_secrets` for several answer cells of one exercise (a solution and its
+    mutants): the cases and the reference's results are built once, and on the CPU one child
+    process imports torch once and forks one grandchild per source (``graders.runner.run_many``).
+    On CUDA each source gets its own child (a CUDA context does not survive a fork).
+    """
+    from graders.exercises import EXERCISES
+
+    ex = EXERCISES[exercise_id]
+    device = device or default_device()
+    if device.type != "cpu" or ex.requires and not all(ex.requires[0] in src for src in sources):
+        return [grade_under_secrets(exercise_id, src, secrets, device=device) for src in sources]
+    timeout = default_timeout(device) * (1 + 0.5 * (len(secrets) - 1))
+    cases = _build_cases(ex, list(secrets))
+    expected = [_expected(ex, c) for c in cases]
+    with tempfile.TemporaryDirectory(prefix=f"grade-many-{exercise_id}-") as tmp:
+        workdir = Path(tmp)
+        _write_job(ex, cases, workdir, device, {"sources": list(sources), "func_name": ex.func_name,
+                                                 "timeout": timeout})
+        start = time.perf_counter()
+        _run_child(workdir, timeout * len(sources) + 60)
+        elapsed = (time.perf_counter() - start) / max(len(sources), 1)
+        results = []
+        for k in range(len(sources)):
+            sub = workdir / f"s{k}"
+            status = read_json(sub / "status.json") if (sub / "status.json").exists() else {"code": None, "timed_out": True}
+            stderr = (sub / "stderr.txt").read_text(errors="replace")[-800:] if (sub / "stderr.txt").exists() else ""
+            verdicts = _verdicts(ex, cases, expected, sub, device, status["code"], status["timed_out"], timeout, stderr)
+            results.append({k2: _result(ex, cases, verdicts, device, elapsed, k2) for k2 in secrets})
+    return results
+
+
+def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.device, extra: dict) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
+                 for i, c in enumerate(cases)]
+    save_tensors(tensors, workdir / "inputs.safetensors")
+    driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
+    write_json({"exercise_id": ex.id, "driver": driver, "no_device_reads": ex.no_device_reads,
+                "fresh_result": ex.fresh_result and all(c.out_index is None for c in cases),
+                "device": str(device), "cases": job_cases, **extra}, workdir / "job.json")
+
+
 def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     from graders.exercises import EXERCISES
 
@@ -475,15 +519,7 @@ def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     expected = [_expected(ex, c) for c in cases]
     with tempfile.TemporaryDirectory(prefix=f"grade-{exercise_id}-") as tmp:
         workdir = Path(tmp)
-        tensors: dict[str, torch.Tensor] = {}
-        job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
-                     for i, c in enumerate(cases)]
-        save_tensors(tensors, workdir / "inputs.safetensors")
-        driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
-        write_json({"exercise_id": exercise_id, "func_name": func_name or ex.func_name, "source": source,
-                    "driver": driver, "no_device_reads": ex.no_device_reads,
-                    "fresh_result": ex.fresh_result and all(c.out_index is None for c in cases),
-                    "device": str(device), "cases": job_cases}, workdir / "job.json")
+        _write_job(ex, cases, workdir, device, {"source": source, "func_name": func_name or ex.func_name})
         start = time.perf_counter()
         code, timed_out, stderr = _run_child(workdir, timeout)
         elapsed = time.perf_counter() - start

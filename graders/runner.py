@@ -151,6 +151,55 @@ def main(workdir: Path) -> None:
     os.environ[CHILD_ENV] = "1"
     job = read_json(workdir / "job.json")
     inputs = load_tensors(workdir / "inputs.safetensors")
+    if "sources" in job:
+        run_many(job, inputs, workdir)
+    else:
+        run_one(job, inputs, workdir)
+
+
+def run_many(job: dict, inputs: dict, workdir: Path) -> None:
+    """Grade several answer cells on the same cases (mutation tests), each in a forked process.
+
+    The fork saves each answer the import of torch; CPU only (a CUDA context does not survive a
+    fork, and this process never creates one). Each child gets ``job["timeout"]`` seconds, its
+    own process group (killed whole when its time is up) and its own folder ``s<k>/``, where
+    ``status.json`` records how it ended.
+    """
+    for k, source in enumerate(job["sources"]):
+        out = workdir / f"s{k}"
+        out.mkdir()
+        pid = os.fork()
+        if pid == 0:  # the child: grade one source, never return into this loop
+            code = 0
+            try:
+                os.setpgid(0, 0)
+                err = os.open(out / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+                os.dup2(err, 2)
+                run_one({**job, "source": source}, inputs, out)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + job["timeout"]
+        code, timed_out = None, False
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, 9)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, 9)  # whatever the answer left running
+        write_json({"code": code, "timed_out": timed_out}, out / "status.json")
+
+
+def run_one(job: dict, inputs: dict, workdir: Path) -> None:
     device = torch.device(job["device"])
     try:
         with contextlib.redirect_stdout(io.StringIO()):

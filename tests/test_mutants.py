@@ -11,7 +11,7 @@ import collections
 
 import pytest
 
-from graders.core import grade_under_secrets
+from graders.core import grade_many_under_secrets
 from graders.exercises import EXERCISES
 from graders.mutation import apply_edits, load_catalogue, solution_answers
 from graders.points import total_points
@@ -45,8 +45,18 @@ def test_every_exercise_has_a_catalogue_of_different_kinds():
     assert all(n == 1 for n in plausible.values()), plausible
 
 
+_GRADED: dict[str, dict[str, dict]] = {}  # exercise -> source -> {secret: GradeResult}
+
+
 def _grade(exercise_id: str, source: str) -> dict:
-    return grade_under_secrets(exercise_id, source, SECRETS)
+    """Results for ``source``; the first call for an exercise grades its solution and every mutant
+    in one child process (graders.core.grade_many_under_secrets), the rest read the cache."""
+    if exercise_id not in _GRADED:
+        sources = [SOLUTIONS[exercise_id]] + [apply_edits(SOLUTIONS[m.exercise], m.edits, m.id)
+                                              for m in CATALOGUE if m.exercise == exercise_id]
+        sources = list(dict.fromkeys(sources))
+        _GRADED[exercise_id] = dict(zip(sources, grade_many_under_secrets(exercise_id, sources, SECRETS)))
+    return _GRADED[exercise_id][source]
 
 
 def _check_solution(exercise_id: str) -> None:
