@@ -22,7 +22,8 @@ from reference.batch_info import build_batch_info, stable_sort_by_slot
 
 __all__ = ["JUNK", "FINITE_JUNK", "BatchSpec", "weights", "batch_info_for", "row_labels", "describe", "x_for", "base_rows",
            "loop_case", "shrink_case", "expand_case", "edge_specs", "random_specs", "op_cases", "row_slots",
-           "batch_hint", "ignored_permutation", "batch_hint_common"]
+           "batch_hint", "ignored_permutation", "batch_hint_common", "not_in_place", "reads_token_slots",
+           "LAYOUTS", "layout_spec", "contract_edge_specs", "contract_random_specs", "contract_op_cases"]
 
 JUNK = float("nan")  # what an op must never read
 FINITE_JUNK = 3.0e4  # finite poison: survives torch.nan_to_num, and reading it is still far off
@@ -44,6 +45,8 @@ class BatchSpec:
     scalings: Optional[Sequence[float]] = None
     junk: float = JUNK  # what padding holds: NaN, or FINITE_JUNK (nan_to_num cannot hide a read)
     chunk: int = 0  # > 0: every segment cut into pieces of at most ``chunk`` tokens (chunked SGMV)
+    extra_cols: int = 0  # shrink output / expand input with max_rank + extra_cols columns (">= max_rank")
+    token_slots: bool = True  # False: batch_info.token_slots is None (ops that never read it: SGMV, the loop)
 
 
 def weights(spec: BatchSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +76,7 @@ def batch_info_for(spec: BatchSpec):
     info = build_batch_info(lens, slots, spec.ranks, scalings, "cpu", permutation)
     info.bs = len(spec.req_lens)
     # the per-token slots in x's row order, whatever the segments' layout
-    info.token_slots = token_slots.clone()
+    info.token_slots = token_slots.clone() if spec.token_slots else None
     return info, token_slots
 
 
@@ -87,8 +90,21 @@ def row_labels(spec: BatchSpec) -> list[str]:
 
 def describe(spec: BatchSpec, first: str) -> str:
     order = "requests arrive unsorted (permutation given)" if spec.sort else "segments"
-    return (f"{first}, {spec.dtype}; {order}: lengths {list(spec.req_lens)} -> slots {list(spec.req_slots)}; "
+    text = (f"{first}, {spec.dtype}; {order}: lengths {list(spec.req_lens)} -> slots {list(spec.req_slots)}; "
             f"lora_ranks {list(spec.ranks)}, max_rank {spec.max_rank}")
+    if spec.sort or spec.chunk:  # what the op receives differs from the requests: show it
+        info, _ = batch_info_for(spec)
+        text += (f"; the op gets seg_indptr {info.seg_indptr.tolist()}, weight_indices {info.weight_indices.tolist()}"
+                 + (f", permutation {info.permutation.tolist()}" if info.permutation is not None else "")
+                 + (f" (segments cut into chunks of at most {spec.chunk})" if spec.chunk else ""))
+    extras = []
+    if spec.junk == FINITE_JUNK:
+        extras.append(f"padding holds the finite {FINITE_JUNK:g} (not NaN)")
+    if spec.extra_cols:
+        extras.append(f"t/out have max_rank + {spec.extra_cols} columns")
+    if not spec.token_slots:
+        extras.append("batch_info.token_slots is None (this op never reads it)")
+    return text + ("; " + "; ".join(extras) if extras else "")
 
 
 def x_for(spec, gen):
@@ -115,9 +131,10 @@ def shrink_case(spec: BatchSpec, gen: torch.Generator) -> Case:
     A, _ = weights(spec, gen)
     info, token_slots = batch_info_for(spec)
     x = x_for(spec, gen)
-    out = torch.full((x.shape[0], spec.max_rank), float("nan"), dtype=spec.dtype)
+    width = spec.max_rank + spec.extra_cols
+    out = torch.full((x.shape[0], width), float("nan"), dtype=spec.dtype)
     ranks = torch.tensor(list(spec.ranks))[token_slots.long()]
-    defined = torch.arange(spec.max_rank)[None, :] < ranks[:, None]
+    defined = torch.arange(width)[None, :] < ranks[:, None]
     first = f"x {list(x.shape)}, A_stack {list(A.shape)}, out {list(out.shape)} (filled with NaN)"
     return Case(spec.name, [x, A, info, out], describe(spec, first), out_index=3, defined=defined,
                 row_labels=row_labels(spec))
@@ -127,9 +144,10 @@ def expand_case(spec: BatchSpec, gen: torch.Generator) -> Case:
     _, B = weights(spec, gen)
     info, token_slots = batch_info_for(spec)
     n = sum(spec.req_lens)
-    t = torch.randn(n, spec.max_rank, generator=gen)
+    width = spec.max_rank + spec.extra_cols
+    t = torch.randn(n, width, generator=gen)
     ranks = torch.tensor(list(spec.ranks))[token_slots.long()]
-    past_rank = torch.arange(spec.max_rank)[None, :] >= ranks[:, None]
+    past_rank = torch.arange(width)[None, :] >= ranks[:, None]
     t = torch.where(past_rank, spec.junk, t).to(spec.dtype)
     out = torch.randn(n, spec.d_out, generator=gen).to(spec.dtype)
     first = f"t {list(t.shape)}, B_stack {list(B.shape)}, out {list(out.shape)} (the base output)"
@@ -184,63 +202,288 @@ def op_cases(make, sgmv: bool, hidden_ok: bool = True):
     return edge, rand
 
 
+def _info(case: Case) -> bi_ref.LoRABatchInfo:
+    return next(a for a in case.args if isinstance(a, bi_ref.LoRABatchInfo))
+
+
 def row_slots(case: Case) -> Optional[torch.Tensor]:
-    info = next(a for a in case.args if isinstance(a, bi_ref.LoRABatchInfo))
-    return info.token_slots.long().cpu()
+    """The slot of every row of x (x order), also for a batch that carries no token_slots."""
+    info = _info(case)
+    if info.token_slots is not None:
+        return info.token_slots.long().cpu()
+    lens = (info.seg_indptr[1:] - info.seg_indptr[:-1]).long().cpu()
+    sorted_slots = torch.repeat_interleave(info.weight_indices.long().cpu(), lens)
+    if info.permutation is None:
+        return sorted_slots
+    slots = torch.empty_like(sorted_slots)
+    slots[info.permutation.long().cpu()] = sorted_slots
+    return slots
+
+
+#: Ops that read only token_slots (never the segments or the permutation).
+_TOKEN_SLOT_OPS = ("bgmv_shrink", "bgmv_expand", "fused_decode")
+
+
+def reads_token_slots(reference_op) -> bool:
+    """Whether ``reference_op`` is a BGMV-style op (it reads only ``batch_info.token_slots``)."""
+    return getattr(reference_op, "__name__", "") in _TOKEN_SLOT_OPS
 
 
 def batch_hint(reference_op):
+    """The hint of a batched op: names the mistake when the result is what a known wrong reading of
+    the batch gives (out not written in place, the permutation ignored or inverted, segments read with
+    an inclusive end, token slots rebuilt from the segments, slot 0 taken as the base model), else the
+    symptoms (padding read, rank-0 rows changed, scaling applied in the shrink)."""
     def hint(case: Case, expected, got) -> Optional[str]:
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
             return None
-        return ignored_permutation(reference_op, case, got) or batch_hint_common(case, expected, got)
+        return (not_in_place(case, expected, got) or ignored_permutation(reference_op, case, got)
+                or _wrong_reading(reference_op, case, got) or batch_hint_common(case, expected, got))
     return hint
+
+
+def not_in_place(case: Case, expected, got) -> Optional[str]:
+    """The hint for an op that computed its result but never wrote it into ``out``."""
+    if case.out_index is None:
+        return None
+    before = case.args[case.out_index].cpu()
+    same = lambda a, b: bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())  # noqa: E731
+    if got.shape == before.shape and same(got, before) and not same(expected.cpu(), before):
+        return ("`out` is exactly as it was before the call: the result must be written into `out` in place "
+                "(out[rows] = ..., out.copy_(...), out[...] += ...); a new tensor that you return is not "
+                "what the caller reads")
+    return None
+
+
+def _rerun(reference_op, case: Case, infos) -> torch.Tensor:
+    """``reference_op`` applied once per batch_info of ``infos`` to a copy of the case's inputs."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in case.args]
+    idx = next(i for i, a in enumerate(args) if isinstance(a, bi_ref.LoRABatchInfo))
+    for info in infos:
+        args[idx] = info
+        reference_op(*args)
+    return args[case.out_index].cpu().double()
+
+
+def _close(case: Case, got, alt) -> bool:
+    mask = case.defined.cpu() if case.defined is not None else torch.ones_like(alt, dtype=torch.bool)
+    g = got.double()
+    if case.defined is not None and bool(torch.isnan(g[mask]).all()):
+        return False  # nothing written at all: other hints say so
+    return torch.allclose(torch.where(mask, g, 0.0), torch.where(mask, alt, 0.0), rtol=0.05, atol=0.05, equal_nan=True)
+
+
+def _with(info, **fields) -> bi_ref.LoRABatchInfo:
+    return bi_ref.LoRABatchInfo(**{**vars(info), **fields})
+
+
+def _wrong_reading(reference_op, case: Case, got) -> Optional[str]:
+    """Known wrong readings of the batch, each replayed with the reference: the first whose result
+    matches ``got`` names the mistake."""
+    info = _info(case)
+    if case.out_index is None or info.seg_indptr.numel() == 0:
+        return None
+    n = case.args[case.out_index].shape[0]
+    readings = []
+    if reads_token_slots(reference_op):
+        lens = (info.seg_indptr[1:] - info.seg_indptr[:-1]).long()
+        seg_order = torch.repeat_interleave(info.weight_indices, lens).to(torch.int32)
+        if info.token_slots is not None and not torch.equal(seg_order, info.token_slots):
+            readings.append(([_with(info, token_slots=seg_order)],
+                             "your result is what the segments give in x's row order: this op reads only "
+                             "batch_info.token_slots (the slot of every token, in x's order), and the segments "
+                             "(seg_indptr, weight_indices) of a permuted batch are in another order"))
+    else:
+        perm = info.permutation
+        if perm is not None:
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+            if not torch.equal(inverse, perm):
+                readings.append(([_with(info, permutation=inverse)],
+                                 "your result is what the batch gives with the inverse permutation: sorted row i "
+                                 "is row permutation[i] of x, so segment i covers the rows "
+                                 "permutation[seg_indptr[i]:seg_indptr[i+1]] of x and out"))
+        indptr = info.seg_indptr.tolist()
+        pieces = []
+        for seg, slot in enumerate(info.weight_indices.tolist()):
+            lo, hi = indptr[seg], min(indptr[seg + 1] + 1, n)
+            pieces.append(_with(info, num_segments=1, seg_lens=torch.tensor([hi - lo], dtype=torch.int32),
+                                seg_indptr=torch.tensor([lo, hi], dtype=torch.int32),
+                                weight_indices=torch.tensor([slot], dtype=torch.int32)))
+        readings.append((pieces, "your result is what segments with an inclusive end give: segment i is the rows "
+                                 "seg_indptr[i] up to but excluding seg_indptr[i+1] (a Python slice lo:hi, or "
+                                 "range(lo, hi))"))
+    ranks = info.lora_ranks
+    if ranks.numel() and int(ranks[0]) > 0:
+        readings.append(([_with(info, lora_ranks=torch.cat([ranks[:1] * 0, ranks[1:]]),
+                                scalings=torch.cat([info.scalings[:1] * 0, info.scalings[1:]]))],
+                         "rows of slot 0 differ, and slot 0 holds an adapter here: the base model is the slot of "
+                         "rank 0, wherever it is"))
+    for infos, text in readings:
+        try:
+            alt = _rerun(reference_op, case, infos)
+        except Exception:  # a reading the reference cannot replay: no hint from it
+            continue
+        if _close(case, got, alt):
+            return text
+    return None
 
 
 def ignored_permutation(reference_op, case: Case, got) -> Optional[str]:
     """The hint for an SGMV op that walked segments over x's rows directly."""
-    info = next(a for a in case.args if isinstance(a, bi_ref.LoRABatchInfo))
-    if info.permutation is None:
+    info = _info(case)
+    if info.permutation is None or reads_token_slots(reference_op):
         return None
-    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in case.args]
-    idx = next(i for i, a in enumerate(args) if a is info)
-    args[idx] = bi_ref.LoRABatchInfo(**{**vars(info), "permutation": None})
-    reference_op(*args)
-    alt = args[case.out_index].cpu().double()
-    mask = case.defined if case.defined is not None else torch.ones_like(alt, dtype=torch.bool)
-    g = got.double()
-    if case.defined is not None and bool(torch.isnan(g[mask]).all()):
-        return None  # the shrink wrote nothing at all: the NaN note says so
-    if torch.allclose(torch.where(mask, g, 0.0), torch.where(mask, alt, 0.0), rtol=0.05, atol=0.05, equal_nan=True):
+    alt = _rerun(reference_op, case, [_with(info, permutation=None)])
+    if _close(case, got, alt):
         return ("your result is what the batch gives without its permutation: segment rows are "
                 "permutation[seg_indptr[i]:seg_indptr[i+1]] when batch_info.permutation is set")
     return None
 
 
+def _holds_finite_junk(case: Case) -> bool:
+    for a in case.args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
+            if bool((a == torch.tensor(FINITE_JUNK, dtype=a.dtype, device=a.device)).any()):
+                return True
+    return False
+
+
 def batch_hint_common(case: Case, expected, got) -> Optional[str]:
-    info = next(a for a in case.args if isinstance(a, bi_ref.LoRABatchInfo))
+    info = _info(case)
     slots = row_slots(case)
     ranks = info.lora_ranks.cpu()[slots]
     e, g = expected.cpu().double(), got.double()
     bad = ~torch.isclose(g, e, rtol=0.05, atol=0.05)
     if case.defined is not None:
-        bad &= case.defined
+        bad &= case.defined.cpu()
     bad_rows = bad.reshape(bad.shape[0], -1).any(dim=1)
     hints = []
-    finite_bad = bad_rows & torch.isfinite(g.reshape(g.shape[0], -1)).all(dim=1)
-    if bool(finite_bad.any()) and bool((slots[finite_bad] == 0).all()) and int(info.lora_ranks[0]) > 0:
-        hints.append("rows of slot 0 differ, and slot 0 holds an adapter here: the base model is the slot "
-                     "of rank 0, wherever it is")
     if bool(bad_rows.any()) and bool((ranks[bad_rows] == 0).all()):
         hints.append("only rows of rank-0 slots differ: a slot of rank 0 (the base model) must add exactly nothing")
     if bool(torch.isnan(g).any()) and not bool(torch.isnan(e).any()):
         hints.append("NaN came from padding past a slot's rank (the grader fills it with NaN): clip A to its "
                      "first r rows and B to its first r columns by slicing or torch.where (0 * NaN is NaN)")
+    elif _holds_finite_junk(case) and bool(bad.any()) and float((g - e).abs()[bad].max()) > 100.0:
+        hints.append(f"values far off came from padding past a slot's rank: this case fills it with the finite "
+                     f"{FINITE_JUNK:g} (torch.nan_to_num cannot hide a read), so clip A to its first r rows and B "
+                     f"to its first r columns by slicing or torch.where")
     if hints:
         return "; ".join(hints)
     if case.defined is not None:
         scale = info.scalings.cpu().double()[slots][:, None].expand_as(e)
-        region = case.defined & (scale != 1.0)
+        region = case.defined.cpu() & (scale != 1.0)
         if bool(region.any()) and torch.allclose(g[region], e[region] * scale[region], rtol=0.05, atol=0.05):
             return "your result is the expected one times scalings[slot]: shrink applies no scaling (expand does; doing both scales the delta twice)"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Case families from the contract (chapter 02 and later): every layout the op's contract allows,
+# in every group, with the structure that makes each reading visible fixed and only the numbers
+# drawn, so a mistake costs the same under any secret.
+
+#: Layout families: (name, sort, chunk). "segments": one segment per request in x order;
+#: "permuted": requests out of slot order, segments are slot groups of the sorted tokens reached
+#: through the permutation (token_slots stays in x order, so it differs from the segments' order);
+#: "chunked": segments cut into pieces; "chunked_permuted": both.
+LAYOUTS = (("segments", False, 0), ("permuted", True, 0), ("chunked", False, 2), ("chunked_permuted", True, 3))
+
+
+def layout_spec(name: str, rng: random.Random, *, layout: str, dtype=torch.float32, junk: float = JUNK,
+                extra_cols: int = 0, token_slots: bool = True, slot0_adapter: bool = False,
+                d_in: Optional[int] = None, d_out: Optional[int] = None, max_rank: Optional[int] = None) -> BatchSpec:
+    """A batch of one layout family whose structure is fixed and whose numbers come from ``rng``.
+
+    Fixed: a full-rank adapter ``hi`` and a partial-rank adapter ``lo`` (``lo`` < ``hi``, distinct
+    scalings, every scaling != 1), a rank-0 slot (slot 0 unless ``slot0_adapter``, then slot 0 is
+    ``lo``), requests ``hi, base, lo, hi`` in arrival order (out of slot order, an adapter repeated
+    non-adjacently, segments of >= 3 tokens so chunks cut them), then up to two random requests
+    (one may be empty)."""
+    sort, chunk = next((s, c) for n, s, c in LAYOUTS if n == layout)
+    n_slots = rng.randint(3, 6)
+    max_rank = max_rank or rng.choice([8, 12, 16])
+    others = list(range(n_slots))
+    if slot0_adapter:
+        lo = 0
+        base = rng.randrange(1, n_slots)
+        hi = rng.choice([s for s in others if s not in (lo, base)])
+    else:
+        base = 0
+        lo, hi = sorted(rng.sample(range(1, n_slots), 2))
+    ranks = [rng.choice([1, 2, max_rank // 2, max_rank]) for _ in range(n_slots)]
+    ranks[base], ranks[hi], ranks[lo] = 0, max_rank, rng.randint(1, max_rank - 1)
+    pool = [0.25, 0.5, 1.5, 2.0, 3.0]
+    rng.shuffle(pool)
+    scalings = [0.0 if r == 0 else pool.pop() for r in ranks]
+    lens = [rng.randint(3, 7), rng.randint(1, 4), rng.randint(3, 7), rng.randint(1, 5)]
+    slots = [hi, base, lo, hi]
+    for _ in range(rng.randint(0, 2)):
+        lens.append(rng.choice([0, 1, 2, 4]))
+        slots.append(rng.randrange(n_slots))
+    d_in = d_in or rng.choice([16, 24, 40, 72])
+    d_out = d_out or rng.choice([8, 24, 40, 56])
+    return BatchSpec(name, lens, slots, ranks, max_rank, d_in, d_out, dtype, sort=sort, scalings=scalings,
+                     junk=junk, chunk=chunk, extra_cols=extra_cols, token_slots=token_slots)
+
+
+def _reads(op: str) -> tuple[bool, bool]:
+    """(reads the permutation/segments, has a t/out of max_rank columns) for an op kind."""
+    if op not in ("loop", "bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand"):
+        raise ValueError(f"unknown op kind {op!r}")
+    return not op.startswith("bgmv"), op != "loop"
+
+
+def contract_edge_specs(op: str) -> list[BatchSpec]:
+    """The edge batches of an op kind (``loop``, ``bgmv_shrink``, ``bgmv_expand``, ``sgmv_shrink``,
+    ``sgmv_expand``): the fixed edge batches of :func:`edge_specs`, requests with zero tokens, every
+    layout, finite junk, fp16 and bf16, a t/out wider than max_rank (shrink/expand) and a batch
+    without token_slots (ops that read the segments)."""
+    segments, wide = _reads(op)
+    rng = random.Random(20261201)
+    specs = [s for s in edge_specs(sgmv=True)]
+    specs.append(BatchSpec("requests_with_zero_tokens", [0, 0], [1, 2], [0, 4, 2], 4, 16, 16))
+    specs.append(BatchSpec("finite_junk_in_padding", [3, 2, 2], [1, 2, 0], [0, 16, 4], 16, 32, 40, junk=FINITE_JUNK))
+    specs.append(BatchSpec("fp16_mixed_ranks", [2, 3, 1], [2, 1, 0], [0, 3, 8], 8, 24, 20, torch.float16))
+    specs.append(BatchSpec("bf16_mixed_ranks", [3, 1, 2], [1, 0, 2], [0, 5, 8], 8, 40, 24, torch.bfloat16))
+    for layout, _, _ in LAYOUTS[1:]:
+        specs.append(layout_spec(f"layout_{layout}", rng, layout=layout, slot0_adapter=layout == "permuted",
+                                 junk=FINITE_JUNK if layout == "chunked" else JUNK))
+    if wide:
+        specs.append(layout_spec("t_out_wider_than_max_rank", rng, layout="segments", extra_cols=3))
+    if segments:
+        specs.append(layout_spec("no_token_slots_permuted", rng, layout="permuted", token_slots=False))
+    return specs
+
+
+def contract_random_specs(rng: random.Random, hidden: bool, op: str) -> list[BatchSpec]:
+    """The random batches of an op kind: every layout family, each in a fixed dtype and poison (fp32,
+    bf16, fp16; NaN and finite junk), slot 0 an adapter in half of them, t/out wider than max_rank
+    and token_slots absent where the op allows; only the numbers come from ``rng``."""
+    segments, wide = _reads(op)
+    families = [  # (layout, dtype, junk, slot 0 holds an adapter)
+        ("segments", torch.float32, JUNK, False),
+        ("permuted", torch.bfloat16, FINITE_JUNK, True),
+        ("chunked", torch.float16, JUNK, True),
+        ("chunked_permuted", torch.float32, FINITE_JUNK, False),
+        ("permuted", torch.float32, JUNK, False),
+    ]
+    specs = []
+    for i, (layout, dtype, junk, slot0) in enumerate(families):
+        specs.append(layout_spec(f"random_{i}_{layout}", rng, layout=layout, dtype=dtype, junk=junk,
+                                 slot0_adapter=slot0, extra_cols=rng.randint(1, 4) if wide and i in (1, 3) else 0,
+                                 token_slots=not (segments and i in (2, 4))))
+    return specs
+
+
+def contract_op_cases(make, op: str):
+    """(edge, random) case makers of an op kind from :func:`contract_edge_specs` and
+    :func:`contract_random_specs`; ``make`` is :func:`loop_case`, :func:`shrink_case` or :func:`expand_case`."""
+    def edge() -> list[Case]:
+        gen = torch.Generator().manual_seed(7)
+        return [make(s, gen) for s in contract_edge_specs(op)]
+
+    def rand(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+        return [make(s, gen) for s in contract_random_specs(rng, hidden, op)]
+
+    return edge, rand

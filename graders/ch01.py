@@ -1,6 +1,15 @@
-"""Cases for chapter 01 (LoRA from first principles)."""
+"""Cases for chapter 01 (LoRA from first principles).
+
+Every clause the exercises state has a case: bf16 as well as fp32 (results keep the input's dtype),
+scaling 0 and a fresh adapter (B = 0), where returning the input itself is tempting but the contract
+asks for a new tensor (core's fresh_result check); r < 0 as well as r = 0; a Python float where one
+is asked for (an int or a tensor that equals it is the wrong type); ``projection_shapes`` graded on
+its own through a driver (ch01.5 and ch01.6), since a byte count or a FLOP ratio cannot tell in from
+out.
+"""
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -9,7 +18,7 @@ from graders.core import Case, Exercise
 from reference import lora_math as ref
 from reference.lora_math import LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS
 
-__all__ = ["EXERCISES"]
+__all__ = ["EXERCISES", "returns_python_float", "size_driver", "share_driver"]
 
 
 def _randn(gen: torch.Generator, *shape: int, std: float = 1.0, dtype=torch.float32) -> torch.Tensor:
@@ -37,6 +46,8 @@ def _forward_edge() -> list[Case]:
         _forward_case("scaling_0_is_base", g, (3,), 16, 24, 4, 0.0, torch.float32),
         _forward_case("non_square_odd_sizes", g, (5,), 72, 40, 7, 0.5, torch.float32),
         _forward_case("batch_and_sequence_dims", g, (2, 3), 32, 48, 8, 1.5, torch.float32),
+        _forward_case("bf16_non_square", g, (4,), 40, 24, 4, 2.0, torch.bfloat16),
+        _forward_case("bf16_batch_and_sequence_dims", g, (2, 2), 24, 40, 3, 0.5, torch.bfloat16),
     ]
 
 
@@ -49,8 +60,10 @@ def _forward_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> l
     return cases
 
 
-def _weights_case(name, gen, d_in, d_out, r, scaling, dtype, merged: bool) -> Case:
+def _weights_case(name, gen, d_in, d_out, r, scaling, dtype, merged: bool, fresh_adapter: bool = False) -> Case:
     _, W, A, B = _layer(gen, (1,), d_in, d_out, r, dtype)
+    if fresh_adapter:  # B = 0, as PEFT initializes it: the merge changes nothing, and still returns a new tensor
+        B = torch.zeros_like(B)
     if merged:
         W = ref.merge_lora(W, A, B, scaling)
     what = "W_merged" if merged else "W"
@@ -65,6 +78,9 @@ def _merge_edge(merged: bool):
             _weights_case("rank_1", g, 8, 8, 1, 1.0, torch.float32, merged),
             _weights_case("scaling_0_changes_nothing", g, 16, 12, 4, 0.0, torch.float32, merged),
             _weights_case("non_square_odd_sizes", g, 72, 40, 7, 2.0, torch.float32, merged),
+            _weights_case("fresh_adapter_B_zero", g, 24, 16, 4, 2.0, torch.float32, merged, fresh_adapter=True),
+            _weights_case("bf16_non_square", g, 40, 24, 4, 0.5, torch.bfloat16, merged),
+            _weights_case("bf16_scaling_0", g, 16, 24, 2, 0.0, torch.bfloat16, merged),
         ]
     return make
 
@@ -90,13 +106,90 @@ def _scaling_edge() -> list[Case]:
         _scaling_case("plain_r8_alpha32", 32, 8, False),
         _scaling_case("rslora_r64_alpha8", 8, 64, True),
         _scaling_case("rank_1", 4, 1, True),
+        _scaling_case("float_alpha_rslora", 0.5, 4, True),
         _scaling_case("rank_0_raises_value_error", 16, 0, False),
+        _scaling_case("rank_0_rslora_raises_value_error", 16, 0, True),
+        _scaling_case("negative_rank_raises_value_error", 16, -4, False),
+        _scaling_case("negative_rank_rslora_raises_value_error", 16, -4, True),
     ]
 
 
 def _scaling_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
-    return [_scaling_case(f"random_{i}", rng.choice([1, 7, 8, 16, 32, 64, 128]), rng.choice([1, 2, 3, 8, 12, 16, 64, 256]),
-                          i % 2 == 1) for i in range(6)]
+    cases = [_scaling_case(f"random_{i}", rng.choice([1, 7, 8, 16, 32, 64, 128]), rng.choice([2, 3, 8, 12, 16, 64, 256]),
+                           i % 2 == 1) for i in range(6)]
+    cases[0] = _scaling_case("random_0", rng.choice([7, 9, 15]), rng.choice([2, 4, 8]), False)  # alpha / r not whole
+    cases.append(_scaling_case("random_negative_rank", rng.choice([8, 16]), -rng.randint(1, 16), rng.random() < 0.5))
+    return cases
+
+
+def returns_python_float(fn, *args):
+    """Driver of the exercises whose contract returns a Python float: an int or a tensor that equals
+    the number is still the wrong type."""
+    value = fn(*args)
+    if isinstance(value, bool) or not isinstance(value, float):
+        what = f"a tensor ({value!r})" if isinstance(value, torch.Tensor) else f"the {type(value).__name__} {value!r}"
+        raise TypeError(f"returned {what}; the contract asks for a Python float (e.g. / rather than //)")
+    return value
+
+
+def _learner_shapes(fn, config: dict) -> tuple:
+    """The answer cell's own projection_shapes(config), as (in, out) pairs in the table's order."""
+    shapes_fn = getattr(fn, "__globals__", {}).get("projection_shapes")
+    if shapes_fn is None:
+        raise NameError("the answer cell defines no projection_shapes (the exercise asks for it as well)")
+    shapes = shapes_fn(config)
+    if not isinstance(shapes, dict) or sorted(shapes) != sorted(LLAMA_PROJECTIONS):
+        keys = sorted(shapes) if isinstance(shapes, dict) else type(shapes).__name__
+        raise TypeError(f"projection_shapes(config) must return a dict with the seven module names as keys; got {keys}")
+    out = []
+    for m in LLAMA_PROJECTIONS:
+        pair = shapes[m]
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"projection_shapes(config)[{m!r}] must be a tuple (in_features, out_features); got {pair!r}")
+        out.append(tuple(pair))
+    return tuple(out)
+
+
+def size_driver(fn, *args):
+    """ch01.5: a one-argument case grades projection_shapes(config); the others adapter_num_bytes."""
+    if len(args) == 1:
+        return _learner_shapes(fn, args[0])
+    return fn(*args)
+
+
+def share_driver(fn, *args):
+    """ch01.6: a one-argument case grades projection_shapes(config); the others lora_flop_share,
+    which must return a Python float."""
+    if len(args) == 1:
+        return _learner_shapes(fn, args[0])
+    return returns_python_float(fn, *args)
+
+
+_SHAPE_NAMES = tuple(f"projection_shapes(config)[{m!r}]" for m in LLAMA_PROJECTIONS)
+
+
+def _shapes_case(name, cfg) -> Case:
+    fields = ", ".join(f"{k}={v}" for k, v in cfg.items())
+    return Case(name, [dict(cfg)], f"projection_shapes(config) with config {{{fields}}}", op="exact")
+
+
+def _shapes_edge() -> list[Case]:
+    return [_shapes_case("shapes_tiny_gqa", _TINY_GQA), _shapes_case("shapes_head_dim_given_explicitly", _HEAD_DIM),
+            _shapes_case("shapes_no_gqa", _MHA), _shapes_case("shapes_llama3_8b", LLAMA3_8B_CONFIG)]
+
+
+def _shapes_random(rng: random.Random) -> list[Case]:
+    cfg = _random_config(rng)
+    cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"] * 2  # always given, and not hidden // heads
+    return [_shapes_case("shapes_random_0", _random_config(rng)), _shapes_case("shapes_random_head_dim", cfg)]
+
+
+def _shapes_hint(case: Case, expected, got) -> str | None:
+    if len(case.args) != 1 or not isinstance(got, tuple) or len(got) != 7:
+        return None
+    if all(isinstance(g, tuple) and tuple(g) == tuple(e[::-1]) for g, e in zip(got, expected) if g != tuple(e)):
+        return "(in_features, out_features): a Linear's weight is [out, in], but the pair is in first, out second"
+    return None
 
 
 _TINY_GQA = {"hidden_size": 72, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 200,
@@ -117,13 +210,14 @@ def _size_case(name, cfg, targets, r, dtype) -> Case:
 
 
 def _size_edge() -> list[Case]:
-    return [
+    return _shapes_edge() + [
         _size_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2, torch.float32),
         _size_case("tiny_gqa_k_v", _TINY_GQA, ["k_proj", "v_proj"], 3, torch.float16),
         _size_case("llama3_8b_all_seven_r16_bf16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16, torch.bfloat16),
         _size_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "o_proj"], 8, torch.bfloat16),
         _size_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64, torch.float32),
         _size_case("unknown_module_raises_key_error", _TINY_GQA, ["q_proj", "lm_head"], 2, torch.float32),
+        _size_case("unknown_module_only_raises_key_error", _MHA, ["qkv_proj"], 8, torch.bfloat16),
     ]
 
 
@@ -139,15 +233,20 @@ def _random_config(rng: random.Random) -> dict:
 
 
 def _size_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
-    cases = []
-    for i in range(5):
-        targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(1, 7))
-        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
-        cases.append(_size_case(f"random_{i}", _random_config(rng), targets, rng.choice([1, 4, 8, 16, 64]), dtype))
+    cases = _shapes_random(rng)
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]):
+        targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(2, 7)) if i else list(LLAMA_PROJECTIONS)
+        cfg = _random_config(rng)
+        if i == 1:  # an explicit head_dim that differs from hidden // heads, in every draw
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"] * 2
+            targets = ["q_proj", *[t for t in targets if t != "q_proj"]]
+        cases.append(_size_case(f"random_{i}", cfg, targets, rng.choice([1, 4, 8, 16, 64]), dtype))
     return cases
 
 
 def _size_hint(case: Case, expected, got) -> str | None:
+    if len(case.args) == 1:
+        return _shapes_hint(case, expected, got)
     cfg, targets, r, dtype = case.args
     if not isinstance(got, (int, float)):
         return None
@@ -173,7 +272,7 @@ def _share_case(name, cfg, targets, r) -> Case:
 
 
 def _share_edge() -> list[Case]:
-    return [
+    return _shapes_edge() + [
         _share_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2),
         _share_case("llama3_8b_all_seven_r16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16),
         _share_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "k_proj", "o_proj"], 8),
@@ -182,13 +281,37 @@ def _share_edge() -> list[Case]:
 
 
 def _share_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
-    return [_share_case(f"random_{i}", _random_config(rng), rng.sample(LLAMA_PROJECTIONS, rng.randint(1, 7)),
-                        rng.choice([1, 8, 16, 64])) for i in range(5)]
+    cases = _shapes_random(rng)
+    for i in range(5):
+        targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(2, 6))  # two or more, never all seven
+        cfg = _random_config(rng)
+        if i == 1:
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"] * 2
+            targets = ["q_proj", *[t for t in targets if t != "q_proj"]]
+        if i == 2:  # a module of the attention and one of the MLP: their shares differ
+            targets = ["k_proj", "down_proj"]
+        cases.append(_share_case(f"random_{i}", cfg, targets, rng.choice([1, 8, 16, 64])))
+    return cases
 
 
 def _share_hint(case: Case, expected, got) -> str | None:
+    if len(case.args) == 1:
+        return _shapes_hint(case, expected, got)
     if isinstance(got, (int, float)) and expected and abs(got - 100 * expected) < 1e-9 * abs(100 * expected):
         return "return a fraction (0.006), not a percentage (0.6)"
+    cfg, targets, r = case.args
+    if isinstance(got, (int, float)) and abs(got - expected) > 1e-12:
+        try:
+            shapes = ref.projection_shapes(cfg)
+            lora = sum(r * (shapes[m][0] + shapes[m][1]) for m in targets)
+            all_base = sum(i * o for i, o in shapes.values())
+            mean = sum(r * (shapes[m][0] + shapes[m][1]) / (shapes[m][0] * shapes[m][1]) for m in targets) / len(targets)
+        except (KeyError, ZeroDivisionError):
+            return None
+        if abs(got - lora / all_base) <= 1e-9 * abs(got):
+            return "the base FLOPs are those of the same targeted projections, not of all seven"
+        if abs(got - mean) <= 1e-9 * abs(got):
+            return "that is the mean of the per-module shares; the contract divides the sums (sum of LoRA FLOPs / sum of base FLOPs)"
     return None
 
 
@@ -196,9 +319,13 @@ EXERCISES = [
     Exercise("ch01.1", "lora_forward", ("x", "W", "A", "B", "scaling"), ref.lora_forward, _forward_edge, _forward_random),
     Exercise("ch01.2", "merge_lora", ("W", "A", "B", "scaling"), ref.merge_lora, _merge_edge(False), _merge_random(False)),
     Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True)),
-    Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"), ref.lora_scaling, _scaling_edge, _scaling_random),
-    Exercise("ch01.5", "adapter_num_bytes", ("config", "target_modules", "r", "dtype"), ref.adapter_num_bytes,
-             _size_edge, _size_random, _size_hint),
-    Exercise("ch01.6", "lora_flop_share", ("config", "target_modules", "r"), ref.lora_flop_share,
-             _share_edge, _share_random, _share_hint),
+    Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"),
+             functools.partial(returns_python_float, ref.lora_scaling), _scaling_edge, _scaling_random,
+             driver=returns_python_float),
+    Exercise("ch01.5", "adapter_num_bytes", ("config", "target_modules", "r", "dtype"),
+             functools.partial(size_driver, ref.adapter_num_bytes), _size_edge, _size_random, _size_hint,
+             driver=size_driver, result_names=_SHAPE_NAMES),
+    Exercise("ch01.6", "lora_flop_share", ("config", "target_modules", "r"),
+             functools.partial(share_driver, ref.lora_flop_share), _share_edge, _share_random, _share_hint,
+             driver=share_driver, result_names=_SHAPE_NAMES),
 ]
