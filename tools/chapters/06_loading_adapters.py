@@ -177,9 +177,12 @@ for key, t in sorted(tensors_qv.items()):
 #   `base_model.model.`; `<path>` is one or more dot-separated components made of letters, digits
 #   and underscores.
 # - `layer`: the int `N` of the first `layers.N.` in the path (the component `layers` followed by a
-#   number and then another component), or `None` when there is none (`lm_head`); `module`: the
-#   path's last component; `matrix`: `"A"` or `"B"`.
-# - Raise `ValueError` for anything else.
+#   number and then another component), or `None` when there is none (`lm_head`, but also
+#   `sublayers.3.`, where `layers` is not a whole component); `module`: the path's last component;
+#   `matrix`: `"A"` or `"B"`.
+# - Raise `ValueError` for anything else: an empty component (`model..q_proj`), a character other
+#   than letters, digits and underscores (`self-attn`), a matrix name inside a longer component
+#   (`my_lora_A`), an adapter name before `weight`.
 #
 # Example: `"base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"` gives
 # `(3, "q_proj", "A")`; `"model.layers.2.mlp.experts.5.up_proj.lora_B.weight"` gives
@@ -205,11 +208,11 @@ def parse_lora_key(key):
 graders.check("ch06.1", parse_lora_key)
 
 # %% [markdown]
-# The reference (`reference/adapters.py`) returns a named tuple that also keeps the module's full
-# path, because the next two rules match on it:
+# The reference (`reference/adapters.py`, shown once your check above passed) returns a named tuple
+# that also keeps the module's full path, because the next two rules match on it:
 
 # %%
-print(inspect.getsource(adapters.parse_lora_key))
+graders.show_reference("ch06.1")
 print(adapters.parse_lora_key("base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"))
 
 # %% [markdown]
@@ -263,17 +266,17 @@ def targets_module(target_modules, path):
 graders.check("ch06.2", targets_module)
 
 # %% [markdown]
-# The reference, and PEFT's own function as the judge of the rule on a few tricky targets, over
-# every linear projection path of the model:
+# The reference (shown once your check passed), and PEFT's own function as the judge of the rule on
+# a few tricky targets, over every linear projection path of the model:
 
 # %%
-print(inspect.getsource(adapters.targets_module))
+graders.show_reference("ch06.2")
 from peft.tuners.tuners_utils import check_target_module_exists
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 PATHS = [f"model.layers.{i}.{'self_attn' if p in ATTN else 'mlp'}.{p}" for i in range(LAYERS) for p in SHAPES]
 tricky = [["q_proj", "v_proj"], "q_proj", ".*q_proj", ["proj"], ["p_proj"], ["layers.1.self_attn.o_proj"],
-          r".*\.mlp\.(gate|up|down)_proj", r".*layers\.1\..*"]
+          r".*\.mlp\.(gate|up|down)_proj", r".*layers\.1\..*", r".*layers\.1", r".*q_proj|v_proj", ["all-linear"]]
 for targets in tricky:
     ours = [adapters.targets_module(targets, p) for p in PATHS]
     theirs = [bool(check_target_module_exists(peft.LoraConfig(target_modules=targets), p)) for p in PATHS]
@@ -320,10 +323,8 @@ print(f"read with alpha/r, the rsLoRA adapter would be {lora_scaling(rs_cfg.lora
 # key, in the dict's order, that matches a dot-separated suffix of the module path as a regex**:
 # `re.match(rf"(.*\.)?({key})$", path)`. So `"k_proj"` and `"layers.1.self_attn.o_proj"` match as
 # expected, `"p_proj"` does not match `up_proj` (a suffix starts at a dot), and with overlapping keys
-# the first one wins, not the most specific. (PEFT writes the patterns with sorted keys; the
-# reference's docstring of `pattern_key` shows the reload surprise that follows.) The scaling of a
-# module uses its own rank and alpha. The `pat` adapter, as PEFT built it and as the reference reads
-# its file:
+# the first one wins, not the most specific. The scaling of a module uses its own rank and alpha.
+# The `pat` adapter, as PEFT built it and as the reference reads its file:
 
 # %%
 pat_cfg, _ = read_peft_adapter(root / "pat")
@@ -335,6 +336,44 @@ for path, mod in peft_model.base_model.model.named_modules():
         print(f"{path:34s} {mod.r['pat']:6d} {r:5d} {mod.scaling['pat']:12.4f} {lora_scaling(alpha, r, False):7.4f}")
 
 # %% [markdown]
+# "The first key in the dict's order" has a consequence that PEFT itself trips over: it writes the
+# config with **sorted keys** (`json.dump(..., sort_keys=True)`), so a file's order need not be the
+# order the training script gave. A tiny model with a single `gate_proj` per layer, an adapter with
+# `rank_pattern = {"layers.1.mlp.gate_proj": 2, "gate_proj": 5}` (the specific key first), saved and
+# loaded again:
+
+# %%
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict(
+            {"gate_proj": torch.nn.Linear(8, 8)})}) for _ in range(2))
+
+
+surprise = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj"],
+                           rank_pattern={"layers.1.mlp.gate_proj": 2, "gate_proj": 5})
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    created = peft.get_peft_model(TinyMLP(), surprise)
+    created.save_pretrained(root / "surprise")
+ranks_created = {i: created.base_model.model.layers[i]["mlp"]["gate_proj"].r["default"] for i in range(2)}
+print("at creation, ranks by layer:", ranks_created)
+print("saved rank_pattern:", json.loads((root / "surprise" / "adapter_config.json").read_text())["rank_pattern"])
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.PeftModel.from_pretrained(TinyMLP(), root / "surprise")
+    print("reloaded without error")
+except RuntimeError as err:
+    first = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
+    print("reloading fails:", first[:190], "...")
+
+# %% [markdown]
+# At creation layer 1's gate got rank 2 (its key came first); in the file `"gate_proj"` sorts first,
+# so PEFT reloading the same adapter builds rank 5 everywhere and the saved rank-2 tensors no longer
+# fit. The book's loader reads the file's order too and refuses the shapes in the same way: the
+# rule is PEFT's, the lesson is to keep overlapping pattern keys out of adapter configs.
+#
 # ### Exercise ch06.3: `module_scaling`
 #
 # Write `module_scaling(config, path)` returning `(r, scaling)` for the module at `path`:
@@ -345,7 +384,8 @@ for path, mod in peft_model.base_model.model.named_modules():
 #   `re.match(rf"(.*\.)?({key})$", path)`, else `r`; its alpha the same with `alpha_pattern`, else
 #   `lora_alpha`.
 # - `scaling = alpha / sqrt(rank)` when `use_rslora`, else `alpha / rank`, as a float; the rank as an
-#   int. Raise `ValueError` when the module's rank is below 1.
+#   int. Raise `ValueError` when the module's rank is below 1 (0 or negative; the global `r` does not
+#   matter when a pattern gives the module its own rank).
 
 # %% exercise="ch06.3" role="answer"
 import math
@@ -374,11 +414,10 @@ graders.check("ch06.3", module_scaling)
 
 # %% [markdown]
 # The reference splits it in two, `pattern_key` and `module_rank_alpha` (the scaling is chapter 01's
-# `lora_scaling`):
+# `lora_scaling`); shown once your check passed:
 
 # %%
-print(inspect.getsource(pattern_key))
-print(inspect.getsource(module_rank_alpha))
+graders.show_reference("ch06.3")
 
 # %% [markdown]
 # **Folding.** A pool slot has *one* rank and *one* scaling (`lora_ranks[slot]` and
@@ -450,9 +489,9 @@ print("mlp, layer 0, gate_up_proj: first half of A is gate_proj's A:",
 #   zeros everywhere except: part i's A in rows `[i*rank, i*rank + r_p)`, its B in the rows of slice
 #   i (`[sum(out_features[:i]), sum(out_features[:i+1]))`) and columns `[0, r_p)`. A part absent from
 #   `tensors` stays zeros in its place. Return `None` when no part is present.
-# - Raise `ValueError` when a part has A but no B (or B but no A), when `r_p` is above `rank` or
-#   disagrees between A and B, when a B's width is not its `out_features` entry, or when the present
-#   parts disagree on `in` or dtype.
+# - Raise `ValueError` when a part has A but no B (or B but no A), when `r_p` is below 1 or above
+#   `rank`, or disagrees between A and B, when a B's width is not its `out_features` entry, or when
+#   the present matrices (A and B of every part) disagree on `in` or dtype.
 
 # %% exercise="ch06.4" role="answer"
 import torch
@@ -498,11 +537,11 @@ graders.check("ch06.4", pack_fused_module)
 
 # %% [markdown]
 # The reference does the same in two steps, after every check of section 7 has passed: pad (and,
-# with patterns, fold the scaling into B), then chapter 04's `stack_lora_parts`:
+# with patterns, fold the scaling into B), then chapter 04's `stack_lora_parts` (shown once your
+# check passed):
 
 # %%
-print(inspect.getsource(adapters._padded_part))
-print(inspect.getsource(adapters._pack))
+graders.show_reference("ch06.4")
 
 # %% [markdown]
 # ## 7. Validate first, write last
@@ -747,9 +786,10 @@ print(f"both restored: max logit error over all real tokens "
 #    served outputs be, compared with the adapter's training?
 # 3. An rsLoRA adapter with r = 64 is read with `alpha / r`. By what factor is its delta off, and
 #    why does no test that only checks shapes notice?
-# 4. With `rank_pattern = {"gate_proj": 5, "layers.1.mlp.gate_proj": 2}`, what rank does PEFT give
+# 4. With `rank_pattern = {"layers.1.mlp.gate_proj": 2, "gate_proj": 5}`, what rank does PEFT give
 #    layer 1's gate projection when it *creates* the model, and what rank when it *loads* the saved
-#    adapter? (Hint: how does PEFT write the dict to JSON?)
+#    adapter? Which order of the same two keys would avoid the surprise, and what would layer 1's
+#    rank then be?
 # 5. Folding the per-module scaling into B lets one slot serve modules of different ranks and alphas.
 #    What does it cost in memory and in shrink work for the `pat` adapter, whose largest module rank
 #    is used for every module?

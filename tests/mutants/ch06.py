@@ -1,0 +1,132 @@
+"""Wrong answers for chapter 06 (loading PEFT adapters), each the solution cell with one realistic
+edit (graders.mutation.Mutant). The old plausible mistakes (an in-memory key accepted, re.search for
+target_modules, alpha / r for rsLoRA, a missing part dropped) are the plausible ones; the old
+whole-cell faults (a substring list match, the last pattern key winning, up before gate) are here too."""
+from graders.mutation import Mutant
+
+_KEY = r'm = re.match(r"^(?:base_model\.model\.)?(?P<path>\w+(?:\.\w+)*)\.lora_(?P<matrix>[AB])\.weight$", key)'
+
+MUTANTS = [
+    # ch06.1 parse_lora_key
+    Mutant("ch06.1", "adapter-name-accepted",
+           ((r"\.lora_(?P<matrix>[AB])\.weight$", r"\.lora_(?P<matrix>[AB])(?:\.\w+)?\.weight$"),),
+           "in_memory_key_raises_value_error", "error", plausible=True),
+    Mutant("ch06.1", "layers-not-a-whole-component",
+           ((r're.search(r"(?:^|\.)layers\.(\d+)\.", path)', r're.search(r"layers\.(\d+)\.", path)'),),
+           "'layers' must be a whole component", "clause"),
+    Mutant("ch06.1", "first-number-of-the-path",
+           ((r're.search(r"(?:^|\.)layers\.(\d+)\.", path)', r're.search(r"\.(\d+)\.", path)'),),
+           "other numbers may come before it", "clause"),
+    Mutant("ch06.1", "empty-component-accepted",
+           ((r"(?P<path>\w+(?:\.\w+)*)", r"(?P<path>[\w.]+)"),),
+           "empty_component_raises_value_error", "error"),
+    Mutant("ch06.1", "any-character-in-a-component",
+           ((r"(?P<path>\w+(?:\.\w+)*)", r"(?P<path>[^.]+(?:\.[^.]+)*)"),),
+           "component_with_a_hyphen_raises_value_error", "error"),
+    Mutant("ch06.1", "matrix-letter-any-case",
+           ((r'\.weight$", key)', r'\.weight$", key, re.IGNORECASE)'),),
+           "lowercase_lora_a_raises_value_error", "error"),
+    Mutant("ch06.1", "layer-as-a-string",
+           (("int(layer.group(1))", "layer.group(1)"),),
+           "the layer is an int", "dtype"),
+    Mutant("ch06.1", "matrix-as-lora_A",
+           (('m.group("matrix")\n', '"lora_" + m.group("matrix")\n'),),
+           "the matrix is the one-letter string", "clause"),
+
+    # ch06.2 targets_module
+    Mutant("ch06.2", "re-search",
+           (("re.fullmatch(target_modules, path)", "re.search(target_modules, path)"),),
+           "re.search accepts a match anywhere", "clause", plausible=True),
+    Mutant("ch06.2", "re-match",
+           (("re.fullmatch(target_modules, path)", "re.match(target_modules, path)"),),
+           "re.match only anchors the START", "clause"),
+    Mutant("ch06.2", "caret-dollar-around-an-alternation",
+           (("re.fullmatch(target_modules, path)", 're.search("^" + target_modules + "$", path)'),),
+           "anchors only the first and the last branch", "clause"),
+    Mutant("ch06.2", "list-substring",
+           (('path == t or path.endswith("." + t)', "t in path"),),
+           "a substring ('proj')", "clause"),
+    Mutant("ch06.2", "list-suffix-without-the-dot",
+           (('path.endswith("." + t)', "path.endswith(t)"),),
+           "does not start at a dot", "clause"),
+    Mutant("ch06.2", "all-linear-case-sensitive",
+           (('target_modules.lower() == "all-linear"', 'target_modules == "all-linear"'),),
+           "(in any case)", "clause"),
+    Mutant("ch06.2", "returns-a-match-object",
+           (("re.fullmatch(target_modules, path) is not None", "re.fullmatch(target_modules, path)"),),
+           "return True or False (a bool)", "dtype"),
+    Mutant("ch06.2", "all-linear-inside-a-list",
+           (('any(path == t or', 'any(t.lower() == "all-linear" or path == t or'),),
+           "nor is 'all-linear' inside a list", "clause"),
+    Mutant("ch06.2", "list-entries-as-regexes",
+           (('path.endswith("." + t)', r're.fullmatch(r"(.*\.)?" + t, path) is not None'),),
+           "list entries are not regexes", "clause"),
+
+    # ch06.3 module_scaling
+    Mutant("ch06.3", "alpha-over-r-for-rslora",
+           (('float(alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r)', "float(alpha / r)"),),
+           "not lora_alpha / r", "math", plausible=True),
+    Mutant("ch06.3", "last-match-wins",
+           (("        for key, value in (patterns or {}).items():\n"
+             "            if re.match(rf\"(.*\\.)?({key})$\", path):\n"
+             "                return value\n"
+             "        return default\n",
+             "        found = default\n"
+             "        for key, value in (patterns or {}).items():\n"
+             "            if re.match(rf\"(.*\\.)?({key})$\", path):\n"
+             "                found = value\n"
+             "        return found\n"),),
+           "the FIRST rank_pattern key", "clause"),
+    Mutant("ch06.3", "scaling-with-the-global-r",
+           (('else alpha / r)', 'else alpha / config["r"])'),),
+           "not the global r", "math"),
+    Mutant("ch06.3", "rslora-with-the-global-r",
+           (("alpha / math.sqrt(r)", 'alpha / math.sqrt(config["r"])'),),
+           "not the global r", "math"),
+    Mutant("ch06.3", "only-rank-0-raises",
+           (("if r < 1:", "if r == 0:"),),
+           "negative_rank_raises_value_error", "error"),
+    Mutant("ch06.3", "global-r-validated",
+           (("if r < 1:", 'if r < 1 or config["r"] < 1:'),),
+           "global_r_0_but_the_module_has_rank_2", "error"),
+    Mutant("ch06.3", "pattern-searched-anywhere",
+           ((r'if re.match(rf"(.*\.)?({key})$", path):', "if re.search(key, path):"),),
+           "dot-separated suffix", "clause"),
+    Mutant("ch06.3", "alpha-pattern-ignored",
+           (('alpha = first_match(config.get("alpha_pattern"), config["lora_alpha"])', 'alpha = config["lora_alpha"]'),),
+           "the module's alpha", "math"),
+
+    # ch06.4 pack_fused_module
+    Mutant("ch06.4", "missing-part-dropped",
+           (("        found.append(None if a is None else (a, b))\n",
+             "        if a is not None:\n            found.append((a, b))\n"),),
+           "a missing part still takes its place", "layout", plausible=True),
+    Mutant("ch06.4", "up-before-gate",
+           (("for i, f in enumerate(found):", "for i, f in enumerate(found[::-1] if len(parts) == 2 else found):"),),
+           "gate before up", "layout"),
+    Mutant("ch06.4", "B-without-A-accepted",
+           (("if (a is None) != (b is None):", "if a is not None and b is None:"),),
+           "B_without_A_raises_value_error", "error"),
+    Mutant("ch06.4", "A-without-B-unchecked",
+           (("if (a is None) != (b is None):", "if a is None and b is not None:"),),
+           "A_without_B_raises_value_error", "error"),
+    Mutant("ch06.4", "rank-of-B-unchecked",
+           (("tuple(b.shape) != (out_features[i], r)", "b.shape[0] != out_features[i]"),),
+           "A_rank_4_B_rank_3_raises_value_error", "error"),
+    Mutant("ch06.4", "input-width-unchecked",
+           (("a.shape[1] != like.shape[1] or ", ""),),
+           "parts_disagree_on_in_raises_value_error", "error"),
+    Mutant("ch06.4", "dtype-mix-unchecked",
+           (("        if a.dtype != like.dtype or b.dtype != like.dtype:\n"
+             "            raise ValueError(f\"{prefix}{parts[i]}: dtypes differ\")\n", ""),),
+           "parts_disagree_on_dtype_raises_value_error", "dtype"),
+    Mutant("ch06.4", "rank-0-part-accepted",
+           (("not 1 <= r <= rank", "r > rank"),),
+           "rank_0_part_raises_value_error", "error"),
+    Mutant("ch06.4", "allocated-in-float32",
+           (("A = like.new_zeros(len(parts) * rank, like.shape[1])", "A = torch.zeros(len(parts) * rank, like.shape[1])"),),
+           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+    Mutant("ch06.4", "parts-packed-at-their-own-rank",
+           (("A[i * rank:i * rank + r] = a", "A[i * r:(i + 1) * r] = a"),),
+           "A: part i occupies rows", "layout"),
+]
