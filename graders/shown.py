@@ -32,7 +32,7 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch05.1": ("reference.eviction:EvictionPolicy.select_victim", "reference.eviction:LRUEvictionPolicy"),
     "ch05.2": ("reference.eviction:FIFOEvictionPolicy",),
     "ch05.3": ("reference.mem_pool:LoRAMemoryPool.load_to_slot", "reference.mem_pool:LoRAMemoryPool._write_slot"),
-    "ch05.4": (),
+    "ch05.4": ("reference.mem_pool:LoRAMemoryPool.admit",),
     "ch05.5": ("reference.mem_pool:LoRAMemoryPool.prepare_lora_batch",),
     "ch06.1": ("reference.adapters:parse_lora_key",),
     "ch06.2": ("reference.adapters:targets_module",),

@@ -30,14 +30,13 @@
 
 # %%
 import copy
-import inspect
 import pickle
 
 import reference  # first: device choice
 import torch
 
 import graders
-from reference import eviction, mem_pool, pool_trace
+from reference import pool_trace
 from reference.lora_math import LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, adapter_num_bytes
 from reference.mem_pool import (EMPTY_SLOT, AdapterRegistry, LoRAAdapter, LoRAMemoryPool, ModuleSpec,
                                  snapshot_diff)
@@ -102,7 +101,10 @@ print("buffer_id_to_uid:", pool.buffer_id_to_uid, " uid_to_buffer_id:", pool.uid
 #   may evict; the policy returns the first of its order among them, **skipping `None` (the base
 #   model) while any other candidate exists**: base requests are common and cost nothing to reload,
 #   but evicting the base slot for a one-off adapter just moves the miss to the next base request.
-#   `select_victim` does not remove anything; it raises `ValueError` if `candidates` is empty.
+#   `select_victim` does not remove anything. It raises `ValueError` if `candidates` is empty (every
+#   resident is protected), or if any candidate is a uid the policy does not track (never marked used,
+#   or removed since), even next to tracked ones: the pool marks every uid it loads, so an untracked
+#   candidate is a bookkeeping bug, better reported than guessed around.
 #
 # plus `order()`, the tracked uids from next victim to last, which the graders read.
 #
@@ -115,8 +117,10 @@ print("buffer_id_to_uid:", pool.buffer_id_to_uid, " uid_to_buffer_id:", pool.uid
 # ### Exercise ch05.1: `LRUEvictionPolicy`
 #
 # Write the class with `__init__(self)` (no arguments), `mark_used(uid)`, `remove(uid)`, `order()`
-# (a tuple, next victim first) and `select_victim(candidates)` as specified above. `uid` may be any
-# hashable, `None` included. (`collections.OrderedDict` and its `move_to_end` are the classic tools.)
+# (a tuple, next victim first) and `select_victim(candidates)` (a set) as specified above, both
+# `ValueError` cases included. `uid` may be any hashable (strings, ints, `None`). The grader reads
+# `order()` after every step of its traces. (`collections.OrderedDict` and its `move_to_end` are the
+# classic tools.)
 
 # %% exercise="ch05.1" role="answer"
 from collections import OrderedDict
@@ -150,6 +154,8 @@ class LRUEvictionPolicy:
         ### BEGIN SOLUTION
         if not candidates:
             raise ValueError("no candidates")
+        if any(uid not in self._order for uid in candidates):
+            raise ValueError("a candidate was never marked used")
         allowed = set(candidates) - {None} or set(candidates)
         return next(uid for uid in self._order if uid in allowed)
         ### END SOLUTION
@@ -162,7 +168,8 @@ graders.check("ch05.1", LRUEvictionPolicy)
 # ### Exercise ch05.2: `FIFOEvictionPolicy`
 #
 # The same interface, ordered by the first `mark_used` since the uid was last removed (or first
-# seen): later uses of a tracked uid change nothing.
+# seen): later uses of a tracked uid change nothing. `remove` and `select_victim` behave as in
+# ch05.1 (the base model last; `ValueError` for no candidates or an untracked one).
 
 # %% exercise="ch05.2" role="answer"
 from collections import OrderedDict
@@ -195,6 +202,8 @@ class FIFOEvictionPolicy:
         ### BEGIN SOLUTION
         if not candidates:
             raise ValueError("no candidates")
+        if any(uid not in self._order for uid in candidates):
+            raise ValueError("a candidate was never marked used")
         allowed = set(candidates) - {None} or set(candidates)
         return next(uid for uid in self._order if uid in allowed)
         ### END SOLUTION
@@ -205,12 +214,11 @@ graders.check("ch05.2", FIFOEvictionPolicy)
 
 # %% [markdown]
 # The reference (`reference/eviction.py`) puts `select_victim` in the abstract base class, so a new
-# policy writes only its order:
+# policy writes only its order (shown once your own answers passed):
 
 # %%
-print(inspect.getsource(eviction.EvictionPolicy.select_victim))
-print(inspect.getsource(eviction.LRUEvictionPolicy))
-print(inspect.getsource(eviction.FIFOEvictionPolicy))
+graders.show_reference("ch05.1")
+graders.show_reference("ch05.2")
 
 # %% [markdown]
 # ## 4. Loading a slot: zero-fill first
@@ -269,13 +277,24 @@ print("B's v delta without zero-fill:", v_delta(leaky, 0).abs().max().item())
 # - In place, into the tensors you are given (they are the pool's fixed buffers; the grader reads
 #   them after your call, not your return value): zero `A_buffers[m][slot]` and `B_buffers[m][slot]`
 #   for every module, then copy each present module's A into rows `[0, rank)` and B into columns
-#   `[0, rank)` of the slot. Other slots stay bit for bit as they were. Return
+#   `[0, rank)` of the slot. Other slots stay bit for bit as they were (NaN included). Return
 #   `(A_buffers, B_buffers)` for convenience.
+# - `rank` 0 with every `weights[m]` `None` is the base model: the slot ends all zero.
+# - Raise `ValueError`, before writing anything, if `slot` is outside `0..num_slots-1` (a negative
+#   slot too: Python would index from the end and overwrite another adapter's slot) or `rank` exceeds
+#   `max_rank`.
+# - The buffers may be fp32, bf16 or fp16; the old contents may hold NaN (zero them with `zero_()`:
+#   multiplying by 0 keeps a NaN).
 
 # %% exercise="ch05.3" role="answer"
 def load_slot(A_buffers, B_buffers, slot, weights, rank):
     """Zero-fill the slot in every module, then copy the adapter's weights at its rank."""
     ### BEGIN SOLUTION
+    num_slots, max_rank = A_buffers[0].shape[0], A_buffers[0].shape[1]
+    if not 0 <= slot < num_slots:
+        raise ValueError(f"slot {slot} outside 0..{num_slots - 1}")
+    if rank > max_rank:
+        raise ValueError(f"rank {rank} exceeds max_rank {max_rank}")
     for A, B in zip(A_buffers, B_buffers):
         A[slot].zero_()
         B[slot].zero_()
@@ -295,8 +314,7 @@ graders.check("ch05.3", load_slot)
 # `max_lora_rank`, known modules and layers, shapes), then zero-fills and copies:
 
 # %%
-print(inspect.getsource(LoRAMemoryPool.load_to_slot))
-print(inspect.getsource(LoRAMemoryPool._write_slot))
+graders.show_reference("ch05.3")
 
 # %% [markdown]
 # ## 5. Capacity: refuse before anything changes, admit what fits
@@ -333,11 +351,16 @@ print("differences after the refused call:", snapshot_diff(before, pool.snapshot
 # whatever happens). Go through the requests in order; admit request i if the distinct uids of
 # running, admitted-so-far and request i fit in `num_slots`, else defer it and continue. Return
 # `(admitted, deferred)`: two lists of indices into `request_uids`, ascending.
+# - Each distinct uid counts once: `running_uids` may repeat a uid (two running requests on one
+#   adapter), and a request's uid may already be running or admitted (it needs no new slot).
+# - Raise `ValueError` if `num_slots` < 1.
 
 # %% exercise="ch05.4" role="answer"
 def admit(request_uids, running_uids, num_slots):
     """Admit requests in arrival order while their distinct uids fit the slots."""
     ### BEGIN SOLUTION
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     chosen, admitted, deferred = set(running_uids), [], []
     for i, uid in enumerate(request_uids):
         if len(chosen | {uid}) <= num_slots:
@@ -353,6 +376,12 @@ def admit(request_uids, running_uids, num_slots):
 graders.check("ch05.4", admit)
 
 # %% [markdown]
+# The reference pool's `admit` also counts the pinned residents outside the chosen set (section 6):
+
+# %%
+graders.show_reference("ch05.4")
+
+# %% [markdown]
 # ## 6. Preparing a batch: the event log
 #
 # Before each forward pass the pool makes every uid of the batch resident. The set it must hold is
@@ -360,9 +389,10 @@ graders.check("ch05.4", admit)
 # step; evicting it mid-generation would corrupt that request). The reference's
 # `prepare_lora_batch(uids, running)`, and the rules the grader replays:
 #
-# 1. needed = uids ∪ running; if that is more than the slots, or than the slots left by pinned
-#    adapters that are resident and not needed, raise `ValueError` and change nothing (no event
-#    either);
+# 1. needed = uids ∪ running, each distinct uid once (running may repeat a uid, or share one with
+#    uids); blocked = the pinned uids that are **resident** and not needed (a pinned uid that is not
+#    resident holds no slot). If len(needed) + len(blocked) > num_slots, or `EMPTY_SLOT` is among
+#    the uids, raise `ValueError` and change nothing (no event either);
 # 2. go through needed in a fixed order (base model first, then uids sorted), so the result never
 #    depends on Python's set order;
 # 3. a resident uid is a **hit**: event `("hit", uid, slot)`;
@@ -373,7 +403,10 @@ graders.check("ch05.4", admit)
 #
 # (The reference's load events also name the tier the weights came from, section 8; the grader
 # compares the first three fields.) Pinning (`pin(uid)`) protects an adapter from eviction for good,
-# e.g. a hot adapter that must never pay a reload; the reference keeps at least one slot unpinned.
+# e.g. a hot adapter that must never pay a reload. The reference keeps at least one slot unpinned:
+# `pin` raises `ValueError` when the uid is not pinned yet and `num_slots - 1` uids (resident or
+# not) already are, so at most `num_slots - 1` uids are ever pinned; pinning a pinned uid again
+# changes nothing. `pin(EMPTY_SLOT)` raises `ValueError` too.
 # The running example, 2 slots, LRU:
 
 # %%
@@ -390,10 +423,15 @@ for batch in (["A", None], ["B", None]):
 #   or `reference.eviction.get_eviction_policy(policy)` (its objects have the interface of section 3);
 # - attributes `buffer_id_to_uid` (a list, `EMPTY_SLOT` from `reference.mem_pool` for a free slot),
 #   `uid_to_buffer_id` (a dict) and `events` (a list of tuples, appended in order);
-# - `pin(uid)`: never evict uid (it may or may not be resident yet);
-# - `prepare(uids, running)`: the five rules above, returning `{uid: slot}` for the needed uids; on a
-#   capacity error raise `ValueError` with nothing changed (events included).
-# The grader replays batches and pins, and compares your events and slot table after every step.
+# - `pin(uid)`: never evict uid (it may or may not be resident yet); raise `ValueError` for
+#   `EMPTY_SLOT` or when a new pin would leave no slot unpinned (at most `num_slots - 1` pinned
+#   uids); pinning a pinned uid again changes nothing;
+# - `prepare(uids, running)`: the five rules above, returning `{uid: slot}` for every needed uid
+#   (running ones included); on a capacity error or `EMPTY_SLOT` among uids or running, raise
+#   `ValueError` with nothing changed (events included).
+# The grader replays batches (with overlap: a uid running twice, a batch uid also running) and pins,
+# and compares after every step what each call returned, the step's events, your slot table, and
+# whether `uid_to_buffer_id` is its inverse.
 
 # %% exercise="ch05.5" role="answer"
 from reference.eviction import get_eviction_policy
@@ -414,12 +452,18 @@ class SlotManager:
 
     def pin(self, uid):
         ### BEGIN SOLUTION
+        if uid is EMPTY_SLOT:
+            raise ValueError("EMPTY_SLOT is not a uid")
+        if uid not in self.pinned and len(self.pinned) + 1 >= len(self.buffer_id_to_uid):
+            raise ValueError(f"pinning {uid!r} would leave no slot unpinned")
         self.pinned.add(uid)
         ### END SOLUTION
 
     def prepare(self, uids, running):
         ### BEGIN SOLUTION
         needed = set(uids) | set(running)
+        if EMPTY_SLOT in needed:
+            raise ValueError("EMPTY_SLOT is not a uid")
         blocked = {u for u in self.pinned if u in self.uid_to_buffer_id and u not in needed}
         if len(needed) + len(blocked) > len(self.buffer_id_to_uid):
             raise ValueError(f"{len(needed)} uids do not fit")
@@ -457,7 +501,7 @@ graders.check("ch05.5", SlotManager)
 # invalid adapter (not only capacity) also leaves the pool unchanged:
 
 # %%
-print(inspect.getsource(LoRAMemoryPool.prepare_lora_batch))
+graders.show_reference("ch05.5")
 
 # %% [markdown]
 # ## 7. Identity is a uid, not a name
