@@ -60,6 +60,38 @@ def _forward_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> l
     return cases
 
 
+def _close(got, alt, dtype) -> bool:
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return isinstance(got, torch.Tensor) and got.shape == alt.shape and bool(
+        torch.allclose(got.double(), alt, rtol=tol, atol=tol))
+
+
+def _forward_hint(case: Case, expected, got) -> str | None:
+    x, W, A, B, s = (a.cpu().double() if isinstance(a, torch.Tensor) else a for a in case.args)
+    base, delta = x @ W.T, (x @ A.T) @ B.T
+    if not isinstance(got, torch.Tensor) or s == 1.0:
+        return None
+    if _close(got, base + delta, case.args[0].dtype):
+        return "the low-rank path is multiplied by scaling: x W^T + scaling * (x A^T) B^T"
+    if _close(got, s * (base + delta), case.args[0].dtype):
+        return "scaling multiplies only the low-rank path, not the base output x W^T"
+    return None
+
+
+def _merge_hint(merged: bool):
+    def hint(case: Case, expected, got) -> str | None:
+        W, A, B, s = (a.cpu().double() if isinstance(a, torch.Tensor) else a for a in case.args)
+        if not isinstance(got, torch.Tensor):
+            return None
+        sign = -1.0 if merged else 1.0
+        if s and _close(got, W - sign * s * (B @ A), case.args[0].dtype):
+            return ("unmerge subtracts scaling * B @ A" if merged else "merge adds scaling * B @ A") + ", with this sign"
+        if s != 1.0 and _close(got, W + sign * (B @ A), case.args[0].dtype):
+            return "the product B @ A is multiplied by scaling"
+        return None
+    return hint
+
+
 def _weights_case(name, gen, d_in, d_out, r, scaling, dtype, merged: bool, fresh_adapter: bool = False) -> Case:
     _, W, A, B = _layer(gen, (1,), d_in, d_out, r, dtype)
     if fresh_adapter:  # B = 0, as PEFT initializes it: the merge changes nothing, and still returns a new tensor
@@ -189,6 +221,9 @@ def _shapes_hint(case: Case, expected, got) -> str | None:
         return None
     if all(isinstance(g, tuple) and tuple(g) == tuple(e[::-1]) for g, e in zip(got, expected) if g != tuple(e)):
         return "(in_features, out_features): a Linear's weight is [out, in], but the pair is in first, out second"
+    cfg = case.args[0]
+    if "head_dim" in cfg and isinstance(got[0], tuple) and got[0][1] == cfg["hidden_size"] != expected[0][1]:
+        return "this config sets head_dim explicitly: q/k/v/o widths are heads x head_dim, not hidden"
     return None
 
 
@@ -210,7 +245,7 @@ def _size_case(name, cfg, targets, r, dtype) -> Case:
 
 
 def _size_edge() -> list[Case]:
-    return _shapes_edge() + [
+    return [
         _size_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2, torch.float32),
         _size_case("tiny_gqa_k_v", _TINY_GQA, ["k_proj", "v_proj"], 3, torch.float16),
         _size_case("llama3_8b_all_seven_r16_bf16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16, torch.bfloat16),
@@ -218,7 +253,7 @@ def _size_edge() -> list[Case]:
         _size_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64, torch.float32),
         _size_case("unknown_module_raises_key_error", _TINY_GQA, ["q_proj", "lm_head"], 2, torch.float32),
         _size_case("unknown_module_only_raises_key_error", _MHA, ["qkv_proj"], 8, torch.bfloat16),
-    ]
+    ] + _shapes_edge()
 
 
 def _random_config(rng: random.Random) -> dict:
@@ -233,7 +268,7 @@ def _random_config(rng: random.Random) -> dict:
 
 
 def _size_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
-    cases = _shapes_random(rng)
+    cases = []
     for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]):
         targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(2, 7)) if i else list(LLAMA_PROJECTIONS)
         cfg = _random_config(rng)
@@ -241,7 +276,7 @@ def _size_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list
             cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"] * 2
             targets = ["q_proj", *[t for t in targets if t != "q_proj"]]
         cases.append(_size_case(f"random_{i}", cfg, targets, rng.choice([1, 4, 8, 16, 64]), dtype))
-    return cases
+    return cases + _shapes_random(rng)
 
 
 def _size_hint(case: Case, expected, got) -> str | None:
@@ -259,6 +294,13 @@ def _size_hint(case: Case, expected, got) -> str | None:
                 return "this config sets head_dim explicitly: q/k/v/o widths are heads x head_dim, not hidden"
         except KeyError:
             pass
+    if cfg.get("num_key_value_heads", cfg["num_attention_heads"]) != cfg["num_attention_heads"]:
+        try:
+            if got == ref.adapter_num_bytes({**cfg, "num_key_value_heads": cfg["num_attention_heads"]}, targets, r, dtype):
+                return ("k_proj and v_proj are num_key_value_heads x head_dim wide (grouped-query attention), "
+                        "not num_attention_heads x head_dim")
+        except KeyError:
+            pass
     square = 2 * h * r * len(targets) * cfg["num_hidden_layers"] * torch.empty((), dtype=dtype).element_size()
     if got == square and got != expected:
         return "that is the size if every projection were hidden x hidden; k/v (GQA) and the MLP are not square"
@@ -272,16 +314,16 @@ def _share_case(name, cfg, targets, r) -> Case:
 
 
 def _share_edge() -> list[Case]:
-    return _shapes_edge() + [
+    return [
         _share_case("tiny_gqa_q_only", _TINY_GQA, ["q_proj"], 2),
         _share_case("llama3_8b_all_seven_r16", LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS, 16),
         _share_case("head_dim_given_explicitly", _HEAD_DIM, ["q_proj", "k_proj", "o_proj"], 8),
         _share_case("no_gqa_mlp_only", _MHA, ["gate_proj", "up_proj", "down_proj"], 64),
-    ]
+    ] + _shapes_edge()
 
 
 def _share_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
-    cases = _shapes_random(rng)
+    cases = []
     for i in range(5):
         targets = rng.sample(LLAMA_PROJECTIONS, rng.randint(2, 6))  # two or more, never all seven
         cfg = _random_config(rng)
@@ -291,7 +333,7 @@ def _share_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> lis
         if i == 2:  # a module of the attention and one of the MLP: their shares differ
             targets = ["k_proj", "down_proj"]
         cases.append(_share_case(f"random_{i}", cfg, targets, rng.choice([1, 8, 16, 64])))
-    return cases
+    return cases + _shapes_random(rng)
 
 
 def _share_hint(case: Case, expected, got) -> str | None:
@@ -302,12 +344,24 @@ def _share_hint(case: Case, expected, got) -> str | None:
     cfg, targets, r = case.args
     if isinstance(got, (int, float)) and abs(got - expected) > 1e-12:
         try:
+            without = {k: v for k, v in cfg.items() if k != "head_dim"}
+            if "head_dim" in cfg and abs(got - ref.lora_flop_share(without, targets, r)) <= 1e-9 * abs(got):
+                return "this config sets head_dim explicitly: q/k/v/o widths are heads x head_dim, not hidden"
+            no_gqa = {**cfg, "num_key_value_heads": cfg["num_attention_heads"]}
+            if no_gqa != cfg and abs(got - ref.lora_flop_share(no_gqa, targets, r)) <= 1e-9 * abs(got):
+                return ("k_proj and v_proj are num_key_value_heads x head_dim wide (grouped-query attention), "
+                        "not num_attention_heads x head_dim")
+        except (KeyError, ZeroDivisionError):
+            pass
+        try:
             shapes = ref.projection_shapes(cfg)
             lora = sum(r * (shapes[m][0] + shapes[m][1]) for m in targets)
             all_base = sum(i * o for i, o in shapes.values())
             mean = sum(r * (shapes[m][0] + shapes[m][1]) / (shapes[m][0] * shapes[m][1]) for m in targets) / len(targets)
         except (KeyError, ZeroDivisionError):
             return None
+        if any(abs(got - k * expected) <= 1e-9 * abs(got) for k in (0.5, 2.0)):
+            return "off by a factor 2: count 2 FLOPs per multiply-add on both sides (LoRA and base) or on neither"
         if abs(got - lora / all_base) <= 1e-9 * abs(got):
             return "the base FLOPs are those of the same targeted projections, not of all seven"
         if abs(got - mean) <= 1e-9 * abs(got):
@@ -316,9 +370,12 @@ def _share_hint(case: Case, expected, got) -> str | None:
 
 
 EXERCISES = [
-    Exercise("ch01.1", "lora_forward", ("x", "W", "A", "B", "scaling"), ref.lora_forward, _forward_edge, _forward_random),
-    Exercise("ch01.2", "merge_lora", ("W", "A", "B", "scaling"), ref.merge_lora, _merge_edge(False), _merge_random(False)),
-    Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True)),
+    Exercise("ch01.1", "lora_forward", ("x", "W", "A", "B", "scaling"), ref.lora_forward, _forward_edge, _forward_random,
+             _forward_hint),
+    Exercise("ch01.2", "merge_lora", ("W", "A", "B", "scaling"), ref.merge_lora, _merge_edge(False), _merge_random(False),
+             _merge_hint(False)),
+    Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True),
+             _merge_hint(True)),
     Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"),
              functools.partial(returns_python_float, ref.lora_scaling), _scaling_edge, _scaling_random,
              driver=returns_python_float),
