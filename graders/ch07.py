@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graders.core import Case, Exercise
-from reference.batch_info import batch_info_from_requests, build_batch_info, slot_sorted_view
+from reference.batch_info import batch_info_from_requests, slot_sorted_view
 from reference.device import default_device
 from reference.ops import torch_ref
 
@@ -47,28 +47,45 @@ def _requests_edge() -> list[Case]:
     return [
         _requests_case("running_example", ["a", None, "b"], [3, 10, 5], slots, ranks, scal),
         _requests_case("empty_batch", [], [], slots, ranks, scal),
+        _requests_case("requests_but_zero_tokens", ["a", None, "b"], [0, 0, 0], slots, ranks, scal),
         _requests_case("all_base_no_active_lora", [None, None], [2, 3], slots, ranks, scal),
         _requests_case("zero_length_request_kept", ["a", "b", "a"], [2, 0, 3], slots, ranks, scal),
         _requests_case("decode_one_token_each", ["b", "a", None, "b"], [1, 1, 1, 1], slots, ranks, scal),
         _requests_case("adapter_with_zero_tokens_is_not_active", ["a", None], [0, 4], slots, ranks, scal),
         _requests_case("base_model_in_slot_2", ["x", None], [2, 2], {"x": 0, None: 2}, [4, 0, 0], [1.0, 0.0, 0.0]),
         _requests_case("uid_not_resident_raises_value_error", ["a", "z"], [1, 1], slots, ranks, scal),
+        _requests_case("base_model_not_resident_raises_value_error", ["a", None], [1, 1], {"a": 1}, [0, 4], [0.0, 0.5]),
+        _requests_case("zero_token_uid_not_resident_raises_value_error", ["z", "a"], [0, 2], slots, ranks, scal),
     ]
 
 
 def _requests_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    """Every draw: mixed lengths with zeros, a decode batch, adapters with zero tokens beside base
+    requests (not active), a batch with requests and no tokens, a long batch; the base model in a
+    random slot, scalings that are not exact in float16."""
     cases = []
-    for i in range(4):
+    for i in range(6):
         n_slots = rng.randint(2, 6)
-        ranks = [rng.choice([0, 1, 4, 16]) for _ in range(n_slots)]
+        ranks = [rng.choice([1, 4, 16]) for _ in range(n_slots)]
         base_slot = rng.randrange(n_slots)
         ranks[base_slot] = 0
         uids = [f"u{s}" for s in range(n_slots) if s != base_slot]
         uid_to_slot = {None: base_slot, **{u: s for u, s in zip(uids, [s for s in range(n_slots) if s != base_slot])}}
-        scal = [0.0 if r == 0 else rng.choice([0.25, 1.0, 2.0]) for r in ranks]
-        n = rng.randint(1, 8)
+        scal = [0.0 if r == 0 else rng.choice([0.25, 1.0, 2.0, 0.1, 1 / 3]) for r in ranks]
+        n = rng.randint(2, 8) if i != 4 else rng.randint(20, 40)
         req = [rng.choice([None, *uids]) for _ in range(n)]
-        lens = [1] * n if i == 1 else [rng.choice([0, 1, 3, 7, 16]) for _ in range(n)]
+        req[rng.randrange(n)] = rng.choice(uids)  # at least one adapter request
+        if i == 1:
+            lens = [1] * n
+        elif i == 2:  # adapter requests without tokens, base requests with: nothing active
+            req[0], req[-1] = rng.choice(uids), None
+            lens = [0 if u is not None else rng.choice([1, 3, 7]) for u in req]
+        elif i == 3:
+            lens = [0] * n
+        else:
+            lens = [rng.choice([0, 1, 3, 7, 16]) for _ in range(n)]
+            lens[rng.randrange(n)] = 0
+            lens[next(j for j, u in enumerate(req) if u is not None)] = rng.choice([2, 5])
         cases.append(_requests_case(f"random_{i}", req, lens, uid_to_slot, ranks, scal))
     return cases
 
@@ -89,8 +106,9 @@ def _requests_hint(case: Case, expected, got) -> Optional[str]:
 
 
 def _view_case(name, slots, num_slots, tps) -> Case:
-    return Case(name, [list(slots), num_slots, tps], f"token_slots {slots}, num_slots {num_slots}, "
-                f"tokens_per_seq {tps}", op="exact")
+    device = str(default_device())
+    return Case(name, [list(slots), num_slots, tps, device], f"token_slots {slots}, num_slots {num_slots}, "
+                f"tokens_per_seq {tps}, device {device!r}", op="exact")
 
 
 def _view_edge() -> list[Case]:
@@ -98,17 +116,32 @@ def _view_edge() -> list[Case]:
         _view_case("docstring_example_tps_2", [2, 0, 2, 1], 4, 2),
         _view_case("one_token_per_seq", [1, 0, 1, 1, 0], 3, 1),
         _view_case("empty_slots_give_empty_segments", [3, 3], 5, 1),
+        _view_case("last_slot_used", [0, 4, 4, 1], 5, 3),
         _view_case("no_sequences", [], 3, 2),
+        _view_case("one_slot", [0, 0, 0], 1, 2),
         _view_case("stable_order_within_a_slot", [1, 0, 1, 0, 1, 0], 2, 3),
         # torch's CPU argsort happens to be stable on short inputs: 40 sequences tell
         _view_case("stable_order_40_sequences", [(7 * q) % 3 for q in range(40)], 3, 1),
-        _view_case("slot_out_of_range_raises_value_error", [0, 4], 4, 1),
+        _view_case("slot_equal_to_num_slots_raises_value_error", [0, 4], 4, 1),
+        _view_case("negative_slot_raises_value_error", [0, -1], 4, 1),
+        _view_case("tokens_per_seq_0_raises_value_error", [0, 1], 2, 0),
+        _view_case("negative_tokens_per_seq_raises_value_error", [0, 1], 2, -2),
     ]
 
 
 def _view_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
-    return [_view_case(f"random_{i}", [rng.randrange(s) for _ in range(rng.randint(1, 30))], s, rng.choice([1, 1, 2, 4]))
-            for i, s in enumerate(rng.choice([1, 3, 5, 8]) for _ in range(4))]
+    """Every draw: tokens_per_seq 1, 2, 3 and 4 (by index), one draw of 40-60 sequences (stability),
+    the last slot used and a slot left empty."""
+    cases = []
+    for i, tps in enumerate([1, 2, 3, 4, 1]):
+        s = rng.choice([3, 5, 8])
+        n = rng.randint(40, 60) if i == 4 else rng.randint(4, 30)
+        slots = [rng.randrange(s - 1) for _ in range(n)]  # slot s - 2 ... and slot s - 1 unused so far
+        slots[rng.randrange(n)] = s - 1
+        empty = rng.randrange(s - 1)
+        slots = [x if x != empty else s - 1 for x in slots]
+        cases.append(_view_case(f"random_{i}", slots, s, tps))
+    return cases
 
 
 def _view_hint(case: Case, expected, got) -> Optional[str]:
@@ -174,6 +207,13 @@ class _OpCounter:
             setattr(torch_ref, name, fn)
 
 
+#: What drive_lora_linear returns, as the reports name it ("returned check '...': expected True, got False").
+LINEAR_CHECKS = ("y (the first forward's output)", "count 'base layer calls in one forward'",
+                 "check 'the base-only forward returns exactly base(x)'", "count 'base layer calls in both forwards'",
+                 "check 'forward returns the base layer's own output tensor, the delta added in place'",
+                 "count 'LoRA op calls in the base-only forward'")
+
+
 def drive_lora_linear(layer_cls, x, weight, bias, A_buffer, B_buffer, batch_info, base_info):
     """One forward with ``batch_info`` then one with ``base_info`` (no active adapter).
 
@@ -215,7 +255,10 @@ class ReferenceLoRALinear(nn.Module):
         return y
 
 
-def _linear_case(name, gen, batch, seq, d_in, d_out, ranks, slots_per_row, dtype=torch.float32) -> Case:
+def _linear_case(name, gen, batch, seq, d_in, d_out, ranks, slots_per_row, dtype=torch.float32,
+                 view: str = "per_request") -> Case:
+    """``view``: the batch info's segments: "per_request", "sorted" (grouped by slot through a
+    permutation) or "chunked" (chunks of 2 tokens); the layer must pass any of them to the ops."""
     max_rank = max(max(ranks), 1)
     A = torch.randn(len(ranks), max_rank, d_in, generator=gen) * d_in**-0.5
     B = torch.randn(len(ranks), d_out, max_rank, generator=gen) * max_rank**-0.5
@@ -225,13 +268,17 @@ def _linear_case(name, gen, batch, seq, d_in, d_out, ranks, slots_per_row, dtype
     bias = torch.randn(d_out, generator=gen) * 0.1
     x = torch.randn(batch, seq, d_in, generator=gen)
     scal = [0.0 if r == 0 else 0.5 + s for s, r in enumerate(ranks)]
-    info = build_batch_info([seq] * batch, slots_per_row, ranks, scal, "cpu")
     base_slot = ranks.index(0)
-    base_info = build_batch_info([seq] * batch, [base_slot] * batch, ranks, scal, "cpu")
+    uid_to_slot = {None: base_slot, **{f"s{s}": s for s in range(len(ranks)) if s != base_slot}}
+    uids = [None if s == base_slot else f"s{s}" for s in slots_per_row]
+    flags = {"per_request": {}, "sorted": {"sort_by_slot": True}, "chunked": {"chunk_size": 2}}[view]
+    info = batch_info_from_requests(uids, [seq] * batch, uid_to_slot, ranks, scal, "cpu", **flags)
+    base_info = batch_info_from_requests([None] * batch, [seq] * batch, uid_to_slot, ranks, scal, "cpu", **flags)
     args = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (x, W, bias, A, B)] + [info, base_info]
     desc = (f"x [{batch}, {seq}, {d_in}] (one request per row), base nn.Linear({d_in}, {d_out}), A_buffer "
-            f"{list(A.shape)}, B_buffer {list(B.shape)}, row slots {slots_per_row}, lora_ranks {ranks}, {dtype}; "
-            f"then a forward whose batch has only the base model")
+            f"{list(A.shape)}, B_buffer {list(B.shape)}, row slots {slots_per_row}, lora_ranks {ranks}, "
+            f"{str(dtype).removeprefix('torch.')}, batch info {view.replace('_', ' ')}; then a forward whose "
+            f"batch has only the base model")
     return Case(name, args, desc)
 
 
@@ -242,18 +289,31 @@ def _linear_edge() -> list[Case]:
         _linear_case("base_row_between_adapters", g, 3, 2, 16, 8, [0, 3], [1, 0, 1]),
         _linear_case("one_token", g, 1, 1, 8, 8, [0, 2], [1]),
         _linear_case("base_in_slot_1_rank_7", g, 2, 4, 24, 40, [7, 0, 5], [0, 2]),
+        _linear_case("decode_four_requests", g, 4, 1, 16, 24, [0, 4, 2], [2, 0, 1, 2]),
+        _linear_case("sorted_view_with_permutation", g, 3, 2, 16, 24, [0, 4, 2], [2, 1, 2], view="sorted"),
+        _linear_case("chunked_view", g, 2, 5, 16, 24, [0, 4, 2], [1, 1], view="chunked"),
+        _linear_case("fp16", g, 2, 3, 16, 24, [0, 4, 2], [1, 2], torch.float16),
+        _linear_case("bf16", g, 3, 2, 16, 24, [0, 3, 2], [2, 0, 1], torch.bfloat16),
     ]
 
 
 def _linear_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> list[Case]:
+    """Every draw: fp32, fp16 and bf16 (by index), each batch view, a base row beside adapter rows."""
     cases = []
-    for i in range(3):
-        n_slots = rng.randint(2, 4)
+    for i, (dtype, view) in enumerate([(torch.float32, "per_request"), (torch.float16, "sorted"),
+                                       (torch.bfloat16, "chunked"), (torch.float32, "sorted")]):
+        n_slots = rng.randint(3, 4)
         ranks = [rng.choice([1, 4, 8]) for _ in range(n_slots)]
-        ranks[rng.randrange(n_slots)] = 0
-        batch = rng.randint(1, 4)
-        cases.append(_linear_case(f"random_{i}", gen, batch, rng.randint(1, 5), rng.choice([8, 24]),
-                                  rng.choice([8, 40]), ranks, [rng.randrange(n_slots) for _ in range(batch)]))
+        base = rng.randrange(n_slots)
+        ranks[base] = 0
+        batch = rng.randint(2, 4)
+        adapters = [s for s in range(n_slots) if s != base]
+        rows = [rng.randrange(n_slots) for _ in range(batch)]
+        rows[0], rows[-1] = rng.choice(adapters), base  # an adapter row and a base row in every batch
+        rng.shuffle(rows)
+        seq = rng.randint(2, 5) if i % 2 == 0 else rng.randint(1, 5)  # several tokens per row in some
+        cases.append(_linear_case(f"random_{i}", gen, batch, seq, rng.choice([8, 24]),
+                                  rng.choice([8, 40]), ranks, rows, dtype, view))
     return cases
 
 
@@ -282,9 +342,10 @@ EXERCISES = [
     Exercise("ch07.1", "batch_info_from_requests",
              ("req_uids", "req_lens", "uid_to_slot", "lora_ranks", "scalings", "device"), batch_info_default,
              _requests_edge, _requests_random, _requests_hint, no_device_reads=True),
-    Exercise("ch07.2", "slot_sorted_view", ("token_slots", "num_slots", "tokens_per_seq"), slot_sorted_view,
-             _view_edge, _view_random, _view_hint),
+    Exercise("ch07.2", "slot_sorted_view", ("token_slots", "num_slots", "tokens_per_seq", "device"),
+             slot_sorted_view, _view_edge, _view_random, _view_hint,
+             result_names=("slot_counts", "slot_offsets", "sorted_token_ids")),
     Exercise("ch07.3", "LoRALinear", ("x", "weight", "bias", "A_buffer", "B_buffer", "batch_info", "base_info"),
              functools.partial(drive_lora_linear, ReferenceLoRALinear), _linear_edge, _linear_random, _linear_hint,
-             driver=drive_lora_linear, no_device_reads=True),
+             driver=drive_lora_linear, no_device_reads=True, result_names=LINEAR_CHECKS),
 ]

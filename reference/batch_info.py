@@ -296,6 +296,7 @@ def slot_sorted_view(
     token_slots: Union[Sequence[int], torch.Tensor],  # [num_seqs] slot per sequence (= per token if tps 1)
     num_slots: int,
     tokens_per_seq: int = 1,
+    device: Optional[torch.device | str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens grouped by slot with a segment table of FIXED size: the layout of CUDA-graph paths.
 
@@ -316,12 +317,13 @@ def slot_sorted_view(
     Example: token_slots [2, 0, 2, 1], num_slots 4, tokens_per_seq 2
         slot_counts [2, 2, 4, 0], slot_offsets [0, 2, 4, 8, 8],
         sorted_token_ids [2, 3, 6, 7, 0, 1, 4, 5]
-    Computed where ``token_slots`` lives (a host list: on the CPU) without a device read: the count
-    is an ``index_add_``, because ``torch.bincount`` on CUDA reads the maximum on the host.
+    Computed on ``device`` (default: where ``token_slots`` lives; the CPU for a host list) without a
+    device read: a host list is sent with one pinned, non-blocking copy; the count is an
+    ``index_add_``, because ``torch.bincount`` on CUDA reads the maximum on the host.
 
     Returns:
         (slot_counts [num_slots] int32, slot_offsets [num_slots + 1] int32,
-         sorted_token_ids [num_seqs * tokens_per_seq] int64), on token_slots' device.
+         sorted_token_ids [num_seqs * tokens_per_seq] int64), all on ``device``.
     Raises:
         ValueError: num_slots or tokens_per_seq < 1; token_slots not one-dimensional; a host slot
         outside 0..num_slots-1 (a device tensor's values are not checked: that would synchronize).
@@ -334,10 +336,11 @@ def slot_sorted_view(
         host = list(token_slots)
         if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_slots for s in host):
             raise ValueError(f"token_slots {host} must be ints in 0..{num_slots - 1}")
-        token_slots = torch.tensor(host, dtype=torch.int64)
+        token_slots = _host_to_device(torch.tensor(host, dtype=torch.int64), device or "cpu")
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be one-dimensional, got shape {list(token_slots.shape)}")
-    slots, device = token_slots.long(), token_slots.device
+    device = token_slots.device if device is None else torch.device(device)
+    slots = token_slots.to(device).long()
     seq_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
     seq_counts.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
     slot_counts = seq_counts * tokens_per_seq

@@ -67,6 +67,14 @@ for field in ("bs", "num_segments", "max_len", "has_active_lora", "seg_lens", "s
     print(f"{field:18s} {value.tolist() if isinstance(value, torch.Tensor) else value}")
 
 # %% [markdown]
+# The struct itself is a dataclass, `reference.batch_info.LoRABatchInfo`, built with keyword
+# arguments, one per field; its constructor (host fields first, then the tensors; the last four
+# have defaults):
+
+# %%
+print("LoRABatchInfo" + str(inspect.signature(bi.LoRABatchInfo)).replace(", ", ",\n    ").replace("(", "(\n    ", 1))
+
+# %% [markdown]
 # **No device reads.** Every field above is computed from host lists and sent with one host-to-device
 # copy per tensor. The tempting shortcuts each read the device: `bool((lora_ranks[weight_indices] >
 # 0).any())` for `has_active_lora`, `seg_lens.max().item()` for `max_len`, even `torch.tensor(list,
@@ -83,12 +91,14 @@ for field in ("bs", "num_segments", "max_len", "has_active_lora", "seg_lens", "s
 
 # %%
 if device.type == "cuda":
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        bi.batch_info_from_requests(["a", None, "b"], [3, 10, 5], uid_to_slot, ranks, scalings, device)
-        print("built on the GPU with sync debug mode 'error': no synchronization")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with warnings.catch_warnings():  # torch warns that sync debug mode is a prototype feature (on stderr)
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            bi.batch_info_from_requests(["a", None, "b"], [3, 10, 5], uid_to_slot, ranks, scalings, device)
+            print("built on the GPU with sync debug mode 'error': no synchronization")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 else:
     print("no GPU here: the synchronization check runs in the GPU test suite")
 
@@ -106,8 +116,13 @@ else:
 # - `seg_lens`, `seg_indptr` (starts at 0), `weight_indices`, `req_seg_indptr` (= `seg_indptr` here),
 #   `req_weight_indices` (= `weight_indices` here), `token_slots` (one per token): int32;
 #   `lora_ranks` int32 and `scalings` float32 (the given per-slot lists); `permutation` None;
-# - every tensor on `device`; raise `ValueError` if a uid is not in `uid_to_slot`.
-# Compute everything from the host lists (no `.item()`, no reading a tensor back).
+# - every tensor on `device`; raise `ValueError` if a uid (the base model's `None` included) is not in
+#   `uid_to_slot`.
+# Compute everything from the host lists: no `.item()`, `.tolist()`, `bool(t)`, `int(t)` or `if t:`
+# on a tensor. The grader records every such read your function makes and fails the case, on the CPU
+# too. Build each tensor from a host list (`torch.tensor(values, dtype=...)`) and send it to `device`
+# with one copy; on CUDA stage it in pinned memory, `host.pin_memory().to(device, non_blocking=True)`,
+# since a copy from pageable memory waits for the GPU (the GPU grader records that too).
 
 # %% exercise="ch07.1" role="answer"
 import torch
@@ -127,7 +142,10 @@ def batch_info_from_requests(req_uids, req_lens, uid_to_slot, lora_ranks, scalin
     token_slots = [s for s, n in zip(slots, req_lens) for _ in range(n)]
 
     def send(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
+        host = torch.tensor(values, dtype=dtype)
+        if torch.device(device).type == "cuda":  # from pageable memory the copy would wait for the GPU
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
 
     return LoRABatchInfo(
         bs=len(slots), num_segments=len(slots), max_len=max(req_lens, default=0),
@@ -143,6 +161,13 @@ def batch_info_from_requests(req_uids, req_lens, uid_to_slot, lora_ranks, scalin
 
 # %% exercise="ch07.1" role="test"
 graders.check("ch07.1", batch_info_from_requests)
+
+# %% [markdown]
+# The reference (shown once your check above passed) also builds the sorted and chunked views of the
+# next section, and checks every host input first:
+
+# %%
+graders.show_reference("ch07.1")
 
 # %% [markdown]
 # ## 2. Several views of one batch
@@ -180,27 +205,30 @@ for flags in ({}, {"sort_by_slot": True}, {"chunk_size": 4}):
 # [2, 0, 2, 1]`, 4 slots, `tps = 2`:
 
 # %%
-counts, offsets, ids = bi.slot_sorted_view([2, 0, 2, 1], 4, tokens_per_seq=2)
+counts, offsets, ids = bi.slot_sorted_view([2, 0, 2, 1], 4, tokens_per_seq=2, device="cpu")
 print("slot_counts", counts.tolist(), " slot_offsets", offsets.tolist(), " sorted_token_ids", ids.tolist())
 
 # %% [markdown]
 # ### Exercise ch07.2: `slot_sorted_view`
 #
-# Write `slot_sorted_view(token_slots, num_slots, tokens_per_seq)`: `token_slots` a host list of ints,
-# one per **sequence** (with `tokens_per_seq > 1` a sequence has several tokens; the name follows the
-# decode case, where they coincide). Return `(slot_counts [num_slots] int32, slot_offsets [num_slots + 1] int32,
-# sorted_token_ids [len(token_slots) * tokens_per_seq] int64)` as in the example, sequences of one slot
-# in their original order. Raise `ValueError` when a slot is outside `0..num_slots-1`.
+# Write `slot_sorted_view(token_slots, num_slots, tokens_per_seq, device)`: `token_slots` a host list
+# of ints, one per **sequence** (with `tokens_per_seq > 1` a sequence has several tokens; the name
+# follows the decode case, where they coincide). Return `(slot_counts [num_slots] int32, slot_offsets
+# [num_slots + 1] int32, sorted_token_ids [len(token_slots) * tokens_per_seq] int64)` as in the
+# example, all on `device`, sequences of one slot in their original order. Raise `ValueError` when a
+# slot is outside `0..num_slots-1` (too large or negative) or `tokens_per_seq` is below 1.
 
 # %% exercise="ch07.2" role="answer"
 import torch
 
 
-def slot_sorted_view(token_slots, num_slots, tokens_per_seq):
+def slot_sorted_view(token_slots, num_slots, tokens_per_seq, device):
     """Per-slot token counts, offsets, and token ids grouped by slot (fixed-size segment table)."""
     ### BEGIN SOLUTION
     if any(not 0 <= s < num_slots for s in token_slots):
         raise ValueError("slot out of range")
+    if tokens_per_seq < 1:
+        raise ValueError("tokens_per_seq must be at least 1")
     counts = [0] * num_slots
     for s in token_slots:
         counts[s] += tokens_per_seq
@@ -209,13 +237,21 @@ def slot_sorted_view(token_slots, num_slots, tokens_per_seq):
         offsets.append(offsets[-1] + c)
     order = sorted(range(len(token_slots)), key=lambda q: token_slots[q])
     ids = [q * tokens_per_seq + j for q in order for j in range(tokens_per_seq)]
-    return (torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-            torch.tensor(ids, dtype=torch.int64))
+    return (torch.tensor(counts, dtype=torch.int32).to(device), torch.tensor(offsets, dtype=torch.int32).to(device),
+            torch.tensor(ids, dtype=torch.int64).to(device))
     ### END SOLUTION
 
 
 # %% exercise="ch07.2" role="test"
 graders.check("ch07.2", slot_sorted_view)
+
+# %% [markdown]
+# The reference also accepts `token_slots` as a device tensor (a graph path builds the view from the
+# batch's `token_slots`), and counts with `index_add_` rather than `torch.bincount`, which on CUDA
+# reads its input's maximum on the host:
+
+# %%
+graders.show_reference("ch07.2")
 
 # %% [markdown]
 # ## 4. A LoRA layer wraps the base layer
@@ -244,10 +280,13 @@ graders.check("ch07.2", slot_sorted_view)
 # - if `batch_info.has_active_lora` is False, return `y` untouched;
 # - otherwise add `scalings[slot] * (x A^T) B^T` per token into `y`, in place (use
 #   `reference.ops.torch_ref`'s `shrink(rows, A_buffer, info, t)` with a preallocated
-#   `t [n, max_rank]` and `expand(t, B_buffer, info, y.view(-1, out))`), and return `y` itself.
-# The grader checks that the returned tensor is the base layer's output, and that the base-only
-# forward calls no LoRA op.
-# The grader counts the base layer's calls and poisons every slot's padding with NaN.
+#   `t [n, max_rank]` and `expand(t, B_buffer, info, y.view(-1, out))`), and return `y` itself;
+# - read `batch_info` from `context` at every forward (the caller sets a new one per batch), and no
+#   tensor value on the host (the grader records `.item()`, `bool(t)`, ... as in ch07.1).
+# The grader runs one forward with adapters and one whose batch has only the base model (in fp32,
+# fp16 and bf16, with per-request, slot-sorted and chunked batch infos), counts the base layer's
+# calls and the LoRA ops' calls, checks that the returned tensor is the base layer's own output,
+# and poisons every slot's padding with NaN.
 
 # %% exercise="ch07.3" role="answer"
 import torch
@@ -258,12 +297,14 @@ from reference.ops import torch_ref
 class LoRALinear(nn.Module):
     """base(x) plus the batch's LoRA deltas, added in place; the batch comes from context."""
 
-    ### BEGIN SOLUTION
     def __init__(self, base, A_buffer, B_buffer, context):
         super().__init__()
+        ### BEGIN SOLUTION
         self.base, self.A_buffer, self.B_buffer, self.context = base, A_buffer, B_buffer, context
+        ### END SOLUTION
 
     def forward(self, x):
+        ### BEGIN SOLUTION
         y = self.base(x)
         info = self.context.batch_info
         if not info.has_active_lora:
@@ -288,8 +329,7 @@ graders.check("ch07.3", LoRALinear)
 # part then expands its own rows of B into its own output:
 
 # %%
-print(inspect.getsource(layers.LoRALinear.forward))
-print(inspect.getsource(layers.SharedShrink))
+graders.show_reference("ch07.3")
 
 # %% [markdown]
 # ## 5. The whole model, against PEFT
