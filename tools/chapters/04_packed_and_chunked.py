@@ -97,8 +97,8 @@ print(f"packing removes {separate['launches'] - fused['launches']} launches and 
 # %% [markdown]
 # ## 2. The packed layout
 #
-# The book's contract (chapter 02, `reference/ops/torch_ref.py`) packs the parts **at the adapter's
-# own rank r**, not at the pool's `max_rank`:
+# The book's contract (the `Semantics` of `reference/ops/torch_ref.py`; chapter 02 used one part only,
+# `stack_num = 1`) packs the parts **at the adapter's own rank r**, not at the pool's `max_rank`:
 #
 # ```
 # A [num_parts * r, in]:   rows [0, r) = A_q,  [r, 2r) = A_k,  [2r, 3r) = A_v
@@ -127,10 +127,12 @@ print(f"packing removes {separate['launches'] - fused['launches']} launches and 
 #   (`A_i [r, in]`, `B_i [out_features[i], r]`) or `None` when the adapter lacks that part;
 #   `out_features`: the parts' output widths, e.g. `[24, 8, 8]`.
 # - Return `(A, B)`: new tensors `A [num_parts * r, in]` and `B [sum(out_features), r]` in the parts'
-#   dtype and device, the packed layout above, zeros for missing parts. Do not modify the inputs.
-# - Raise `ValueError` when: the three sequences differ in length; every part is missing; a part has
-#   A but no B (or B but no A); the present parts disagree on r or on `in`, or a B part's width is
-#   not its `out_features` entry; the parts' dtypes differ.
+#   dtype and device, the packed layout above, zeros for missing parts. New even for a single part
+#   (never an input tensor or a view of one). Do not modify the inputs.
+# - Raise `ValueError` when: the three sequences differ in length (any one longer or shorter); every
+#   part is missing; a part has A but no B (or B but no A); the present parts disagree on r (an A's
+#   rows or a B's columns) or on `in`, or a B part's width is not its `out_features` entry (wider or
+#   narrower); the present tensors do not all have one dtype (an A and its B, or two parts).
 
 # %% exercise="ch04.1" role="answer"
 import torch
@@ -167,10 +169,10 @@ def stack_lora_parts(A_parts, B_parts, out_features):
 graders.check("ch04.1", stack_lora_parts)
 
 # %% [markdown]
-# The reference (`reference/packed.py`):
+# The reference (`reference/packed.py`), shown once your answer passed its check:
 
 # %%
-print(inspect.getsource(packed.stack_lora_parts))
+graders.show_reference("ch04.1")
 
 # %% [markdown]
 # ## 3. One shrink, one sliced expand: the same result as three projections
@@ -256,7 +258,16 @@ print("k columns of the q-and-v adapter's rows unchanged, bit for bit:",
 #   back bit for bit; nothing past `num_parts * r` of `t` or past `r` of B may enter the arithmetic
 #   (the grader fills them with NaN).
 # - One launch; return `out` unchanged without launching when there are no segments or
-#   `max_len == 0`. `UPCAST` and `IEEE_FP32` as in chapter 03.
+#   `max_len == 0`. As in chapter 03: `UPCAST` (the interpreter's fp16 dot needs fp32 tiles) and
+#   `IEEE_FP32` (fp32 inputs ask `tl.dot` for `input_precision="ieee"`, not TF32) are passed by the
+#   wrapper, and every `tl.dot` dimension is at least 16 on a GPU (so `BLOCK_K >= 16`, masked).
+# - Sizes: the grader's cases cross every tile and loop, with your blocks and with the reference's
+#   (`BLOCK_M` 64 or 128, `BLOCK_N` 128): segments longer than two row tiles, slices wider than two
+#   column tiles whose widths are not multiples of any block (so each slice's last tile clips to
+#   its own end `hi`, not to the output's), and `max_rank` 32 or 64 with ranks that are not
+#   multiples of 16 (a `BLOCK_K` below r loops over K, each step masked by `offs_k < r - k * BLOCK_K`).
+#   Padding holds NaN in some cases and a large finite value in others, so `nan_to_num` does not
+#   replace a mask.
 
 # %% exercise="ch04.2" role="answer"
 import torch
@@ -369,10 +380,10 @@ graders.check("ch04.2", sgmv_expand_sliced)
 
 # %% [markdown]
 # The reference is chapter 03's expand, which already has the slice axis (it shipped with it because
-# the contract's `expand` takes `slice_offsets`):
+# the contract's `expand` takes `slice_offsets`), shown once your answer passed its check:
 
 # %%
-print(inspect.getsource(ref_sgmv_expand._sgmv_expand_kernel.fn))
+graders.show_reference("ch04.2")
 
 # %% [markdown]
 # ## 5. Chunked SGMV: segments are not requests
@@ -405,7 +416,7 @@ print(inspect.getsource(ref_sgmv_expand._sgmv_expand_kernel.fn))
 # lists, where neighbouring segments with the same slot are merged (lengths added) and zero-length
 # segments are dropped first (so `[2, 0, 3]` / `[1, 2, 1]` becomes `[5]` / `[1]`: with the empty
 # segment gone, the two slot-1 segments are neighbours). Raise `ValueError` if the two lists differ
-# in length or a length is negative.
+# in length (either one longer) or a length is negative.
 
 # %% exercise="ch04.3" role="answer"
 def merge_adjacent_segments(seg_lens, slots):
@@ -431,13 +442,17 @@ def merge_adjacent_segments(seg_lens, slots):
 # %% exercise="ch04.3" role="test"
 graders.check("ch04.3", merge_adjacent_segments)
 
+# %%
+graders.show_reference("ch04.3")
+
 # %% [markdown]
 # ### Exercise ch04.4: `cut_into_chunks`
 #
 # Write `cut_into_chunks(seg_lens, slots, chunk_size)`: return `(lens, slots)` where every segment of
 # `n` tokens becomes `n // chunk_size` chunks of `chunk_size` tokens and, if there is a remainder, one
-# last shorter chunk, all with the segment's slot, in order. A zero-length segment gives no chunk.
-# Raise `ValueError` if `chunk_size < 1`.
+# last shorter chunk, all with the segment's slot, in order. Every segment is cut on its own: a chunk
+# never spans two segments, even two neighbours of one slot (merging is ch04.3's job). A zero-length
+# segment gives no chunk. Raise `ValueError` if `chunk_size < 1` (0 or negative).
 
 # %% exercise="ch04.4" role="answer"
 def cut_into_chunks(seg_lens, slots, chunk_size):
@@ -457,9 +472,13 @@ def cut_into_chunks(seg_lens, slots, chunk_size):
 # %% exercise="ch04.4" role="test"
 graders.check("ch04.4", cut_into_chunks)
 
+# %%
+graders.show_reference("ch04.4")
+
 # %% [markdown]
-# The reference, `reference/chunked.py`, adds the builder that turns requests into a chunked
-# `LoRABatchInfo` (with an option to group tokens by slot first through a permutation):
+# Besides the two functions, the reference, `reference/chunked.py`, has the builder that turns
+# requests into a chunked `LoRABatchInfo` (with an option to group tokens by slot first through a
+# permutation):
 
 # %%
 print(inspect.getsource(chunked.build_chunked_batch_info))
@@ -494,8 +513,9 @@ print("max difference:", (results["per request"] - results["chunked 8"]).abs().m
 # Count first. For the shrink (one rank tile at rank 16) with row tiles of `BLOCK_M` tokens, a
 # segment layout launches `cdiv(max_len, BLOCK_M) * num_segments` programs, of which
 # `sum(cdiv(len_i, BLOCK_M))` have rows to work on; each of those reads its adapter's A once. The
-# batches of the book's benchmark, with chunks cut at `BLOCK_M` (as SGLang does) and `BLOCK_M = 32`
-# for the unchunked layouts:
+# batches of the book's benchmark, with `BLOCK_M = 32` for the unchunked layouts and, for chunks,
+# `BLOCK_M` equal to the chunk size (as SGLang does) up to 128 (`min(c, 128)`: a chunk of 256 then
+# takes two row tiles):
 
 # %%
 def batches():
@@ -544,7 +564,7 @@ for path in bench_files:
                   f"{r['expand_us']:9.1f} {r['total_us']:8.1f} {per_request / r['total_us']:13.2f}x")
 
 # %%
-default_tile = next(l.strip() for l in inspect.getsource(ref_sgmv_expand.sgmv_expand).splitlines() if "block_m = block_m or" in l)
+default_tile = next(l.strip() for l in Path(ref_sgmv_expand.__file__).read_text().splitlines() if "block_m = block_m or" in l)
 print("the expand's default row tile (reference/ops/sgmv_expand.py):", default_tile)
 
 # %% [markdown]
