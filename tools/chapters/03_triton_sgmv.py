@@ -31,6 +31,8 @@
 # self-contained, with its imports inside the cell. The text's demonstrations use the book's
 # reference package, never your answers, so the notebook runs top to bottom whatever state your
 # answers are in. Every number the text states is printed by a code cell, or quoted with its source.
+# After each grader cell, a cell prints the book's reference, but only once your own answer has
+# passed in this notebook (`graders.show_reference("ch03.1", reveal=True)` shows it anyway).
 
 # %%
 import importlib
@@ -192,8 +194,9 @@ print("t", list(t.shape), " max |t - x @ A.T| =", f"{(t - x @ A.T).abs().max().i
 # (On a GPU the printed error is larger, for a reason section 2.4 explains.)
 #
 # In the interpreter every program runs as a sequence of numpy operations on whole tiles, one program
-# after another. The cost is per program and per loop step, not per element: the cell times grids
-# of 4, 16 and 64 programs doing one or four K steps each.
+# after another, so the cost is counted in programs and loop steps, not in elements. The cell times
+# grids of 4, 16 and 64 programs doing one K step each, and 16 programs doing four, then splits the
+# time into what a program costs with one K step and what each further K step adds.
 
 # %%
 def time_warmup(rows, cols, block_m=16, block_k=64):
@@ -206,18 +209,26 @@ def time_warmup(rows, cols, block_m=16, block_k=64):
     return time.perf_counter() - start
 
 
+unit, scale = ("ms", 1e3) if interpreting() else ("us", 1e6)
+timed = {}
 for rows, cols in [(64, 64), (256, 64), (1024, 64), (256, 256)]:
     programs, steps = triton.cdiv(rows, 16), triton.cdiv(cols, 64)
-    seconds = time_warmup(rows, cols)
-    per_step = seconds / (programs * steps)
+    timed[(programs, steps)] = seconds = time_warmup(rows, cols)
     print(f"{programs:3d} programs x {steps} K steps: {1e3 * seconds:7.1f} ms in all, "
-          + (f"{1e3 * per_step:.2f} ms" if interpreting() else f"{1e6 * per_step:.2f} us") + " per program and step")
+          f"{scale * seconds / programs:.2f} {unit} per program")
+per_program = timed[(16, 1)] / 16  # a program with one K step
+per_step = (timed[(16, 4)] - timed[(16, 1)]) / (16 * 3)  # what each of the 3 further K steps adds
+print(f"per program with one K step: {scale * per_program:.2f} {unit}; "
+      f"each further K step of a program: {scale * per_step:.2f} {unit}")
 
 # %% [markdown]
-# On the CPU that is milliseconds per program and step (on a GPU the same launch takes microseconds,
-# all programs at once). Two consequences for this chapter: the grader's batches are small, and your
-# kernels should use large blocks and return early from programs that have nothing to do, so that
-# a grid does not pay for empty programs.
+# Read the last line. In the interpreter a program costs milliseconds, and most of that is paid once
+# per program (setting up its arguments and tiles), whatever it computes; each further K step adds a
+# smaller amount (the exact numbers depend on the machine). On a GPU the same launch takes
+# microseconds, all programs at once. Two consequences for this chapter: the grader's batches have
+# few tokens (with just enough width and rank to cross every tile and loop of your kernels at least
+# twice), and your kernels should use large blocks and return early from programs that have nothing
+# to do, so that a grid does not pay for empty programs.
 #
 # ## 2. The interpreter is not the GPU
 #
@@ -522,8 +533,11 @@ shrink_program_map(seg_lens=[5, 40, 12], weight_indices=[1, 0, 2], lora_ranks=[6
 # 3. **Loop over K** (the hidden size) in `BLOCK_K` slices, masks on rows (`offs_m < seg_len`), on K
 #    and on columns (`offs_n < rank`: the clip, A past the rank is never read), the pattern of
 #    section 2 for the dot.
-# 4. **Write back** `acc` in `out`'s dtype to the same rows, masked to rows of the segment and columns
-#    below the rank: the columns past the rank are not written (the contract leaves them unspecified).
+# 4. **Write back** `acc` in `out`'s dtype to the same rows it loaded: `rows`, that is
+#    `permutation[start + offs_m]` when the batch has a permutation, **not** `start + offs_m` (the
+#    warm-up kernel has no permutation, so its write-back cannot show this). Mask the store to rows of
+#    the segment and columns below the rank: the columns past the rank are not written (the contract
+#    leaves them unspecified).
 #
 # No two programs write the same element (segments cover disjoint rows, tiles disjoint columns), so
 # no atomics are needed.
@@ -540,8 +554,11 @@ shrink_program_map(seg_lens=[5, 40, 12], weight_indices=[1, 0, 2], lora_ranks=[6
 # - For every segment `i`, with `s = weight_indices[i]`, `r = lora_ranks[s]` and
 #   `rows = perm[seg_indptr[i]:seg_indptr[i+1]]` (`perm` is `batch_info.permutation`, or the identity
 #   when it is `None`): `out[rows, :r] = x[rows] @ A_stack[s, :r].T`, accumulated in fp32, written in
-#   `out.dtype`. **No scaling.** Columns `r:` and rows of rank-0 segments are unspecified. Never read
-#   `A_stack[s, r:]` (NaN in the graders' pools). Segments may be empty.
+#   `out.dtype`. **No scaling.** The results go to the permuted rows too: `out[rows]`, the rows of `x`
+#   that were loaded. Columns `r:` and the rows of rank-0 segments are unspecified (write them or not:
+#   the graders compare only `out[rows, :r]`, and expand never reads the rest). `out` may have more
+#   columns than `max_rank`: address it with its strides. Never read `A_stack[s, r:]` (NaN or a large
+#   finite junk in the graders' pools). Segments may be empty.
 # - The wrapper launches the kernel **once**, with a grid computed from host values
 #   (`batch_info.max_len`, `batch_info.num_segments`, tensor shapes); no loop over segments, no
 #   `.tolist()` or `.item()`. Return `out` without launching when there are no segments or
@@ -549,7 +566,9 @@ shrink_program_map(seg_lens=[5, 40, 12], weight_indices=[1, 0, 2], lora_ranks=[6
 #   (the kernel never reads it then).
 # - Suggested blocks: `BLOCK_M = 32`, `BLOCK_K = 256`,
 #   `BLOCK_N = min(64, max(16, triton.next_power_of_2(max_rank)))`, so `num_n_tiles = cdiv(max_rank, BLOCK_N)`.
-#   `UPCAST=interpreting()`, `IEEE_FP32=(x.dtype == torch.float32)`.
+#   `UPCAST=interpreting()`, `IEEE_FP32=(x.dtype == torch.float32)`. The graders' cases cross every
+#   tile and loop of these blocks (and of the reference's) at least twice: `in` above 512, `max_rank`
+#   128 with a rank above 64, segments longer than 64 tokens.
 # - In place: write into `out` and return it; do not modify the other inputs.
 
 # %% exercise="ch03.1" role="answer"
@@ -629,7 +648,8 @@ def sgmv_shrink(
     Semantics:
         for seg: rows = perm[seg_indptr[seg]:seg_indptr[seg+1]]; s = weight_indices[seg]; r = lora_ranks[s]
                  out[rows, :r] = x[rows] @ A_stack[s, :r].T      (fp32 accumulation, no scaling)
-    Columns past r are left as they were. Returns out.
+    Columns past r and rows of rank-0 segments are unspecified (only out[rows, :r] is compared).
+    Returns out.
     """
     ### BEGIN SOLUTION
     if batch_info.num_segments == 0 or batch_info.max_len == 0:
@@ -659,13 +679,12 @@ def sgmv_shrink(
 graders.check("ch03.1", sgmv_shrink)
 
 # %% [markdown]
-# The book's reference. Its kernel has one more constant, `STACK_NUM`, for the fused q/k/v and
-# gate/up projections of a later chapter (N becomes `STACK_NUM * rank`), and its wrapper checks shapes
-# and devices before launching:
+# The book's reference (printed once your answer passed). Its kernel has one more constant,
+# `STACK_NUM`, for the fused q/k/v and gate/up projections of a later chapter (N becomes
+# `STACK_NUM * rank`), and its wrapper checks shapes and devices before launching:
 
 # %%
-print(inspect.getsource(ref_sgmv_shrink._sgmv_shrink_kernel.fn))
-print(inspect.getsource(ref_sgmv_shrink.sgmv_shrink))
+graders.show_reference("ch03.1")
 
 # %% [markdown]
 # ## 4. SGMV expand
@@ -696,16 +715,20 @@ print(inspect.getsource(ref_sgmv_shrink.sgmv_shrink))
 # given) and its wrapper.
 #
 # - Semantics: chapter 02's `sgmv_expand` (`reference.ops.torch_ref.sgmv_expand` with one slice).
-#   `t`: `[num_tokens, >= max_rank]` (NaN past each token's rank); `B_stack`:
+#   `t`: `[num_tokens, >= max_rank]` (junk past each token's rank; it may have more columns than
+#   `max_rank`, so address it with its strides); `B_stack`:
 #   `[num_slots, out_dim, max_rank]`; `out`: `[num_tokens, out_dim]`, the base output.
 # - For every segment `i`, with `s`, `r` and `rows` as in ch03.1:
 #   `out[rows] += scalings[s] * t[rows, :r] @ B_stack[s, :, :r].T`, accumulated in fp32, written in
-#   `out.dtype`. Rows of rank-0 segments and of empty segments stay exactly as they were. Never let
-#   `t[rows, r:]` or `B_stack[s, :, r:]` into the arithmetic.
+#   `out.dtype`, read and written at the permuted rows `rows` as in ch03.1. Rows of rank-0 segments
+#   and of empty segments stay exactly as they were. Never let `t[rows, r:]` or `B_stack[s, :, r:]`
+#   into the arithmetic (NaN or a large finite junk there).
 # - One launch, grid from host values; return `out` without launching when there are no segments or
 #   `max_len == 0`.
 # - Suggested blocks: `BLOCK_M = 32`, `BLOCK_N = 128`, `BLOCK_K = max(16, triton.next_power_of_2(max_rank))`,
-#   `num_n_tiles = cdiv(out_dim, BLOCK_N)`; `UPCAST` and `IEEE_FP32` as in ch03.1.
+#   `num_n_tiles = cdiv(out_dim, BLOCK_N)`; `UPCAST` and `IEEE_FP32` as in ch03.1. The graders' cases
+#   have `out_dim` of a few hundred (never a multiple of 128), ranks above 16 and 32, and segments
+#   longer than 64 tokens.
 # - In place: update `out` and return it; do not modify the other inputs.
 
 # %% exercise="ch03.2" role="answer"
@@ -817,13 +840,12 @@ def sgmv_expand(
 graders.check("ch03.2", sgmv_expand)
 
 # %% [markdown]
-# The book's reference adds slices for fused projections (a third grid axis; each slice reads its
-# part of `t` at `part * rank` and writes its own range of output columns, given as scalars so that a
-# CUDA graph can capture the launch):
+# The book's reference (printed once your answer passed) adds slices for fused projections (a third
+# grid axis; each slice reads its part of `t` at `part * rank` and writes its own range of output
+# columns, given as scalars so that a CUDA graph can capture the launch):
 
 # %%
-print(inspect.getsource(ref_sgmv_expand._sgmv_expand_kernel.fn))
-print(inspect.getsource(ref_sgmv_expand.sgmv_expand))
+graders.show_reference("ch03.2")
 
 # %% [markdown]
 # Shrink then expand, end to end, with the reference's Triton ops: chapter 02's mixed batch (five slots
@@ -1012,7 +1034,8 @@ print(f"{launches} LoRA launches x {gap_us:g} us = {launches * gap_us:.0f} us; "
 #     slot = token_slots[tok]; r = lora_ranks[slot]; return if r == 0
 #     t = A[slot, :r] @ x[tok]             # GEMV over K = in, fp32, kept in registers
 #     t = round(t to x.dtype)              # as the two-kernel path stores t in x.dtype
-#     for each BLOCK_N columns of this split:
+#     for each BLOCK_N columns of this split, clipped to the split's own end:
+#         cols = columns of the block that are < min((split + 1) * n_per_split, out_dim)
 #         out[tok, cols] += scalings[slot] * B[slot, cols, :r] @ t      # GEMV over K = r, read-modify-write
 # ```
 #
@@ -1032,7 +1055,9 @@ print(f"{launches} LoRA launches x {gap_us:g} us = {launches * gap_us:.0f} us; "
 #   `s = token_slots[tok]` and `r = lora_ranks[s]`:
 #   `out[tok] += scalings[s] * (x[tok] @ A_stack[s, :r].T) @ B_stack[s, :, :r].T`, both products
 #   accumulated in fp32, **the intermediate rounded to `x.dtype`** (as `torch_ref.bgmv_shrink` writes
-#   it into a tensor of `x.dtype`), the result written in `out.dtype`.
+#   it into a tensor of `x.dtype`), the result written in `out.dtype`. A grader case checks the
+#   rounding: in fp16, with `x[:, 0]` near 1000 where fp16 keeps steps of 0.5, a rounded and an
+#   unrounded intermediate give results at least 0.125 apart.
 # - `x`: `[num_tokens, in]`; `A_stack`: `[num_slots, max_rank, in]`; `B_stack`:
 #   `[num_slots, out_dim, max_rank]`; `out`: `[num_tokens, out_dim]`, the base output. Reads only
 #   `batch_info.token_slots`, `lora_ranks` and `scalings` (never the segments).
@@ -1042,6 +1067,12 @@ print(f"{launches} LoRA launches x {gap_us:g} us = {launches * gap_us:.0f} us; "
 # - Suggested: `BLOCK_R = max(16, triton.next_power_of_2(max_rank))`, `BLOCK_K = 512`,
 #   `BLOCK_N = 256`, `num_splits = max(1, min(4, cdiv(out_dim, BLOCK_N)))`,
 #   `n_per_split = cdiv(out_dim, num_splits)`. Use multiply and `tl.sum` (M = 1), loads cast to fp32.
+# - Program `(tok, split)` owns the columns `[split * n_per_split, min((split + 1) * n_per_split,
+#   out_dim))`: **clip every column block to the split's own end**, not only to `out_dim`. A block of
+#   `BLOCK_N` columns can stick out of its split (`n_per_split` is rarely a multiple of `BLOCK_N`),
+#   and the columns it sticks into belong to the next split, which adds its own delta there. The
+#   graders' cases cross this: `out_dim` of about 300 (two splits of fewer than 256 columns) and about
+#   1100 (two column blocks per split), `in` above 1024, `max_rank` 32 and 64.
 # - In place: update `out` and return it; do not modify the other inputs.
 
 # %% exercise="ch03.3" role="answer"
@@ -1138,11 +1169,11 @@ def fused_decode(
 graders.check("ch03.3", fused_decode)
 
 # %% [markdown]
-# The book's reference, the per-token schedule and the wrapper that chooses between the two schedules:
+# The book's reference (printed once your answer passed): the per-token schedule and the wrapper that
+# chooses between the two schedules:
 
 # %%
-print(inspect.getsource(ref_fused_decode._fused_decode_kernel.fn))
-print(inspect.getsource(ref_fused_decode.fused_decode))
+graders.show_reference("ch03.3")
 
 # %% [markdown]
 # Both schedules against the two-launch path, on the decode batch of section 5 in fp32 and fp16 (the
