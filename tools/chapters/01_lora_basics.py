@@ -34,11 +34,12 @@
 # any other import inside the cell, and do not call functions defined in other cells. It compares
 # your function with the book's reference on fixed edge cases, seeded random cases and hidden
 # cases, one point per group, and prints what went wrong in terms of the exercise. After each
-# test, the notebook shows the reference solution so you can compare.
+# test, a cell shows the book's reference solution, but only once your own answer has passed
+# (`graders.show_reference("ch01.1", reveal=True)` shows it anyway). A `lambda` is a valid answer
+# too, e.g. `lora_scaling = lambda lora_alpha, r, use_rslora: ...`.
 
 # %%
 import math
-import inspect
 
 import torch
 
@@ -108,7 +109,8 @@ print("B = 0 gives the base output exactly:", torch.equal(lora_math.lora_forward
 #   `[batch, seq, in]`); float32 or bfloat16.
 # - `W`: `[out, in]`; `A`: `[r, in]`; `B`: `[out, r]`; same dtype as `x`.
 # - `scaling`: a Python float (it can be `0.0`, which must give the base output).
-# - **Returns** a tensor `[..., out]` in `x.dtype`: $x W^\top + \text{scaling}\cdot(x A^\top) B^\top$.
+# - **Returns** a new tensor `[..., out]` in `x.dtype` (the grader has bfloat16 cases):
+#   $x W^\top + \text{scaling}\cdot(x A^\top) B^\top$; keep the leading dimensions of `x`.
 # - Compute the low-rank path as two products (shrink, then expand). Forming `B @ A` gives the
 #   same numbers (the grader cannot tell), but costs a full `[out, in]` matrix per step: the cell
 #   above counts it. Do not modify any input. Results are compared within the rounding tolerance of the
@@ -138,7 +140,7 @@ graders.check("ch01.1", lora_forward)
 # leading dimensions of `x`, so no reshaping is needed.
 
 # %%
-print(inspect.getsource(reference.lora_math.lora_forward))
+graders.show_reference("ch01.1")
 
 # %% [markdown]
 # ## 2. Merging and unmerging
@@ -171,6 +173,9 @@ print(f"max |merged - unmerged| in float32: {(y_merged - y_unmerged).abs().max()
 #
 # - `W`: `[out, in]`; `A`: `[r, in]`; `B`: `[out, r]`; float32 or bfloat16; `scaling` a float.
 # - **Returns** a *new* tensor `[out, in]` with dtype `W.dtype`: $W + \text{scaling}\cdot B A$.
+#   New even when there is nothing to add (`scaling` 0, or a fresh adapter whose `B` is zero):
+#   never `W` itself or a view of it, since a caller that later writes one would change the other
+#   (the grader checks that the result shares no memory with an input).
 # - `W` must not be modified (the grader checks every input after the call): no in-place `+=`
 #   on `W`.
 # - Recommended: form the product and the sum in float32 and round to `W.dtype` once at the end,
@@ -180,7 +185,7 @@ print(f"max |merged - unmerged| in float32: {(y_merged - y_unmerged).abs().max()
 def merge_lora(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
     """Return the merged weight W + scaling * B @ A ([out, in], W.dtype); W is left unchanged.
 
-    W [out, in], A [r, in], B [out, r]. Computed in float32, rounded to W.dtype once.
+    W [out, in], A [r, in], B [out, r]. Recommended: computed in float32, rounded to W.dtype once.
     """
     ### BEGIN SOLUTION
     delta = scaling * (B.float() @ A.float())   # [out, in] in float32
@@ -195,7 +200,7 @@ graders.check("ch01.2", merge_lora)
 # The reference does the same: the product in float32, one rounding at the end.
 
 # %%
-print(inspect.getsource(reference.lora_math.merge_lora))
+graders.show_reference("ch01.2")
 
 # %% [markdown]
 # ### Exercise ch01.3: unmerge_lora
@@ -204,14 +209,15 @@ print(inspect.getsource(reference.lora_math.merge_lora))
 #
 # - `W_merged`: `[out, in]`; `A`: `[r, in]`; `B`: `[out, r]`; float32 or bfloat16.
 # - **Returns** a new tensor `[out, in]` with dtype `W_merged.dtype`:
-#   $W_\text{merged} - \text{scaling}\cdot B A$. `W_merged` must not be modified.
-# - As in `merge_lora`, compute in float32 and round once.
+#   $W_\text{merged} - \text{scaling}\cdot B A$, new even when `scaling` is 0 or `B` is zero (never
+#   `W_merged` itself or a view of it). `W_merged` must not be modified.
+# - As in `merge_lora`, computing in float32 and rounding once is recommended.
 
 # %% exercise="ch01.3" role="answer"
 def unmerge_lora(W_merged: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
     """Inverse of merge_lora: W_merged - scaling * B @ A ([out, in], W_merged.dtype).
 
-    W_merged [out, in], A [r, in], B [out, r]. Computed in float32, rounded once.
+    W_merged [out, in], A [r, in], B [out, r]. Recommended: computed in float32, rounded once.
     """
     ### BEGIN SOLUTION
     delta = scaling * (B.float() @ A.float())          # [out, in] in float32
@@ -223,7 +229,7 @@ def unmerge_lora(W_merged: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scali
 graders.check("ch01.3", unmerge_lora)
 
 # %%
-print(inspect.getsource(reference.lora_math.unmerge_lora))
+graders.show_reference("ch01.3")
 
 # %% [markdown]
 # ### Merge, then unmerge: do we get `W` back?
@@ -364,8 +370,10 @@ print(f"size of the adapter's effect on the output: {effect_right:.3f} correct v
 # Write `lora_scaling(lora_alpha, r, use_rslora)`.
 #
 # - `lora_alpha`: a number (int or float); `r`: an int, the rank; `use_rslora`: a bool.
-# - **Returns** a Python float: `lora_alpha / sqrt(r)` if `use_rslora`, else `lora_alpha / r`.
-# - Raises `ValueError` if `r` is not positive (a rank of zero has no scaling).
+# - **Returns** a Python `float`: `lora_alpha / sqrt(r)` if `use_rslora`, else `lora_alpha / r`
+#   (an `int`, such as `16 // 16`, is the wrong type even when the number is right).
+# - Raises `ValueError` if `r` is not positive, zero or negative (a rank of zero has no scaling).
+#   A `ValueError`, not an `assert`.
 
 # %% exercise="ch01.4" role="answer"
 def lora_scaling(lora_alpha: float, r: int, use_rslora: bool) -> float:
@@ -387,7 +395,7 @@ def lora_scaling(lora_alpha: float, r: int, use_rslora: bool) -> float:
 graders.check("ch01.4", lora_scaling)
 
 # %%
-print(inspect.getsource(reference.lora_math.lora_scaling))
+graders.show_reference("ch01.4")
 
 # %% [markdown]
 # ## 4. How big is an adapter?
@@ -433,7 +441,9 @@ for name, (i, o) in lora_math.projection_shapes(cfg).items():
 #   (when absent, `head_dim = hidden_size // num_attention_heads`).
 # - **Returns** a dict from each of the seven module names (`q_proj`, `k_proj`, `v_proj`,
 #   `o_proj`, `gate_proj`, `up_proj`, `down_proj`) to a tuple `(in_features, out_features)` of
-#   ints, as in the table above.
+#   ints, as in the table above: in first, out second (the reverse of a weight's `[out, in]`).
+# - The grader checks it on its own too (cases named `shapes_...`): a byte count cannot tell
+#   `(in, out)` from `(out, in)`, so `adapter_num_bytes` passing is not enough.
 #
 # `adapter_num_bytes(config, target_modules, r, dtype)`:
 #
@@ -486,9 +496,7 @@ graders.check("ch01.5", adapter_num_bytes)
 # `adapter_num_bytes`:
 
 # %%
-print(inspect.getsource(reference.lora_math.projection_shapes))
-print(inspect.getsource(reference.lora_math.adapter_num_params))
-print(inspect.getsource(reference.lora_math.adapter_num_bytes))
+graders.show_reference("ch01.5")
 
 # %% [markdown]
 # ### Two published figures, one adapter
@@ -545,14 +553,15 @@ print(f"1 MiB / 1 MB = {2**20 / 10**6:.4f}    1 GiB / 1 GB = {2**30 / 10**9:.4f}
 # Write `lora_flop_share(config, target_modules, r)`.
 #
 # - `config`, `target_modules`, `r`: as in ch01.5.
-# - **Returns** a Python float: the LoRA FLOPs per token divided by the base FLOPs per token of
+# - **Returns** a Python `float`: the LoRA FLOPs per token divided by the base FLOPs per token of
 #   the *same* targeted projections,
 #   $\dfrac{\sum_m r(\mathit{in}_m + \mathit{out}_m)}{\sum_m \mathit{in}_m\,\mathit{out}_m}$.
 #   A fraction, not a percentage: do not multiply by 100.
 # - The grader runs this cell on its own, so it cannot see the `projection_shapes` you wrote for
 #   ch01.5. Paste your `projection_shapes` into this cell as well (its stub is here for that).
 #   If the grader reports "not implemented yet" although you wrote `lora_flop_share`, the
-#   `projection_shapes` stub of this cell is still in place.
+#   `projection_shapes` stub of this cell is still in place. The grader checks this cell's
+#   `projection_shapes` on its own as well (cases named `shapes_...`), as in ch01.5.
 
 # %% exercise="ch01.6" role="answer"
 def projection_shapes(config: dict) -> dict:
@@ -590,7 +599,7 @@ def lora_flop_share(config: dict, target_modules: list, r: int) -> float:
 graders.check("ch01.6", lora_flop_share)
 
 # %%
-print(inspect.getsource(reference.lora_math.lora_flop_share))
+graders.show_reference("ch01.6")
 
 # %% [markdown]
 # The reference drops the factor 2 from both sums; it cancels. For Llama-3-8B at rank 16 on all

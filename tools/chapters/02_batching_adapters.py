@@ -24,7 +24,9 @@
 # keep every answer self-contained (its imports inside the cell, no calls to functions of other
 # cells). The text's demonstrations use the book's reference package (`reference`), never your
 # answers, so the notebook runs top to bottom whatever state your answers are in. Every number the
-# text states is printed by a code cell, or quoted with its source.
+# text states is printed by a code cell, or quoted with its source. After each grader cell, a cell
+# shows the book's reference, once your own answer has passed (`graders.show_reference("ch02.3",
+# reveal=True)` shows it anyway).
 
 # %%
 import inspect
@@ -162,12 +164,13 @@ print("seg_lens dtype:", lens32.dtype, "-> torch.cumsum dtype:", torch.cumsum(le
 #
 # `seg_indptr_from_seg_lens(seg_lens) -> seg_indptr`
 #
-# - `seg_lens`: `[num_segments]` integer tensor (int32 in the book), every length `>= 0`, on any
-#   device. `num_segments` may be 0. Do not modify it.
+# - `seg_lens`: `[num_segments]` integer tensor (int32 in the book; the grader passes int64 too),
+#   every length `>= 0`, on any device. `num_segments` may be 0. Do not modify it.
 # - Return a new `[num_segments + 1]` tensor of dtype **int32** on `seg_lens`' device with
 #   `seg_indptr[0] = 0` and `seg_indptr[i + 1] = seg_lens[0] + ... + seg_lens[i]`.
 # - Running example: `seg_lens [3, 10, 5] -> seg_indptr [0, 3, 13, 18]`.
-# - The result must be int32 (printed above: `torch.cumsum` of int32 gives int64).
+# - The result must be int32 whatever the dtype of `seg_lens` (printed above: `torch.cumsum` of
+#   int32 gives int64).
 
 # %% exercise="ch02.1" role="answer"
 import torch
@@ -196,7 +199,7 @@ graders.check("ch02.1", seg_indptr_from_seg_lens)
 # The book's reference:
 
 # %%
-print(inspect.getsource(ref_batch_info.seg_indptr_from_seg_lens))
+graders.show_reference("ch02.1")
 
 # %% [markdown]
 # ### Exercise ch02.2: token_slots_from_segments
@@ -237,7 +240,7 @@ def token_slots_from_segments(seg_indptr: torch.Tensor, weight_indices: torch.Te
 graders.check("ch02.2", token_slots_from_segments)
 
 # %%
-print(inspect.getsource(ref_batch_info.token_slots_from_segments))
+graders.show_reference("ch02.2")
 
 # %% [markdown]
 # ## 4. The per-request loop
@@ -259,7 +262,9 @@ print(inspect.getsource(ref_batch_info.token_slots_from_segments))
 #
 # **Precision.** Products are accumulated in fp32 (`.float()` before `@`). The intermediate
 # `x @ A^T` is rounded to `x.dtype`, as it is when a shrink kernel writes it to memory for an expand
-# kernel to read (section 5); the sum is formed in fp32 and rounded once to `out.dtype`.
+# kernel to read (section 5); the sum is formed in fp32 and rounded once to `out.dtype`. This is how
+# the reference and the kernels of later chapters round; the graders' tolerances cannot tell one
+# rounding more or less from it, so it is a recommendation, not something the grader checks.
 
 # %% [markdown]
 # ### Exercise ch02.3: lora_loop
@@ -270,7 +275,9 @@ print(inspect.getsource(ref_batch_info.token_slots_from_segments))
 #   `out`: `[num_tokens, out_dim]`, the base output. All of one floating dtype (fp32, fp16 or bf16).
 # - Reads `batch_info.seg_indptr`, `weight_indices`, `lora_ranks`, `scalings`, and `permutation`: when
 #   it is not `None`, segment `i`'s rows of `x` and `out` are `permutation[seg_indptr[i]:seg_indptr[i+1]]`
-#   instead of `seg_indptr[i]:seg_indptr[i+1]` (section 8; the graders of this exercise pass `None`).
+#   instead of `seg_indptr[i]:seg_indptr[i+1]` (section 8). The graders pass both kinds of batch, and
+#   batches whose segments are cut into chunks (several segments of one request); the loop never
+#   reads `token_slots` (some batches carry `None` there).
 # - For every segment with slot `s` and `r = lora_ranks[s] > 0`:
 #   `out[rows] += scalings[s] * (x[rows] @ A_stack[s, :r].T) @ B_stack[s, :, :r].T`,
 #   accumulating in fp32, the intermediate rounded to `x.dtype`, the result written in `out.dtype`.
@@ -318,7 +325,7 @@ def lora_loop(
 graders.check("ch02.3", lora_loop)
 
 # %%
-print(inspect.getsource(torch_ref.lora_loop))
+graders.show_reference("ch02.3")
 
 # %% [markdown]
 # ## 5. Two ops: shrink, then expand
@@ -363,7 +370,9 @@ print(f"t: {llama_max_rank} values per token; x: {hidden} per token; ratio {llam
 # `[num_tokens, max_rank, in]` tensor, one copy of the adapter per token (the Triton kernel reads
 # instead of copying). The ranks differ from token to token, so the clip becomes a mask. Use
 # `torch.where` to clip, not a multiplication by a 0/1 mask: `where` *selects*, so a NaN or a huge
-# value in the padding never enters the arithmetic, whereas multiplying gives:
+# value in the padding never enters the arithmetic (in the shrink the padding of A only reaches
+# columns past the rank, which nobody reads; in the expand it reaches the output), whereas
+# multiplying gives:
 
 # %%
 print("nan * 0 =", float("nan") * 0.0, "   inf * 0 =", float("inf") * 0.0)
@@ -378,9 +387,11 @@ print("defined columns of t for tokens 0, 3 and 13:\n", keep[[0, 3, 13]].int())
 # `bgmv_shrink(x, A_stack, batch_info, out) -> out`
 #
 # - `x`: `[num_tokens, in]`; `A_stack`: `[num_slots, max_rank, in]`; `out`: `[num_tokens, >= max_rank]`
-#   (the graders pass exactly `max_rank` columns, filled with NaN). One floating dtype. `num_tokens`
-#   may be 0.
-# - Reads only `batch_info.token_slots` (`[num_tokens]` int32, in `x` order) and `lora_ranks`.
+#   (the graders pass `max_rank` columns or a few more, filled with NaN). One floating dtype (fp32,
+#   fp16 or bf16). `num_tokens` may be 0.
+# - Reads only `batch_info.token_slots` (`[num_tokens]` int32, in `x` order) and `lora_ranks`. The
+#   graders' batches include permuted and chunked ones (section 8), whose segments are in another
+#   order than `x`'s rows: slots rebuilt from `seg_indptr` and `weight_indices` are wrong there.
 # - For every token, with `s = token_slots[tok]` and `r = lora_ranks[s]`:
 #   `out[tok, :r] = x[tok] @ A_stack[s, :r].T`, accumulated in fp32, written in `out.dtype`.
 #   **No scaling.**
@@ -405,7 +416,7 @@ def bgmv_shrink(
     Semantics:
         s = token_slots[tok]; r = lora_ranks[s]
         out[tok, :r] = x[tok] @ A_stack[s, :r].T      (fp32 accumulation, no scaling)
-    Columns past r are left as they were. Reads only token_slots. Returns out.
+    Columns past r are unspecified. Reads only token_slots. Returns out.
     """
     ### BEGIN SOLUTION
     slots = batch_info.token_slots.long()  # [T]
@@ -428,16 +439,18 @@ graders.check("ch02.4", bgmv_shrink)
 # columns; the padding's NaN lands in columns that `torch.where` throws away:
 
 # %%
-print(inspect.getsource(torch_ref.bgmv_shrink))
+graders.show_reference("ch02.4")
 
 # %% [markdown]
 # ### Exercise ch02.5: bgmv_expand
 #
 # `bgmv_expand(t, B_stack, batch_info, out) -> out`
 #
-# - `t`: `[num_tokens, >= max_rank]`, the shrink output (columns past each token's rank hold NaN);
+# - `t`: `[num_tokens, >= max_rank]`, the shrink output (columns past each token's rank hold junk;
+#   the graders pass `max_rank` columns or a few more);
 #   `B_stack`: `[num_slots, out_dim, max_rank]`; `out`: `[num_tokens, out_dim]`, the base output.
-# - Reads only `batch_info.token_slots`, `lora_ranks` and `scalings`.
+# - Reads only `batch_info.token_slots`, `lora_ranks` and `scalings` (permuted and chunked batches
+#   too, as in ch02.4).
 # - For every token, with `s = token_slots[tok]` and `r = lora_ranks[s]`:
 #   `out[tok] += scalings[s] * t[tok, :r] @ B_stack[s, :, :r].T`, accumulated in fp32, written in
 #   `out.dtype`.
@@ -481,7 +494,7 @@ def bgmv_expand(
 graders.check("ch02.5", bgmv_expand)
 
 # %%
-print(inspect.getsource(torch_ref.bgmv_expand))
+graders.show_reference("ch02.5")
 
 # %% [markdown]
 # ## 7. SGMV: one small GEMM per segment
@@ -515,14 +528,16 @@ print(f"A read by BGMV: {bgmv_bytes / 2**20:.1f} MiB;  by SGMV: {sgmv_bytes / 2*
 # `sgmv_shrink(x, A_stack, batch_info, out) -> out`
 #
 # - `x`: `[num_tokens, in]`; `A_stack`: `[num_slots, max_rank, in]`; `out`: `[num_tokens, >= max_rank]`
-#   (filled with NaN by the graders). One floating dtype.
+#   (filled with NaN by the graders, `max_rank` columns or a few more). One floating dtype.
 # - Reads `batch_info.seg_indptr`, `weight_indices`, `lora_ranks` and `permutation` (never
-#   `token_slots`).
+#   `token_slots`: some of the graders' batches carry `None` there). Segments may be chunks, several
+#   of one request.
 # - For every segment `i` with `s = weight_indices[i]`, `r = lora_ranks[s]`, and
 #   `rows = perm[seg_indptr[i]:seg_indptr[i+1]]` (`perm` = `permutation`, or the identity when it is
 #   `None`): `out[rows, :r] = x[rows] @ A_stack[s, :r].T`, accumulated in fp32, written in `out.dtype`.
 #   **No scaling.**
-# - Columns `r:` and the rows of rank-0 segments are unspecified: leave them. Segments may be empty.
+# - Columns `r:` and the rows of rank-0 segments are unspecified: leave them or write anything
+#   there. Segments may be empty.
 #   Never read `A_stack[s, r:]`.
 # - In place: write into `out` and return it; do not modify the other inputs. `stack_num = 1`.
 
@@ -541,7 +556,7 @@ def sgmv_shrink(
     Semantics:
         for seg: rows = perm[seg_indptr[seg]:seg_indptr[seg+1]]; s = weight_indices[seg]; r = lora_ranks[s]
                  out[rows, :r] = x[rows] @ A_stack[s, :r].T      (fp32 accumulation, no scaling)
-    perm is batch_info.permutation or the identity. Columns past r are left as they were. Returns out.
+    perm is batch_info.permutation or the identity. Columns past r are unspecified. Returns out.
     """
     ### BEGIN SOLUTION
     indptr = batch_info.seg_indptr.tolist()
@@ -562,7 +577,7 @@ def sgmv_shrink(
 graders.check("ch02.6", sgmv_shrink)
 
 # %%
-print(inspect.getsource(torch_ref.sgmv_shrink))
+graders.show_reference("ch02.6")
 
 # %% [markdown]
 # ### Exercise ch02.7: sgmv_expand
@@ -571,7 +586,8 @@ print(inspect.getsource(torch_ref.sgmv_shrink))
 #
 # - `t`: `[num_tokens, >= max_rank]` (NaN past each token's rank); `B_stack`: `[num_slots, out_dim, max_rank]`;
 #   `out`: `[num_tokens, out_dim]`, the base output.
-# - Reads `batch_info.seg_indptr`, `weight_indices`, `lora_ranks`, `scalings` and `permutation`.
+# - Reads `batch_info.seg_indptr`, `weight_indices`, `lora_ranks`, `scalings` and `permutation`
+#   (never `token_slots`, as in ch02.6).
 # - For every segment `i`, with `s`, `r` and `rows` as in ch02.6:
 #   `out[rows] += scalings[s] * t[rows, :r] @ B_stack[s, :, :r].T`, accumulated in fp32, written in
 #   `out.dtype`.
@@ -616,7 +632,7 @@ def sgmv_expand(
 graders.check("ch02.7", sgmv_expand)
 
 # %%
-print(inspect.getsource(torch_ref.sgmv_expand))
+graders.show_reference("ch02.7")
 
 # %% [markdown]
 # ## 8. Requests in any order: a permutation
@@ -646,7 +662,8 @@ print(inspect.getsource(torch_ref.sgmv_expand))
 # - Return a tuple of two new `[num_tokens]` **int64** tensors on `token_slots`' device:
 #   `permutation`, the stable sorting permutation (`token_slots[permutation]` is non-decreasing and
 #   equal slots keep their original order), and `inverse`, with `inverse[permutation[i]] = i`.
-# - Example: `token_slots [1, 0, 1, 2] -> permutation [1, 0, 2, 3], inverse [1, 0, 2, 3]`.
+# - Example: `token_slots [2, 0, 1, 1] -> permutation [1, 2, 3, 0], inverse [3, 0, 1, 2]`
+#   (sorted row 0 is token 1, of slot 0; token 0, of slot 2, becomes sorted row 3).
 
 # %% exercise="ch02.8" role="answer"
 import torch
@@ -670,7 +687,7 @@ def stable_sort_by_slot(token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.
 graders.check("ch02.8", stable_sort_by_slot)
 
 # %%
-print(inspect.getsource(ref_batch_info.stable_sort_by_slot))
+graders.show_reference("ch02.8")
 
 # %% [markdown]
 # Putting it together on a batch whose requests arrive out of slot order: four requests of 2, 3, 1
@@ -813,10 +830,10 @@ print(f"NaN padding:  rows containing NaN = {int(torch.isnan(with_nans).any(dim=
 # - `seg_lens`, `ranks`: Python lists of ints of the same length: request `i` has `seg_lens[i] >= 0`
 #   tokens and rank `ranks[i] >= 0` (0 = the base model).
 # - Return, as a Python float, the fraction of LoRA FLOPs that a kernel padding every request to
-#   `R = max(ranks)` spends on padding: `sum_i n_i (R - r_i) / sum_i n_i R`. A rank-0 request padded to
-#   `R` counts as all padding.
+#   `R = max(ranks)` spends on padding: `sum_i n_i (R - r_i) / sum_i n_i R`. `R` is the largest rank of
+#   all requests (an empty one too). A rank-0 request padded to `R` counts as all padding.
 # - Return `0.0` when the denominator is 0 (no requests, no tokens, or all ranks 0).
-# - Raise `ValueError` when the two lists differ in length.
+# - Raise `ValueError` when the two lists differ in length (either one longer).
 
 # %% exercise="ch02.9" role="answer"
 def padded_flop_waste(seg_lens: list[int], ranks: list[int]) -> float:
@@ -841,7 +858,7 @@ def padded_flop_waste(seg_lens: list[int], ranks: list[int]) -> float:
 graders.check("ch02.9", padded_flop_waste)
 
 # %%
-print(inspect.getsource(lora_math.padded_flop_waste))
+graders.show_reference("ch02.9")
 
 # %% [markdown]
 # A stated batch: one request with a rank-64 adapter and three with rank-16 adapters, 100 tokens each.
