@@ -155,3 +155,19 @@ MUTANTS = [
            (("return {uid: self.uid_to_buffer_id[uid] for uid in needed}", "return {uid: self.uid_to_buffer_id[uid] for uid in uids}"),),
            "for every needed uid, running ones included", "clause"),
 ]
+MUTANTS += [
+    # found by trying mistakes outside the catalogue: needed a probe (evict, reload, evict again) in every draw
+    Mutant("ch05.5", "victim-left-in-policy", (("            self.policy.remove(victim)\n", ""),),
+           "the victim is the policy's ('fifo') pick", "state"),
+]
+MUTANTS += [
+    # also found outside the catalogue: needed the edge case pinned_and_needed_blocks_nothing
+    Mutant("ch05.5", "pinned-and-needed-blocks-a-slot",
+           (("blocked = {u for u in self.pinned if u in self.uid_to_buffer_id and u not in needed}",
+             "blocked = {u for u in self.pinned if u in self.uid_to_buffer_id}"),),
+           "pinned uids only when resident and not needed", "clause"),
+    # and one that passed by chance (set order): four same-batch probes per trace in every draw
+    Mutant("ch05.5", "marked-in-set-order",
+           (("            self.policy.mark_used(uid)\n        return", "        for uid in needed:\n            self.policy.mark_used(uid)\n        return"),),
+           "every needed uid is marked used, hits included, in the fixed order", "state"),
+]

@@ -392,7 +392,7 @@ graders.show_reference("ch05.4")
 # 1. needed = uids ∪ running, each distinct uid once (running may repeat a uid, or share one with
 #    uids); blocked = the pinned uids that are **resident** and not needed (a pinned uid that is not
 #    resident holds no slot). If len(needed) + len(blocked) > num_slots, or `EMPTY_SLOT` is among
-#    the uids, raise `ValueError` and change nothing (no event either);
+#    uids or running, raise `ValueError` and change nothing (no event either);
 # 2. go through needed in a fixed order (base model first, then uids sorted), so the result never
 #    depends on Python's set order;
 # 3. a resident uid is a **hit**: event `("hit", uid, slot)`;
