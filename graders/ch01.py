@@ -154,6 +154,12 @@ def _scaling_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> l
     return cases
 
 
+def driven_reference(driver, fn):
+    """``driver`` bound to the reference ``fn``, still named and placed like ``fn`` (its module is
+    where the reference lives, for tools that look the reference's source up)."""
+    return functools.update_wrapper(functools.partial(driver, fn), fn)
+
+
 def returns_python_float(fn, *args):
     """Driver of the exercises whose contract returns a Python float: an int or a tensor that equals
     the number is still the wrong type."""
@@ -377,12 +383,12 @@ EXERCISES = [
     Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True),
              _merge_hint(True)),
     Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"),
-             functools.partial(returns_python_float, ref.lora_scaling), _scaling_edge, _scaling_random,
+             driven_reference(returns_python_float, ref.lora_scaling), _scaling_edge, _scaling_random,
              driver=returns_python_float),
     Exercise("ch01.5", "adapter_num_bytes", ("config", "target_modules", "r", "dtype"),
-             functools.partial(size_driver, ref.adapter_num_bytes), _size_edge, _size_random, _size_hint,
+             driven_reference(size_driver, ref.adapter_num_bytes), _size_edge, _size_random, _size_hint,
              driver=size_driver, result_names=_SHAPE_NAMES),
     Exercise("ch01.6", "lora_flop_share", ("config", "target_modules", "r"),
-             functools.partial(share_driver, ref.lora_flop_share), _share_edge, _share_random, _share_hint,
+             driven_reference(share_driver, ref.lora_flop_share), _share_edge, _share_random, _share_hint,
              driver=share_driver, result_names=_SHAPE_NAMES),
 ]

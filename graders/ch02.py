@@ -190,6 +190,12 @@ def _waste_hint(case: Case, expected, got) -> Optional[str]:
     return None
 
 
+def driven_reference(driver, fn):
+    """``driver`` bound to the reference ``fn``, still named and placed like ``fn`` (its module is
+    where the reference lives, for tools that look the reference's source up)."""
+    return functools.update_wrapper(functools.partial(driver, fn), fn)
+
+
 def returns_python_float(fn, *args):
     """Driver of the exercises whose contract returns a Python float: an int or a tensor that equals
     the number is still the wrong type."""
@@ -224,6 +230,6 @@ EXERCISES = [
     Exercise("ch02.8", "stable_sort_by_slot", ("token_slots",), stable_sort_by_slot, _sort_edge, _sort_random,
              _sort_hint, result_names=("permutation", "inverse")),
     Exercise("ch02.9", "padded_flop_waste", ("seg_lens", "ranks"),
-             functools.partial(returns_python_float, lora_math.padded_flop_waste),
+             driven_reference(returns_python_float, lora_math.padded_flop_waste),
              _waste_edge, _waste_random, _waste_hint, driver=returns_python_float),
 ]
