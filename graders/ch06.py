@@ -84,6 +84,8 @@ def _key_edge() -> list[Case]:
                   "'my_lora_A' only ends in 'lora_A': the matrix must be a whole component"),
         _key_case("lowercase_lora_a_raises_value_error", P + _path(3, "q_proj") + ".lora_a.weight",
                   "the matrix letter is 'A' or 'B', upper case"),
+        _key_case("weight_scale_raises_value_error", P + _path(3, "q_proj") + ".lora_A.weight_scale",
+                  "a quantized checkpoint's scale: the key must end in '.weight'"),
     ]
 
 
@@ -120,6 +122,8 @@ def _key_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
             key = key.replace(f".lora_{matrix}.", f".{rng.choice(['my_', 'x', 'q_'])}lora_{matrix}.")
         elif i == 8:  # layers.N at the path's end: no layer
             key = f"{prefix}{root}.layers.{layer}.lora_{matrix}.weight"
+        elif i == 9:  # something after ".weight"
+            key += rng.choice(["_scale", "s", ".bak", "_1"])
         cases.append(_key_case(f"random_{i}", key))
     return cases
 

@@ -325,6 +325,10 @@ def _linear_hint(case: Case, expected, got) -> Optional[str]:
         return "forward must return the output tensor y (base(x) plus the deltas)"
     if calls != 1:
         return f"the base layer ran {calls} times in one forward: call self.base(x) exactly once (wrap it, never copy it)"
+    if base_exact is False and ops:
+        return ("the base-only forward ran the LoRA ops and changed the output: it used the batch info of an "
+                "earlier forward? read self.context.batch_info in every forward (the caller sets a new one per "
+                "batch) and return base(x) untouched when its has_active_lora is False")
     if base_exact is False:
         return ("a batch with no active adapter must give exactly the base layer's output: return base(x) "
                 "without calling the LoRA ops (batch_info.has_active_lora is False)")
