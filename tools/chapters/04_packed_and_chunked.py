@@ -256,7 +256,7 @@ print("k columns of the q-and-v adapter's rows unchanged, bit for bit:",
 #   `out[rows, lo:hi] += scalings[s] * t[rows, i*r:(i+1)*r] @ B_stack[s, lo:hi, :r].T`, fp32
 #   accumulation, written in `out.dtype`. Rank-0 rows and columns of parts whose B block is zero come
 #   back bit for bit; nothing past `num_parts * r` of `t` or past `r` of B may enter the arithmetic
-#   (the grader fills them with NaN).
+#   (the grader fills them with junk). `t` may be wider than `num_parts * max_rank`: use its strides.
 # - One launch; return `out` unchanged without launching when there are no segments or
 #   `max_len == 0`. As in chapter 03: `UPCAST` (the interpreter's fp16 dot needs fp32 tiles) and
 #   `IEEE_FP32` (fp32 inputs ask `tl.dot` for `input_precision="ieee"`, not TF32) are passed by the
@@ -266,7 +266,7 @@ print("k columns of the q-and-v adapter's rows unchanged, bit for bit:",
 #   column tiles whose widths are not multiples of any block (so each slice's last tile clips to
 #   its own end `hi`, not to the output's), and `max_rank` 32 or 64 with ranks that are not
 #   multiples of 16 (a `BLOCK_K` below r loops over K, each step masked by `offs_k < r - k * BLOCK_K`).
-#   Padding holds NaN in some cases and a large finite value in others, so `nan_to_num` does not
+#   The junk is NaN in some cases and a large finite value in others, so `nan_to_num` does not
 #   replace a mask.
 
 # %% exercise="ch04.2" role="answer"
