@@ -561,7 +561,8 @@ print(f"1 MiB / 1 MB = {2**20 / 10**6:.4f}    1 GiB / 1 GB = {2**30 / 10**9:.4f}
 #   ch01.5. Paste your `projection_shapes` into this cell as well (its stub is here for that).
 #   If the grader reports "not implemented yet" although you wrote `lora_flop_share`, the
 #   `projection_shapes` stub of this cell is still in place. The grader checks this cell's
-#   `projection_shapes` on its own as well (cases named `shapes_...`), as in ch01.5.
+#   `projection_shapes` on its own as well (cases named `shapes_...`), as in ch01.5, when the cell
+#   defines one (computing the shapes inside `lora_flop_share` instead is fine too).
 
 # %% exercise="ch01.6" role="answer"
 def projection_shapes(config: dict) -> dict:
