@@ -84,7 +84,9 @@ def watching_host_reads(device: torch.device, enabled: bool):
     if not enabled:
         yield []
         return
-    recorder = HostReadRecorder(cuda_only=device.type == "cuda")
+    # Every tensor, on both devices: the contract is "from host data", and a score must not depend on
+    # the grading device (on a GPU a read of a CUDA tensor also stalls; of a CPU one it is still a read).
+    recorder = HostReadRecorder(cuda_only=False)
     with warnings.catch_warnings(record=True) as caught, recorder:
         warnings.simplefilter("always")
         previous = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
