@@ -401,12 +401,13 @@ def _sliced_hint(case: Case, expected, got) -> Optional[str]:
     if bool(region.any()) and torch.allclose((g - b0)[region], ((e - b0) / scale.expand_as(e))[region], rtol=0.05,
                                              atol=0.05):
         return "your result adds the delta without scalings[slot]: the expand applies the scaling (the shrink does not)"
-    if len(offsets) > 2 and torch.allclose(g, _columns_from_zero(case), rtol=0.05, atol=0.05):
-        return ("your result is what slices whose columns start at 0 give: slice i must write its own columns "
-                "lo..hi-1 with B rows lo..hi-1, offs_n = lo + pid_n * BLOCK_N + arange(BLOCK_N) (lo = slice_offsets[i])")
     names = ["q", "k", "v"] if len(offsets) == 4 else ["gate", "up"] if len(offsets) == 3 else ["the slice"]
     where = ", ".join(f"{names[i]} (columns {offsets[i]}..{offsets[i + 1] - 1})" for i in wrong)
     msg = f"the differing columns are in slice(s) {where}"
+    if len(offsets) > 2 and torch.allclose(g, _columns_from_zero(case), rtol=0.05, atol=0.05):
+        return msg + ("; your result is what slices whose columns start at 0 give: slice i must write its own "
+                      "columns lo..hi-1 with B rows lo..hi-1, offs_n = lo + pid_n * BLOCK_N + arange(BLOCK_N) "
+                      "(lo = slice_offsets[i])")
     read_junk = bool(torch.isnan(g).any()) or bool((g.abs() > 1e3).any())
     tile = None if read_junk else _tile_note(bad, info, offsets, slots)
     if tile:

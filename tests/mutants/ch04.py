@@ -40,7 +40,7 @@ MUTANTS = [
              "    like = A_parts[present[0]]\n"),),
            "shares memory with your input", "clause"),
     Mutant("ch04.1", "zeros-without-dtype",
-           (("A = like.new_zeros(len(out_features) * r, d_in)", "A = torch.zeros(len(out_features) * r, d_in)"),),
+           (("A = like.new_zeros(len(out_features) * r, d_in)", "A = torch.zeros(len(out_features) * r, d_in, device=like.device)"),),
            "dtype torch.float32, expected torch.bfloat16", "dtype"),
 
     # ---------------------------------------------------------------- ch04.2 sgmv_expand_sliced
