@@ -304,12 +304,13 @@ def _wrong_reading(reference_op, case: Case, got) -> Optional[str]:
                                  "is row permutation[i] of x, so segment i covers the rows "
                                  "permutation[seg_indptr[i]:seg_indptr[i+1]] of x and out"))
         indptr = info.seg_indptr.tolist()
+        dev = info.seg_indptr.device
         pieces = []
         for seg, slot in enumerate(info.weight_indices.tolist()):
             lo, hi = indptr[seg], min(indptr[seg + 1] + 1, n)
-            pieces.append(_with(info, num_segments=1, seg_lens=torch.tensor([hi - lo], dtype=torch.int32),
-                                seg_indptr=torch.tensor([lo, hi], dtype=torch.int32),
-                                weight_indices=torch.tensor([slot], dtype=torch.int32)))
+            pieces.append(_with(info, num_segments=1, seg_lens=torch.tensor([hi - lo], dtype=torch.int32, device=dev),
+                                seg_indptr=torch.tensor([lo, hi], dtype=torch.int32, device=dev),
+                                weight_indices=torch.tensor([slot], dtype=torch.int32, device=dev)))
         readings.append((pieces, "your result is what segments with an inclusive end give: segment i is the rows "
                                  "seg_indptr[i] up to but excluding seg_indptr[i+1] (a Python slice lo:hi, or "
                                  "range(lo, hi))"))
