@@ -353,8 +353,8 @@ def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> 
 
 
 def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
-                  device: torch.device) -> Optional[str]:
-    msg = _outcome(ex, case, expected, result, tensors, device)
+                  device: torch.device, with_hint: bool = True) -> Optional[str]:
+    msg = _outcome(ex, case, expected, result, tensors, device, with_hint)
     if msg and result.get("printed"):
         lines = result["printed"].rstrip().splitlines()
         msg += f"\n  (your function printed {len(lines)} line(s); the last: {lines[-1][:120]!r})"
@@ -362,7 +362,7 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
 
 
 def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
-             device: torch.device) -> Optional[str]:
+             device: torch.device, with_hint: bool = True) -> Optional[str]:
     if result.get("device_reads"):
         reads = result["device_reads"]
         return (f"your function read a tensor's value on the host {len(reads)} time(s); the first: {reads[0]}\n"
@@ -392,7 +392,7 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         name = ex.arg_names[result["aliases"]] if result["aliases"] < len(ex.arg_names) else "an input"
         msg = (f"the returned tensor shares memory with your input {name!r} (a view or the same tensor); "
                "the contract asks for a new tensor: a caller that later writes one changes the other")
-    if msg and ex.hint is not None:
+    if msg and with_hint and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
         try:
             hint = ex.hint(case, expected, _materialize(got, tensors))
@@ -532,13 +532,20 @@ def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, st
         msg = read_json(workdir / "load.json")["error"]
         return [msg] * len(cases)
     verdicts: list[Optional[str]] = []
+    failed: set = set()
     stopped = False
     for i, case in enumerate(cases):
         path = workdir / f"result_{i}.json"
         if path.exists():
             result = read_json(path)
-            verdicts.append(_case_verdict(ex, case, expected[i], result,
-                                          load_tensors(workdir / f"result_{i}.safetensors"), device))
+            # a report shows only a group's first failing case: hints (which may replay the
+            # reference) are worked out for that one alone
+            first = (case.group, case.secret) not in failed
+            verdict = _case_verdict(ex, case, expected[i], result,
+                                    load_tensors(workdir / f"result_{i}.safetensors"), device, with_hint=first)
+            if verdict is not None:
+                failed.add((case.group, case.secret))
+            verdicts.append(verdict)
         elif stopped:
             verdicts.append("not run: an earlier case stopped the process")
         else:

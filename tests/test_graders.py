@@ -118,8 +118,9 @@ FAULTS = [
             for seg, slot in enumerate(batch_info.weight_indices.tolist()):
                 lo, hi = batch_info.seg_indptr[seg].item(), batch_info.seg_indptr[seg + 1].item()
                 r = int(batch_info.lora_ranks[slot])
-                t = (x[lo:hi].float() @ A_stack[slot, :r].float().T)
-                out[lo:hi] = (out[lo:hi].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
+                rows = batch_info.permutation[lo:hi] if batch_info.permutation is not None else torch.arange(lo, hi)
+                t = (x[rows].float() @ A_stack[slot, :r].float().T)
+                out[rows] = (out[rows].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
             return out  # no rank-0 shortcut: adding an exact 0.0 keeps base rows bit for bit
         """, None),
     ("ch06.2", None, """
