@@ -1060,7 +1060,8 @@ print(f"{launches} LoRA launches x {gap_us:g} us = {launches * gap_us:.0f} us; "
 #   unrounded intermediate give results at least 0.125 apart.
 # - `x`: `[num_tokens, in]`; `A_stack`: `[num_slots, max_rank, in]`; `B_stack`:
 #   `[num_slots, out_dim, max_rank]`; `out`: `[num_tokens, out_dim]`, the base output. Reads only
-#   `batch_info.token_slots`, `lora_ranks` and `scalings` (never the segments).
+#   `batch_info.token_slots`, `lora_ranks` and `scalings` (never the segments: in the graders' batches
+#   they are grouped by slot or cut into chunks, not in x's row order).
 # - Rank-0 tokens: their rows stay exactly as they were. Never read past a slot's rank.
 # - **One launch**: shrink and expand in the same kernel; the intermediate never goes to memory.
 #   Return `out` without launching when `num_tokens == 0`.
