@@ -88,14 +88,23 @@ def row_labels(spec: BatchSpec) -> list[str]:
     return labels
 
 
+def short_list(values: list, keep: int = 24) -> str:
+    """A list as printed, or its first and last entries when it is long: [0, 3, ..., 311] (160 entries)."""
+    if len(values) <= keep:
+        return str(values)
+    half = keep // 2
+    return f"[{', '.join(map(str, values[:half]))}, ..., {', '.join(map(str, values[-half:]))}] ({len(values)} entries)"
+
+
 def describe(spec: BatchSpec, first: str) -> str:
     order = "requests arrive unsorted (permutation given)" if spec.sort else "segments"
     text = (f"{first}, {spec.dtype}; {order}: lengths {list(spec.req_lens)} -> slots {list(spec.req_slots)}; "
             f"lora_ranks {list(spec.ranks)}, max_rank {spec.max_rank}")
     if spec.sort or spec.chunk:  # what the op receives differs from the requests: show it
         info, _ = batch_info_for(spec)
-        text += (f"; the op gets seg_indptr {info.seg_indptr.tolist()}, weight_indices {info.weight_indices.tolist()}"
-                 + (f", permutation {info.permutation.tolist()}" if info.permutation is not None else "")
+        text += (f"; the op gets seg_indptr {short_list(info.seg_indptr.tolist())}, "
+                 f"weight_indices {short_list(info.weight_indices.tolist())}"
+                 + (f", permutation {short_list(info.permutation.tolist())}" if info.permutation is not None else "")
                  + (f" (segments cut into chunks of at most {spec.chunk})" if spec.chunk else ""))
     extras = []
     if spec.junk == FINITE_JUNK:
