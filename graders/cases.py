@@ -83,7 +83,7 @@ def batch_info_for(spec: BatchSpec):
 def row_labels(spec: BatchSpec) -> list[str]:
     labels = []
     for j, (n, s) in enumerate(zip(spec.req_lens, spec.req_slots)):
-        what = "request" if spec.sort else "segment"
+        what = "request" if spec.sort or spec.chunk else "segment"  # the op's segments are not the requests
         labels += [f"{what} {j}, slot {s} (rank {spec.ranks[s]})"] * n
     return labels
 
@@ -258,9 +258,11 @@ def not_in_place(case: Case, expected, got) -> Optional[str]:
     before = case.args[case.out_index].cpu()
     same = lambda a, b: bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())  # noqa: E731
     if got.shape == before.shape and same(got, before) and not same(expected.cpu(), before):
-        return ("`out` is exactly as it was before the call: the result must be written into `out` in place "
-                "(out[rows] = ..., out.copy_(...), out[...] += ...); a new tensor that you return is not "
-                "what the caller reads")
+        return ("`out` is exactly as it was before the call: nothing was written into it. Either the result "
+                "went into a new tensor (the result must be written into `out` in place: out[rows] = ..., "
+                "out.copy_(...), out[...] += ...; a tensor you return is not what the caller reads), or "
+                "nothing ran (a launch grid of zero programs, e.g. floor division where triton.cdiv is "
+                "needed, or every program returning early)")
     return None
 
 

@@ -235,9 +235,11 @@ def _describe_mismatch(name, exp, got, bad, case) -> str:
         lines.append(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ")
     nan = got.is_floating_point() and bool((torch.isnan(got) & bad).any())
     if nan:
-        lines.append("  NaN in the result: computed (e.g. from padding past a rank, which holds NaN), or an "
-                     "element the contract defines was left unwritten (shrink outputs start as NaN)")
-    for idx in torch.nonzero(bad)[:3].tolist():
+        lines.append(f"  NaN in {int((torch.isnan(got) & bad).sum())} element(s) of the result: either an element "
+                     "the contract defines was left unwritten (shrink outputs start as NaN), or NaN was read "
+                     "(where a case says so, padding past a rank holds NaN)")
+    shown = torch.nonzero(bad & torch.isnan(got))[:3] if nan else torch.nonzero(bad)[:3]  # the NaN ones first
+    for idx in shown.tolist():
         e, g = exp[tuple(idx)].item(), got[tuple(idx)].item()
         lines.append(f"  {name}{_index(idx)}: expected {_fmt(e)}, got {_fmt(g)}")
     return "\n".join(lines)
