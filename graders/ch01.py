@@ -9,16 +9,16 @@ out.
 """
 from __future__ import annotations
 
-import functools
 import random
 
 import torch
 
 from graders.core import Case, Exercise
+from graders.drivers import driven_reference, returns_python_float
 from reference import lora_math as ref
 from reference.lora_math import LLAMA3_8B_CONFIG, LLAMA_PROJECTIONS
 
-__all__ = ["EXERCISES", "returns_python_float", "size_driver", "share_driver"]
+__all__ = ["EXERCISES", "size_driver", "share_driver"]
 
 
 def _randn(gen: torch.Generator, *shape: int, std: float = 1.0, dtype=torch.float32) -> torch.Tensor:
@@ -152,22 +152,6 @@ def _scaling_random(rng: random.Random, gen: torch.Generator, hidden: bool) -> l
     cases[0] = _scaling_case("random_0", rng.choice([7, 9, 15]), rng.choice([2, 4, 8]), False)  # alpha / r not whole
     cases.append(_scaling_case("random_negative_rank", rng.choice([8, 16]), -rng.randint(1, 16), rng.random() < 0.5))
     return cases
-
-
-def driven_reference(driver, fn):
-    """``driver`` bound to the reference ``fn``, still named and placed like ``fn`` (its module is
-    where the reference lives, for tools that look the reference's source up)."""
-    return functools.update_wrapper(functools.partial(driver, fn), fn)
-
-
-def returns_python_float(fn, *args):
-    """Driver of the exercises whose contract returns a Python float: an int or a tensor that equals
-    the number is still the wrong type."""
-    value = fn(*args)
-    if isinstance(value, bool) or not isinstance(value, float):
-        what = f"a tensor ({value!r})" if isinstance(value, torch.Tensor) else f"the {type(value).__name__} {value!r}"
-        raise TypeError(f"returned {what}; the contract asks for a Python float (e.g. / rather than //)")
-    return value
 
 
 def _learner_shapes(fn, config: dict) -> tuple:

@@ -17,7 +17,6 @@ the loop when they read token_slots.
 """
 from __future__ import annotations
 
-import functools
 import random
 from typing import Optional
 
@@ -25,12 +24,13 @@ import torch
 
 from graders.cases import batch_hint, contract_op_cases, expand_case, loop_case, shrink_case
 from graders.core import Case, Exercise
+from graders.drivers import driven_reference, returns_python_float
 from reference import batch_info as bi_ref
 from reference import lora_math
 from reference.batch_info import stable_sort_by_slot
 from reference.ops import torch_ref
 
-__all__ = ["EXERCISES", "returns_python_float"]
+__all__ = ["EXERCISES"]
 
 def _indptr_edge() -> list[Case]:
     return [_indptr_case(n, lens) for n, lens in [
@@ -188,22 +188,6 @@ def _waste_hint(case: Case, expected, got) -> Optional[str]:
         if abs(got - alt) < 1e-9 and abs(got - expected) > 1e-9:
             return "rank-0 requests were left out: a rank-0 request padded to R counts as all padding"
     return None
-
-
-def driven_reference(driver, fn):
-    """``driver`` bound to the reference ``fn``, still named and placed like ``fn`` (its module is
-    where the reference lives, for tools that look the reference's source up)."""
-    return functools.update_wrapper(functools.partial(driver, fn), fn)
-
-
-def returns_python_float(fn, *args):
-    """Driver of the exercises whose contract returns a Python float: an int or a tensor that equals
-    the number is still the wrong type."""
-    value = fn(*args)
-    if isinstance(value, bool) or not isinstance(value, float):
-        what = f"a tensor ({value!r})" if isinstance(value, torch.Tensor) else f"the {type(value).__name__} {value!r}"
-        raise TypeError(f"returned {what}; the contract asks for a Python float (e.g. float(x), or / rather than //)")
-    return value
 
 
 _LOOP = contract_op_cases(loop_case, "loop")
