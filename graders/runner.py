@@ -47,15 +47,13 @@ class HostReadRecorder(TorchFunctionMode):
     in learner code cannot hide it.
     """
 
-    def __init__(self, cuda_only: bool):
+    def __init__(self):
         super().__init__()
         self.reads: list[str] = []
-        self.cuda_only = cuda_only  # on a GPU, reading a host (CPU) tensor costs nothing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_READS and len(self.reads) < 5 and (
-                not self.cuda_only or any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)):
+        if name in HOST_READS and len(self.reads) < 5:
             where = _answer_frame()
             if where:
                 self.reads.append(f"`{_spelled(name)}` at {where}")
@@ -86,7 +84,7 @@ def watching_host_reads(device: torch.device, enabled: bool):
         return
     # Every tensor, on both devices: the contract is "from host data", and a score must not depend on
     # the grading device (on a GPU a read of a CUDA tensor also stalls; of a CPU one it is still a read).
-    recorder = HostReadRecorder(cuda_only=False)
+    recorder = HostReadRecorder()
     with warnings.catch_warnings(record=True) as caught, recorder:
         warnings.simplefilter("always")
         previous = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
