@@ -90,7 +90,7 @@ def sgmv_shrink(
     out: torch.Tensor,  # [num_tokens, >= stack_num * max_rank]
     stack_num: int = 1,
     block_m: Optional[int] = None,
-    block_k: int = 256,
+    block_k: Optional[int] = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Launch the SGMV shrink kernel (see the module docstring). Returns ``out``.
@@ -109,6 +109,9 @@ def sgmv_shrink(
         return out
     block_n = next_pow2_at_least(min(width, 64))
     block_m = block_m or (32 if width <= 16 else 64)  # tuned on an H200 at rank 16 and 64
+    # the tuned block_k is 256 bf16 columns; in fp32 the same bytes are 128 columns (at 256, two
+    # pipeline stages of x and A tiles need 256 KiB of shared memory, over the H200's 227 KiB)
+    block_k = block_k or (256 if x.element_size() <= 2 else 128)
     num_n_tiles = triton.cdiv(width, block_n)
     grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments)
     perm = batch_info.permutation
