@@ -212,7 +212,7 @@ EXERCISES = [
     Exercise("ch02.7", "sgmv_expand", ("t", "B_stack", "batch_info", "out"), torch_ref.sgmv_expand,
              *_SGMV_EXPAND, batch_hint(torch_ref.sgmv_expand)),
     Exercise("ch02.8", "stable_sort_by_slot", ("token_slots",), stable_sort_by_slot, _sort_edge, _sort_random,
-             _sort_hint, result_names=("permutation", "inverse")),
+             _sort_hint, result_names=("permutation", "inverse"), grade_on="cpu"),
     Exercise("ch02.9", "padded_flop_waste", ("seg_lens", "ranks"),
              driven_reference(returns_python_float, lora_math.padded_flop_waste),
              _waste_edge, _waste_random, _waste_hint, driver=returns_python_float),

@@ -84,6 +84,10 @@ class Exercise:
     # Names of a returned tuple's fields, in order (e.g. ("permutation", "inverse")): reports say
     # "returned permutation" instead of "returned value[0]".
     result_names: Optional[tuple[str, ...]] = None
+    # A device the cases always run on, whatever the grading device: "cpu" for a contract that only
+    # the CPU can observe (ch02.8's stable sort: on an H200, torch.sort(stable=False) returned the
+    # stable order for every graded case, so an unstable sort passed there by luck).
+    grade_on: Optional[str] = None
 
 
 @dataclass
@@ -471,7 +475,7 @@ def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: 
     from graders.exercises import EXERCISES
 
     ex = EXERCISES[exercise_id]
-    device = device or default_device()
+    device = _grading_device(ex, device)
     if device.type != "cpu" or ex.requires and not all(ex.requires[0] in src for src in sources):
         return [grade_under_secrets(exercise_id, src, secrets, device=device) for src in sources]
     timeout = default_timeout(device) * (1 + 0.5 * (len(secrets) - 1))
@@ -494,6 +498,10 @@ def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: 
     return results
 
 
+def _grading_device(ex: Exercise, device: Optional[torch.device]) -> torch.device:
+    return torch.device(ex.grade_on) if ex.grade_on else (device or default_device())
+
+
 def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.device, extra: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
     job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
@@ -509,7 +517,7 @@ def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     from graders.exercises import EXERCISES
 
     ex = EXERCISES[exercise_id]
-    device = device or default_device()
+    device = _grading_device(ex, device)
     timeout = timeout or default_timeout(device) * (1 + 0.5 * (len(secrets or [None]) - 1))
     cases = _build_cases(ex, secrets)
     for case in cases:

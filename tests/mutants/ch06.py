@@ -127,7 +127,7 @@ MUTANTS = [
            (("not 1 <= r <= rank", "r > rank"),),
            "rank_0_part_raises_value_error", "error"),
     Mutant("ch06.4", "allocated-in-float32",
-           (("A = like.new_zeros(len(parts) * rank, like.shape[1])", "A = torch.zeros(len(parts) * rank, like.shape[1])"),),
+           (("A = like.new_zeros(len(parts) * rank, like.shape[1])", "A = torch.zeros(len(parts) * rank, like.shape[1], device=like.device)"),),
            "dtype torch.float32, expected torch.bfloat16", "dtype"),
     Mutant("ch06.4", "parts-packed-at-their-own-rank",
            (("A[i * rank:i * rank + r] = a", "A[i * r:(i + 1) * r] = a"),),

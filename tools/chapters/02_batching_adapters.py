@@ -664,6 +664,8 @@ graders.show_reference("ch02.7")
 #   equal slots keep their original order), and `inverse`, with `inverse[permutation[i]] = i`.
 # - Example: `token_slots [2, 0, 1, 1] -> permutation [1, 2, 3, 0], inverse [3, 0, 1, 2]`
 #   (sorted row 0 is token 1, of slot 0; token 0, of slot 2, becomes sorted row 3).
+# - Graded on the CPU even on a GPU machine: on CUDA, `torch.sort` happened to return the stable
+#   order for every graded case, so only the CPU tells a stable sort from a lucky one.
 
 # %% exercise="ch02.8" role="answer"
 import torch
