@@ -15,6 +15,7 @@ from graders.core import grade_many_under_secrets
 from graders.exercises import EXERCISES
 from graders.mutation import apply_edits, load_catalogue, solution_answers
 from graders.points import total_points
+from reference.device import default_device
 
 CATALOGUE = load_catalogue()
 SOLUTIONS = solution_answers()
@@ -49,14 +50,25 @@ _GRADED: dict[str, dict[str, dict]] = {}  # exercise -> source -> {secret: Grade
 
 
 def _grade(exercise_id: str, source: str) -> dict:
-    """Results for ``source``; the first call for an exercise grades its solution and every mutant
-    in one child process (graders.core.grade_many_under_secrets), the rest read the cache."""
-    if exercise_id not in _GRADED:
-        sources = [SOLUTIONS[exercise_id]] + [apply_edits(SOLUTIONS[m.exercise], m.edits, m.id)
-                                              for m in CATALOGUE if m.exercise == exercise_id]
+    """Results for ``source`` under every secret.
+
+    On the CPU the first call for an exercise grades its solution and every mutant in one child
+    process that forks one grandchild per source (graders.core.grade_many_under_secrets), and the
+    rest read the cache. On CUDA each source needs its own child anyway (a CUDA context does not
+    survive a fork) and compiles its own kernels, so each test grades only its own source: batching
+    there would put a whole exercise's mutants (minutes of compilation on an H200) into whichever
+    test comes first and take them away from the other pytest-xdist workers.
+    """
+    graded = _GRADED.setdefault(exercise_id, {})
+    if source not in graded:
+        if default_device().type == "cpu":
+            sources = [SOLUTIONS[exercise_id]] + [apply_edits(SOLUTIONS[m.exercise], m.edits, m.id)
+                                                  for m in CATALOGUE if m.exercise == exercise_id]
+        else:
+            sources = [source]
         sources = list(dict.fromkeys(sources))
-        _GRADED[exercise_id] = dict(zip(sources, grade_many_under_secrets(exercise_id, sources, SECRETS)))
-    return _GRADED[exercise_id][source]
+        graded.update(zip(sources, grade_many_under_secrets(exercise_id, sources, SECRETS)))
+    return graded[source]
 
 
 def _check_solution(exercise_id: str) -> None:
