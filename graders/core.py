@@ -6,6 +6,8 @@ trusted re-grade) a process that never ran any learner code at all.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import random
@@ -168,12 +170,30 @@ def _expected(ex: Exercise, case: Case) -> Any:
 
 
 def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
-    """Run graders.runner; return (exit code or None, timed out, stderr tail)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """Run graders.runner on the job in ``workdir``; return (exit code or None, timed out, stderr tail).
+
+    On a CPU-only machine the job goes to this thread's pre-imported fork server
+    (``graders.forkserver``); on a GPU it gets a fresh process. Either way in the sandbox
+    (``graders.sandbox``) when the policy enables it, and never with the instructor's secret in its
+    environment.
+    """
+    from graders import forkserver, sandbox
+
+    if forkserver.usable():
+        return forkserver.run_job(workdir, timeout)
+    command = [sys.executable, "-m", "graders.runner", str(workdir)]
+    cuda = torch.cuda.is_available()
+    if sandbox.enabled():
+        argv, env = sandbox.bwrap_argv(command, writable=[workdir], hidden=forkserver.hidden_folders(),
+                                       gpu=cuda, env=sandbox.sandbox_env({"PYTHONUNBUFFERED": "1"})), None
+        preexec = functools.partial(sandbox.limit_resources, cpu_only=not cuda)
+    else:
+        argv, preexec = command, None
+        env = sandbox.sandbox_env({"PYTHONUNBUFFERED": "1", "HOME": os.environ.get("HOME", "/tmp"),
+                                   "TMPDIR": tempfile.gettempdir()})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graders.runner", str(workdir)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True, env=env,
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True, env=env, preexec_fn=preexec,
     )
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -182,6 +202,11 @@ def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return None, True, ""
+    except BaseException:  # an interrupted kernel: the child must not outlive the check
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,6 +196,9 @@ CHILD_ENV = "LORA_BOOK_GRADER_CHILD"
 
 def main(workdir: Path) -> None:
     os.environ[CHILD_ENV] = "1"
+    from graders.forkserver import _set_parent_death_signal
+
+    _set_parent_death_signal()  # a child never outlives the process that waits for it
     job = read_json(workdir / "job.json")
     inputs = load_tensors(workdir / "inputs.safetensors")
     if "sources" in job:

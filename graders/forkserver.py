@@ -1,0 +1,382 @@
+"""A pre-imported fork server for grader children: the fixed cost of a check drops from seconds
+(a fresh Python importing torch, triton's interpreter and the reference) to a fork.
+
+One server per grading process (the learner's kernel, ``graders.course``, a test worker), started on
+first use (``graders.check`` in a notebook starts it when graders is imported). It imports what a
+child needs once, never runs learner code itself and never initialises CUDA (it is used on CPU-only
+machines; on a GPU every check spawns its own child, since a CUDA context does not survive a fork).
+For each job it forks one child that runs ``graders.runner`` on the job's folder under the time
+budget, kills the child's process group when it ends (and, in the sandbox, every other process
+left in the sandbox's PID namespace), and sends back the files the child wrote.
+
+Jobs and results travel over the server's stdin/stdout as length-prefixed frames (:func:`pack`): the
+server needs no folder of the host, so in the sandbox (``graders.sandbox``) everything learner code
+can write lies in the sandbox's private, size-bounded /tmp. Only the file names the comparer reads
+come back, at most :data:`MAX_RESULT_BYTES` in all. The comparer decodes them as data (JSON,
+safetensors: ``graders.wire``); nothing is unpickled.
+
+When the process that started the server dies (a kernel restarted, shut down or killed), the
+server sees end-of-file on its stdin and exits, killing its child; in the sandbox, bwrap's
+``--die-with-parent`` takes the whole PID namespace with it. Interrupting a check (KeyboardInterrupt
+in the waiting process) kills the server; the next check starts a new one.
+
+Source: the fork-server pattern of Python's ``multiprocessing.forkserver`` and of Android's zygote.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["ForkServer", "server", "run_job", "usable", "kill_all", "prestart", "pack", "unpack", "MAX_RESULT_BYTES"]
+
+MAX_RESULT_BYTES = 64 * 2**20
+_HEADER = struct.Struct(">Q")
+#: The files of a job folder the comparer reads (graders.core._verdicts and grade_many_under_secrets).
+_RESULT_NAME = re.compile(r"^(s\d+/)?(result_\d+\.json|result_\d+\.safetensors|load\.json|status\.json|stderr\.txt)$")
+IN_SANDBOX_ENV = "LORA_BOOK_IN_SANDBOX"
+START_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Frames
+
+
+def pack(meta: dict, files: dict[str, bytes]) -> bytes:
+    """One frame: an 8-byte length, a JSON header line (``meta`` and the files' names and sizes),
+    then the files' bytes."""
+    header = json.dumps({"meta": meta, "files": [[k, len(v)] for k, v in files.items()]}).encode() + b"\n"
+    body = header + b"".join(files.values())
+    return _HEADER.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> tuple[dict, dict[str, bytes]]:
+    """Inverse of :func:`pack` (without the length prefix).
+
+    Raises:
+        ValueError: a malformed frame.
+    """
+    end = body.index(b"\n")
+    header = json.loads(body[:end])
+    files, pos = {}, end + 1
+    for name, size in header["files"]:
+        if not isinstance(name, str) or not isinstance(size, int) or size < 0 or pos + size > len(body):
+            raise ValueError("malformed frame")
+        files[name] = body[pos:pos + size]
+        pos += size
+    return header["meta"], files
+
+
+def _read_exact(fd: int, n: int, deadline: Optional[float] = None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("no answer from the grader's fork server in time")
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the grader's fork server closed its pipe")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: Optional[float] = None, limit: int = MAX_RESULT_BYTES + 2**20) -> bytes:
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    if n > limit:
+        raise ValueError(f"frame of {n} bytes, over the limit of {limit}")
+    return _read_exact(fd, n, deadline)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# ---------------------------------------------------------------------------------------------
+# The server (python -m graders.forkserver)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _kill_the_rest() -> None:
+    """In the sandbox's PID namespace: kill every process but its init (1) and this server."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (1, me):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _collect(jobdir: Path) -> tuple[dict[str, bytes], Optional[str]]:
+    files, total = {}, 0
+    for path in sorted(jobdir.rglob("*")):
+        rel = path.relative_to(jobdir).as_posix()
+        if not _RESULT_NAME.match(rel) or path.is_symlink() or not path.is_file():
+            continue
+        total += path.stat().st_size
+        if total > MAX_RESULT_BYTES:
+            return {}, f"the results came to more than {MAX_RESULT_BYTES >> 20} MiB"
+        files[rel] = path.read_bytes()
+    return files, None
+
+
+def _run(jobdir: Path, timeout: float, stdin_fd: int, sandboxed: bool) -> dict:
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            _set_parent_death_signal()
+            from graders.sandbox import limit_resources
+
+            limit_resources(cpu_only=True)
+            null = os.open(os.devnull, os.O_RDWR)
+            err = os.open(jobdir / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(null, 0)
+            os.dup2(null, 1)  # the frame pipe is fd 1 of the server: learner code never sees it
+            os.dup2(err, 2)
+            os.closerange(3, 1024)
+            os.chdir(jobdir)
+            from graders import runner
+
+            runner.main(jobdir)
+            code = 0
+        except BaseException:  # noqa: BLE001 (the status says how it ended; stderr has the rest)
+            import traceback
+
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    code, timed_out, orphaned = None, False, False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        if select.select([stdin_fd], [], [], 0.005)[0]:  # the parent never writes during a job: EOF
+            orphaned = True
+            break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)  # whatever the answer left running in its group
+    if code is None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if sandboxed:
+        _kill_the_rest()  # also what left its group (setsid, double fork)
+    if orphaned:
+        os._exit(0)
+    return {"code": code, "timed_out": timed_out}
+
+
+def serve() -> None:
+    """The server's loop: read a job frame, fork a child for it, answer with the results frame."""
+    _set_parent_death_signal()
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    # imported once here, inherited by every child
+    import torch  # noqa: F401
+    import reference  # noqa: F401
+    import graders  # noqa: F401
+    import graders.runner  # noqa: F401
+    import graders.exercises  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    sandboxed = os.environ.get(IN_SANDBOX_ENV) == "1"
+    base = Path(tempfile.mkdtemp(prefix="lora-book-jobs-"))
+    _write_all(out_fd, pack({"ready": True, "sandboxed": sandboxed}, {}))
+    n = 0
+    while True:
+        try:
+            meta, files = unpack(_read_frame(in_fd, limit=2**31))
+        except (EOFError, OSError):
+            break
+        jobdir = base / f"job{n}"
+        n += 1
+        jobdir.mkdir()
+        for name in ("job.json", "inputs.safetensors"):
+            (jobdir / name).write_bytes(files.get(name, b""))
+        status = _run(jobdir, float(meta["timeout"]), in_fd, sandboxed)
+        results, error = _collect(jobdir)
+        shutil.rmtree(jobdir, ignore_errors=True)
+        _write_all(out_fd, pack({**status, "error": error}, results))
+    shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+
+
+def usable() -> bool:
+    """Whether checks go through a fork server here: CPU-only machines (no CUDA device)."""
+    import torch
+
+    return not torch.cuda.is_available() and hasattr(os, "fork")
+
+
+class ForkServer:
+    """A handle on one fork server process (started by :meth:`start`)."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+        self.sandboxed = False
+        self.lock = threading.Lock()  # one job at a time per server
+
+    def start(self) -> None:
+        """Start the server and wait until it has imported everything.
+
+        Raises:
+            graders.sandbox.SandboxUnavailable: the sandbox is required and cannot run.
+            RuntimeError: the server did not start.
+        """
+        from graders import sandbox
+
+        command = [sys.executable, "-m", "graders.forkserver"]
+        if sandbox.enabled():
+            argv = sandbox.bwrap_argv(command, hidden=hidden_folders(),
+                                      env=sandbox.sandbox_env({IN_SANDBOX_ENV: "1"}))
+            env = None
+        else:
+            argv, env = command, sandbox.sandbox_env({"HOME": os.environ.get("HOME", "/tmp"),
+                                                      "TMPDIR": tempfile.gettempdir()})
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+                                     cwd=tempfile.gettempdir())
+        try:
+            meta, _ = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S))
+        except (EOFError, TimeoutError, ValueError) as exc:
+            self.kill()
+            raise RuntimeError(f"the grader's fork server did not start: {exc}") from exc
+        self.sandboxed = bool(meta.get("sandboxed"))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def run(self, workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
+        """Run the job in ``workdir`` (job.json, inputs.safetensors) in a forked child; write the
+        child's result files into ``workdir``. Returns (exit code or None, timed out, stderr tail).
+
+        Raises:
+            RuntimeError: the server died or stopped answering (it is killed; the next job starts
+                a new one).
+        """
+        with self.lock:
+            if not self.alive():
+                self.start()
+            files = {name: (workdir / name).read_bytes() for name in ("job.json", "inputs.safetensors")}
+            try:
+                _write_all(self.proc.stdin.fileno(), pack({"timeout": timeout}, files))
+                meta, results = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout + 60))
+            except BaseException as exc:  # KeyboardInterrupt too: no child may outlive the wait
+                self.kill()
+                if isinstance(exc, (EOFError, TimeoutError, ValueError, OSError)):
+                    raise RuntimeError(f"the grader's fork server failed: {exc}") from exc
+                raise
+        for rel, data in results.items():
+            if _RESULT_NAME.match(rel):
+                (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+                (workdir / rel).write_bytes(data)
+        stderr = results.get("stderr.txt", b"").decode(errors="replace")[-800:]
+        if meta.get("error"):
+            stderr = meta["error"] + "\n" + stderr
+        return meta.get("code"), bool(meta.get("timed_out")), stderr
+
+    def kill(self) -> None:
+        """Kill the server and everything it started (its process group; bwrap's namespace)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(Exception):
+                f.close()
+        self.proc = None
+
+
+def hidden_folders() -> list[Path]:
+    """Folders a grader child has no business reading: the current folder (a course's root, with
+    its gradebook and every student's submission, or a learner's notebook folder) unless the book's
+    own sources lie inside it."""
+    root = Path(__file__).resolve().parents[1]
+    cwd = Path.cwd().resolve()
+    if cwd == Path("/") or root == cwd or root.is_relative_to(cwd):
+        return []
+    return [cwd]
+
+
+_LOCAL = threading.local()
+_ALL: list[ForkServer] = []
+
+
+def server() -> ForkServer:
+    """This thread's fork server (created on first use, killed at exit): threads that grade in
+    parallel (``graders.course``) each get their own."""
+    srv = getattr(_LOCAL, "server", None)
+    if srv is None:
+        srv = _LOCAL.server = ForkServer()
+        _ALL.append(srv)
+    return srv
+
+
+def kill_all() -> None:
+    """Kill every fork server this process started."""
+    for srv in list(_ALL):
+        srv.kill()
+
+
+atexit.register(kill_all)
+
+
+def run_job(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
+    """:meth:`ForkServer.run` on this process's server."""
+    return server().run(workdir, timeout)
+
+
+def prestart() -> None:
+    """Start this thread's server in the background (a notebook's first check is then fast)."""
+    srv = server()
+
+    def go():
+        with contextlib.suppress(Exception), srv.lock:
+            if not srv.alive():
+                srv.start()
+    threading.Thread(target=go, daemon=True).start()
+
+
+if __name__ == "__main__":
+    serve()
