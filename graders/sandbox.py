@@ -130,7 +130,7 @@ def sandbox_env(extra: Optional[dict] = None) -> dict:
 
 def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden: Iterable[Path] = (),
                readable: Iterable[Path] = (), cwd: Optional[Path] = None, gpu: bool = False,
-               tmp_mb: int = TMP_MB, env: Optional[dict] = None) -> list[str]:
+               tmp_mb: int = TMP_MB, env: Optional[dict] = None, share_net: bool = False) -> list[str]:
     """The argv that runs ``command`` in the sandbox.
 
     Args:
@@ -142,19 +142,24 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         gpu: bind every /dev/nvidia* device (CUDA needs them; nothing else of the host's /dev).
         tmp_mb: size of the private /tmp in MiB.
         env: the environment inside (default :func:`sandbox_env`); nothing else passes.
+        share_net: keep the host's network (only a kernel whose client speaks TCP needs it).
     Raises:
         FileNotFoundError: bwrap is not installed.
     """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise FileNotFoundError("bwrap (package bubblewrap) is not installed")
-    args = [bwrap, *_base_args(), "--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"]
+    args = [bwrap, *_base_args(), *(["--share-net"] if share_net else []),
+            "--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"]
+    hidden = list(hidden)
     for path in hidden:
-        args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+        args += ["--tmpfs", str(path)]
     for path in readable:
         args += ["--ro-bind", str(path), str(path)]
     for path in writable:
         args += ["--bind", str(path), str(path)]
+    for path in hidden:  # after the binds: bwrap creates their mount points inside the empty folder
+        args += ["--remount-ro", str(path)]
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*")):
             args += ["--dev-bind", dev, dev]

@@ -1,0 +1,134 @@
+"""nbgrader autograde of one assignment, student by student, in N parallel sandboxed workers.
+
+Each worker is an ``nbgrader autograde ASSIGNMENT --student S`` process of its own, so a course
+spreads over a machine's cores, and over several machines by giving each its own share of the
+students (each worker needs only the course folder and the gradebook's database URL). The notebooks
+run in the sandboxed kernel (``graders.kernel_sandbox``) when the sandbox is enabled, with a kernel
+ipc folder of their own per worker.
+
+The gradebook is nbgrader's: SQLite in the course folder by default, or any SQLAlchemy URL
+(``db_url``, e.g. ``postgresql://user@host/course`` for a large course: SQLite takes one writer at a
+time, so its workers wait on each other's commits, which ``?timeout=`` lets them do).
+
+Source: nbgrader's ``autograde --student`` and ``CourseDirectory.db_url`` options.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from graders import sandbox
+from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
+
+__all__ = ["AutogradeRun", "autograde", "default_db_url", "students_of"]
+
+#: SQLite waits this long (seconds) for another worker's commit before "database is locked".
+SQLITE_TIMEOUT_S = 120
+
+
+@dataclass
+class AutogradeRun:
+    """What :func:`autograde` did: per student the seconds and the error (None when it worked)."""
+
+    assignment: str
+    seconds: dict[str, float]
+    errors: dict[str, Optional[str]]
+    sandboxed: bool
+    wall_seconds: float
+    jobs: int
+
+
+def default_db_url(course: Path) -> str:
+    """The course's SQLite gradebook, with a lock timeout long enough for parallel workers."""
+    return f"sqlite:///{course / 'gradebook.db'}?timeout={SQLITE_TIMEOUT_S}"
+
+
+def students_of(course: Path, assignment: str) -> list[str]:
+    """Students with a submission of ``assignment`` (``submitted/<student>/<assignment>/``)."""
+    return sorted(p.parent.name for p in (course / "submitted").glob(f"*/{assignment}") if p.is_dir())
+
+
+def _nbgrader_env(env: Optional[dict], jupyter_dir: Optional[Path]) -> dict:
+    env = dict(env if env is not None else os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if jupyter_dir is not None:
+        env["JUPYTER_PATH"] = os.pathsep.join([str(jupyter_dir), *filter(None, [env.get("JUPYTER_PATH")])])
+    return env
+
+
+def _ensure_students(db_url: str, students: Sequence[str]) -> None:
+    """Create missing student records once, before the workers start (two workers creating rows
+    at the same time would race)."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    with Gradebook(db_url) as gb:
+        for s in students:
+            try:
+                gb.find_student(s)
+            except MissingEntry:
+                gb.add_student(s)
+
+
+def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] = None, jobs: int = 1,
+              db_url: Optional[str] = None, env: Optional[dict] = None, progress: bool = True) -> AutogradeRun:
+    """Autograde ``assignment``'s submissions in ``course`` with ``jobs`` parallel workers.
+
+    Args:
+        course: the nbgrader course folder (nbgrader_config.py, source/ or the configured sources).
+        students: whom to grade (default: every student with a submission).
+        jobs: parallel nbgrader processes (each runs one student's notebooks, one kernel at a time).
+        db_url: the gradebook (default: :func:`default_db_url`).
+        env: the environment of nbgrader (default: ours); the sandboxed kernels never get the secret.
+        progress: a tqdm bar on stderr.
+    Returns:
+        An :class:`AutogradeRun`; a student whose autograde failed has its error text there.
+    Raises:
+        graders.sandbox.SandboxUnavailable: the sandbox is required (``LORA_BOOK_SANDBOX=required``)
+            and cannot run here.
+        ValueError: no submissions of ``assignment``, or ``jobs`` < 1.
+    """
+    from tqdm import tqdm
+
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    students = list(students) if students is not None else students_of(course, assignment)
+    if not students:
+        raise ValueError(f"no submissions of {assignment!r} under {course / 'submitted'}")
+    db_url = db_url or default_db_url(course)
+    sandboxed = sandbox.enabled()
+    work = Path(tempfile.mkdtemp(prefix="lora-book-autograde-"))
+    jupyter_dir = work / "jupyter" if sandboxed else None
+    if jupyter_dir is not None:
+        install_kernelspec(jupyter_dir)
+    run_env = _nbgrader_env(env, jupyter_dir)
+    _ensure_students(db_url, students)
+    seconds: dict[str, float] = {}
+    errors: dict[str, Optional[str]] = {}
+
+    def one(student: str) -> None:
+        cmd = [sys.executable, "-m", "nbgrader", "autograde", assignment, "--student", student,
+               "--create", "--force", "--log-level=ERROR", f"--CourseDirectory.db_url={db_url}"]
+        if sandboxed:
+            ipc = ipc_folder(work)
+            cmd += [f"--Execute.kernel_name={KERNEL_NAME}", "--KernelManager.transport=ipc",
+                    f"--KernelManager.ip={ipc / 'kernel'}"]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=course, env=run_env, capture_output=True, text=True)
+        seconds[student] = time.perf_counter() - start
+        errors[student] = None if proc.returncode == 0 else (proc.stdout[-2000:] + proc.stderr[-2000:])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(students), desc=f"autograde {assignment}", unit="student", disable=not progress,
+                 file=sys.stderr) as bar:
+        for future in as_completed([pool.submit(one, s) for s in students]):
+            future.result()
+            bar.update()
+    return AutogradeRun(assignment, seconds, errors, sandboxed, time.perf_counter() - start, jobs)
