@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["ForkServer", "server", "run_job", "usable", "kill_all", "prestart", "pack", "unpack", "MAX_RESULT_BYTES"]
+__all__ = ["ForkServer", "server", "run_job", "usable", "kill_all", "prestart", "hide", "hidden_folders", "pack", "unpack", "MAX_RESULT_BYTES"]
 
 MAX_RESULT_BYTES = 64 * 2**20
 _HEADER = struct.Struct(">Q")
@@ -240,11 +240,17 @@ def serve() -> None:
 # The client
 
 
+#: ``LORA_BOOK_FORKSERVER=off``: every check spawns a fresh process (for comparison, or debugging).
+SWITCH_ENV = "LORA_BOOK_FORKSERVER"
+
+
 def usable() -> bool:
-    """Whether checks go through a fork server here: CPU-only machines (no CUDA device)."""
+    """Whether checks go through a fork server here: CPU-only machines (no CUDA device), unless
+    ``LORA_BOOK_FORKSERVER=off``."""
     import torch
 
-    return not torch.cuda.is_available() and hasattr(os, "fork")
+    return (os.environ.get(SWITCH_ENV, "on") != "off" and not torch.cuda.is_available()
+            and hasattr(os, "fork"))
 
 
 class ForkServer:
@@ -328,15 +334,25 @@ class ForkServer:
         self.proc = None
 
 
+_HIDDEN: list[Path] = []
+
+
+def hide(folder: Path) -> None:
+    """Hide ``folder`` (a course being graded) from every grader child started from now on; the
+    fork servers already running are stopped so their successors start without it."""
+    folder = Path(folder).resolve()
+    if folder not in _HIDDEN:
+        _HIDDEN.append(folder)
+        kill_all()
+
+
 def hidden_folders() -> list[Path]:
-    """Folders a grader child has no business reading: the current folder (a course's root, with
-    its gradebook and every student's submission, or a learner's notebook folder) unless the book's
-    own sources lie inside it."""
+    """Folders a grader child has no business reading: those given to :func:`hide` and the current
+    folder (a course's root, with its gradebook and every student's submission, or a learner's
+    notebook folder), except any that holds the book's own sources."""
     root = Path(__file__).resolve().parents[1]
-    cwd = Path.cwd().resolve()
-    if cwd == Path("/") or root == cwd or root.is_relative_to(cwd):
-        return []
-    return [cwd]
+    folders = [*_HIDDEN, Path.cwd().resolve()]
+    return [f for f in dict.fromkeys(folders) if f != Path("/") and not root.is_relative_to(f)]
 
 
 _LOCAL = threading.local()

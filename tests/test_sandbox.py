@@ -1,0 +1,242 @@
+"""The sandbox (graders.sandbox), the fork server (graders.forkserver), the sandboxed nbgrader kernel
+(graders.kernel_sandbox) and the parallel autograde (graders.autograde), tried as a malicious
+learner would: every attack is bounded (background processes sleep, files of a few tens of MB)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from graders import forkserver, sandbox
+from graders.core import SECRET_ENV, grade_source
+from graders.mutation import solution_answers
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) cannot run here")
+#: A unique sleep: `pgrep -x` finds it and never the shell that asks.
+SLEEP = "31.4159"
+
+
+def _sleepers() -> int:
+    out = subprocess.run(["pgrep", "-f", f"^sleep {SLEEP}$"], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
+def _probe(course: Path) -> str:
+    """An answer to ch01.1 that tries every attack and raises with what it saw."""
+    return textwrap.dedent(f'''
+        import os, socket, subprocess
+        def lora_forward(x, W, A, B, scaling):
+            seen = ["secret=" + str(os.environ.get({SECRET_ENV!r}))]
+            try:
+                open({str(ROOT / "graders" / "tolerances.py")!r}, "a").close()
+                seen.append("repo writable")
+            except OSError:
+                seen.append("repo read-only")
+            seen.append("gradebook visible" if os.path.exists({str(course / "gradebook.db")!r}) else "gradebook hidden")
+            try:
+                socket.create_connection(("1.1.1.1", 53), timeout=2).close()
+                seen.append("network")
+            except OSError:
+                seen.append("no network")
+            subprocess.Popen(["sleep", "{SLEEP}"], start_new_session=True)
+            try:
+                with open("/tmp/big", "wb") as f:
+                    f.write(b"0" * (80 << 20))
+                seen.append("80 MB written")
+            except OSError:
+                seen.append("file size bounded")
+            raise RuntimeError("SEEN " + ", ".join(seen) + " END")
+    ''')
+
+
+@needs_bwrap
+def test_a_sandboxed_check_blocks_every_attack(tmp_path, monkeypatch):
+    course = tmp_path / "course"
+    course.mkdir()
+    (course / "gradebook.db").write_text("grades")
+    monkeypatch.setenv(SECRET_ENV, "the-instructors-secret")
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    forkserver.hide(course)
+    before = _sleepers()
+    report = grade_source("ch01.1", _probe(course)).report
+    seen = re.search(r"SEEN (.*?) END", report).group(1).split(", ")
+    assert seen == ["secret=None", "repo read-only", "gradebook hidden", "no network", "file size bounded"], report
+    time.sleep(0.5)
+    assert _sleepers() == before, "a process started by learner code outlived its check"
+    assert (course / "gradebook.db").read_text() == "grades"
+
+
+def test_unsandboxed_runs_say_so_and_required_refuses(monkeypatch):
+    monkeypatch.setenv(sandbox.MODE_ENV, "off")
+    assert not sandbox.enabled()
+    assert "UNSANDBOXED" in sandbox.describe()
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    monkeypatch.setattr(sandbox, "available", lambda: False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="--unsandboxed"):
+        sandbox.enabled()
+    monkeypatch.setenv(sandbox.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="LORA_BOOK_SANDBOX"):
+        sandbox.mode()
+
+
+def test_the_secret_never_reaches_a_child_even_unsandboxed(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "the-instructors-secret")
+    monkeypatch.setenv(sandbox.MODE_ENV, "off")
+    forkserver.kill_all()  # a server started before the policy changed keeps its sandbox
+    answer = textwrap.dedent(f'''
+        import os
+        def lora_forward(x, W, A, B, scaling):
+            raise RuntimeError("SEEN " + str(os.environ.get({SECRET_ENV!r})) + " END")
+    ''')
+    assert "SEEN None END" in grade_source("ch01.1", answer).report
+    forkserver.kill_all()
+
+
+_HANGING_CHECK = textwrap.dedent('''
+    import sys
+    from graders import forkserver
+    from graders.core import grade_source
+    srv = forkserver.server()
+    srv.start()
+    print(srv.proc.pid, flush=True)
+    grade_source("ch01.1", "def lora_forward(x, W, A, B, scaling):\\n    while True:\\n        pass\\n")
+''')
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process(how, policy):
+    """JupyterLab's interrupt (SIGINT: KeyboardInterrupt in the kernel) and a restart or shutdown
+    (the kernel killed) during a check whose answer loops forever: nothing may keep spinning."""
+    env = dict(os.environ, **{sandbox.MODE_ENV: policy})
+    kernel = subprocess.Popen([sys.executable, "-c", _HANGING_CHECK], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, env=env, text=True)
+    server = int(kernel.stdout.readline())
+    time.sleep(3)  # the answer is spinning now
+    spinning = _descendants(server) | {server}
+    assert len(spinning) >= 2, "the check's child never started"
+    kernel.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
+    kernel.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in spinning):
+        time.sleep(0.2)
+    assert not [p for p in spinning if _alive(p)], f"left running after the kernel was {how}ed"
+
+
+@needs_bwrap
+def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
+    from nbclient import NotebookClient
+    from traitlets.config import Config
+    import nbformat
+
+    from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
+
+    course = tmp_path / "course"
+    own = course / "autograded" / "student-a" / "01_lora_basics"
+    other = course / "submitted" / "student-b"
+    own.mkdir(parents=True)
+    other.mkdir(parents=True)
+    (course / "nbgrader_config.py").write_text("")
+    (course / "gradebook.db").write_text("grades")
+    (other / "answers.ipynb").write_text("{}")
+    install_kernelspec(tmp_path / "jupyter")
+    cell = textwrap.dedent(f'''
+        import os
+        print("secret", os.environ.get({SECRET_ENV!r}))
+        print("gradebook", os.path.exists({str(course / "gradebook.db")!r}))
+        print("other student", os.path.exists({str(other / "answers.ipynb")!r}))
+        open("own-file.txt", "w").write("mine")
+        try:
+            open({str(ROOT / "README.md")!r}, "a").close()
+            print("repo writable")
+        except OSError:
+            print("repo read-only")
+    ''')
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(ipc_folder(tmp_path) / "kernel")
+    env_before = dict(os.environ)
+    os.environ["JUPYTER_PATH"] = str(tmp_path / "jupyter")
+    os.environ[SECRET_ENV] = "the-instructors-secret"
+    try:
+        NotebookClient(nb, kernel_name=KERNEL_NAME, config=config, timeout=120,
+                       resources={"metadata": {"path": str(own)}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    assert text.split("\n")[:5] == ["secret None", "gradebook False", "other student False", "repo read-only", ""], text
+    assert (own / "own-file.txt").read_text() == "mine"
+
+
+@needs_bwrap
+def test_the_kernel_wrapper_refuses_an_ipc_folder_not_made_for_it(tmp_path):
+    conn = tmp_path / "kernel-1.json"
+    conn.write_text('{"transport": "ipc", "ip": "%s", "shell_port": 1}' % (tmp_path / "kernel"))
+    proc = subprocess.run([sys.executable, "-m", "graders.kernel_sandbox", "-f", str(conn)],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **{sandbox.MODE_ENV: "required"}))
+    assert proc.returncode != 0 and "was not made for it" in proc.stderr
+
+
+def test_parallel_autograde_honours_the_database_url(tmp_path):
+    """Two workers, two students, the gradebook at a URL of our choosing (a large course would
+    give a PostgreSQL URL the same way)."""
+    from nbgrader.api import Gradebook
+
+    from graders import course as course_jobs
+    from graders.autograde import autograde
+    from graders.mutation import sample_learner
+
+    course = tmp_path / "course"
+    course_jobs._new_course(course)
+    chapter = "01_lora_basics"
+    db_url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    course_jobs._nbgrader(course, "generate_assignment", chapter, "--force", f"--CourseDirectory.db_url={db_url}")
+    release = course / "release" / chapter / f"{chapter}.ipynb"
+    answers = {"right": {e: s for e, s in solution_answers().items() if e.startswith("ch01")},
+               "wrong": {e: s for e, s in sample_learner("plausible_mistakes").items() if e.startswith("ch01")}}
+    for student, cells in answers.items():
+        course_jobs.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
+    run = autograde(course, chapter, jobs=2, db_url=db_url, progress=False)
+    assert run.errors == {"right": None, "wrong": None}
+    assert not (course / "gradebook.db").exists()
+    with Gradebook(db_url) as gb:
+        assert gb.find_submission(chapter, "right").score == 18
+        assert gb.find_submission(chapter, "wrong").score == 0
+    assert run.sandboxed == sandbox.enabled()
