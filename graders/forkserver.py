@@ -355,6 +355,61 @@ def hidden_folders() -> list[Path]:
     return [f for f in dict.fromkeys(folders) if f != Path("/") and not root.is_relative_to(f)]
 
 
+_POOL_LOCK = threading.Lock()
+_IDLE: list[ForkServer] = []
+_ALL: list[ForkServer] = []
+
+
+def server() -> ForkServer:
+    """An idle fork server of this process, or a new one (started on its first job). Threads that
+    grade in parallel (``graders.course``) each hold their own while a job runs
+    (:func:`run_job`); servers outlive the threads and are killed at exit."""
+    with _POOL_LOCK:
+        if _IDLE:
+            return _IDLE.pop()
+        srv = ForkServer()
+        _ALL.append(srv)
+        return srv
+
+
+def _release(srv: ForkServer) -> None:
+    with _POOL_LOCK:
+        if srv not in _IDLE:
+            _IDLE.append(srv)
+
+
+def kill_all() -> None:
+    """Kill every fork server this process started."""
+    with _POOL_LOCK:
+        servers = list(_ALL)
+    for srv in servers:
+        srv.kill()
+
+
+atexit.register(kill_all)
+
+
+_HIDDEN: list[Path] = []
+
+
+def hide(folder: Path) -> None:
+    """Hide ``folder`` (a course being graded) from every grader child started from now on; the
+    fork servers already running are stopped so their successors start without it."""
+    folder = Path(folder).resolve()
+    if folder not in _HIDDEN:
+        _HIDDEN.append(folder)
+        kill_all()
+
+
+def hidden_folders() -> list[Path]:
+    """Folders a grader child has no business reading: those given to :func:`hide` and the current
+    folder (a course's root, with its gradebook and every student's submission, or a learner's
+    notebook folder), except any that holds the book's own sources."""
+    root = Path(__file__).resolve().parents[1]
+    folders = [*_HIDDEN, Path.cwd().resolve()]
+    return [f for f in dict.fromkeys(folders) if f != Path("/") and not root.is_relative_to(f)]
+
+
 _LOCAL = threading.local()
 _ALL: list[ForkServer] = []
 
@@ -379,18 +434,25 @@ atexit.register(kill_all)
 
 
 def run_job(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
-    """:meth:`ForkServer.run` on this process's server."""
-    return server().run(workdir, timeout)
+    """:meth:`ForkServer.run` on an idle server of this process (:func:`server`)."""
+    srv = server()
+    try:
+        return srv.run(workdir, timeout)
+    finally:
+        _release(srv)
 
 
 def prestart() -> None:
-    """Start this thread's server in the background (a notebook's first check is then fast)."""
+    """Start a server in the background (a notebook's first check is then fast)."""
     srv = server()
 
     def go():
-        with contextlib.suppress(Exception), srv.lock:
-            if not srv.alive():
-                srv.start()
+        try:
+            with contextlib.suppress(Exception), srv.lock:
+                if not srv.alive():
+                    srv.start()
+        finally:
+            _release(srv)
     threading.Thread(target=go, daemon=True).start()
 
 

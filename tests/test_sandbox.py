@@ -106,6 +106,7 @@ _HANGING_CHECK = textwrap.dedent('''
     from graders.core import grade_source
     srv = forkserver.server()
     srv.start()
+    forkserver._release(srv)  # idle again: the check below takes this one
     print(srv.proc.pid, flush=True)
     grade_source("ch01.1", "def lora_forward(x, W, A, B, scaling):\\n    while True:\\n        pass\\n")
 ''')
