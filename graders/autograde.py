@@ -43,6 +43,7 @@ class AutogradeRun:
     sandboxed: bool
     wall_seconds: float
     jobs: int
+    work_folder: str  # this run's kernelspec, ipc and runtime folders; every kernel's argv names it
 
 
 def default_db_url(course: Path) -> str:
@@ -108,6 +109,7 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
     if jupyter_dir is not None:
         install_kernelspec(jupyter_dir)
     run_env = _nbgrader_env(env, jupyter_dir)
+    run_env["JUPYTER_RUNTIME_DIR"] = str(work / "runtime")  # connection files: named in kernels' argv
     _ensure_students(db_url, students)
     seconds: dict[str, float] = {}
     errors: dict[str, Optional[str]] = {}
@@ -131,4 +133,4 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
         for future in as_completed([pool.submit(one, s) for s in students]):
             future.result()
             bar.update()
-    return AutogradeRun(assignment, seconds, errors, sandboxed, time.perf_counter() - start, jobs)
+    return AutogradeRun(assignment, seconds, errors, sandboxed, time.perf_counter() - start, jobs, str(work))
