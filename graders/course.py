@@ -17,6 +17,7 @@ process and compares in this process, which never runs learner code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -30,10 +31,13 @@ from pathlib import Path
 import nbformat
 
 from graders.core import SECRET_ENV, grade_source
+from graders.integrity import check_fingerprint, fingerprint, package_roots
 from graders.mutation import SAMPLE_LEARNERS, sample_learner
 from graders.points import POINTS, total_points
+from graders.tamper import suspicious_code
 
-__all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "chapters"]
+__all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "chapters", "CourseError",
+           "GradersChanged", "Mismatch", "LookAtThis", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_SECRET = "demo-hidden-secret"
@@ -91,8 +95,28 @@ def _new_course(course: Path) -> None:
 # The trusted re-grade
 
 
+class CourseError(ValueError):
+    """verify (or fingerprint) cannot run on this input; nothing was changed. The message is one line."""
+
+
+class GradersChanged(CourseError):
+    """The graders' files differ from the fingerprint recorded before autograde; nothing was recorded."""
+
+    def __init__(self, differences: list[str], when: str) -> None:
+        self.differences = differences
+        super().__init__(f"the graders' files changed during grading ({when}): " + "; ".join(differences)
+                         + "; nothing was recorded")
+
+
+#: Written into the course folder by ``python -m graders.course fingerprint`` (before autograde).
+FINGERPRINT_FILE = ".lora_book_fingerprint.json"
+_TEST_ID = re.compile(r"^(ch\d\d_\d+)_test$")
+
+
 @dataclass
 class Mismatch:
+    """A test cell whose score in the learner's kernel differs from the trusted re-grade."""
+
     student: str
     exercise: str
     kernel: float
@@ -106,37 +130,166 @@ class Mismatch:
 
 
 @dataclass
-class Attempt:
-    """An answer cell that refers to the graders: an attempt to tamper, whatever it achieved."""
+class LookAtThis:
+    """An answer cell whose code does something an exercise never needs (``graders.tamper``): lines
+    for the instructor to read, not proof of tampering (the trusted score is what counts)."""
 
     student: str
     exercise: str
+    lines: list[str]
 
     def __str__(self) -> str:
-        return f"{self.student} {self.exercise}: the answer cell refers to the graders (a tampering attempt)"
+        return f"{self.student} {self.exercise}:" + "".join(f"\n      {line}" for line in self.lines)
 
 
-_GRADERS_REF = re.compile(r"\bgraders\b")
-#: What an honest answer cell may say about the graders: import them and check itself.
-_HONEST_GRADERS_LINE = re.compile(r"^[ \t]*(import graders|graders\.check\(\s*[\"']ch\d\d\.\d+[\"']\s*,\s*\w+\s*\))[ \t]*$", re.M)
+@dataclass
+class GradebookFix:
+    """A gradebook field the graders did not write (learner code can edit gradebook.db), as found
+    and as verify corrected it."""
+
+    student: str
+    exercise: str
+    what: str
+
+    def __str__(self) -> str:
+        who = "every student" if self.student == ALL_STUDENTS else f"student {self.student}"
+        return f"{who} {self.exercise}: {self.what}"
 
 
-def refers_to_graders(source: str) -> bool:
-    """True when an answer cell mentions the graders beyond importing them and checking itself."""
-    return bool(_GRADERS_REF.search(_HONEST_GRADERS_LINE.sub("", source)))
+#: GradebookFix.student of a field every submission shares (a cell's max_score).
+ALL_STUDENTS = "*"
+
+
+def _course_settings(course: Path, assignment: str) -> dict:
+    """The course's nbgrader settings verify needs, after checking the course can be verified.
+
+    Raises:
+        CourseError: no nbgrader_config.py or gradebook, an assignment unknown to the gradebook or
+            without a source folder, no autograded submissions of it. Nothing is written.
+    """
+    config_file = course / "nbgrader_config.py"
+    if not config_file.is_file():
+        raise CourseError(f"{course} is not an nbgrader course folder (no nbgrader_config.py); "
+                          f"pass the course root with --course-dir")
+    from traitlets.config.loader import PyFileConfigLoader
+
+    try:
+        cd = PyFileConfigLoader(config_file.name, path=str(course)).load_config().CourseDirectory
+    except Exception as e:  # a broken config file: say so in one line
+        raise CourseError(f"cannot read {config_file}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    get = lambda key, default: cd[key] if key in cd else default  # noqa: E731
+    settings = {"source": course / get("source_directory", "source"),
+                "autograded": course / get("autograded_directory", "autograded"),
+                "course_id": get("course_id", "default_course"),
+                "db_url": get("db_url", "") or f"sqlite:///{(course / 'gradebook.db').resolve()}"}
+    db_url = settings["db_url"]
+    if db_url.startswith("sqlite:///"):
+        db = Path(db_url[len("sqlite:///"):])
+        db = db if db.is_absolute() else (course / db).resolve()  # nbgrader runs in the course root
+        settings["db_url"] = f"sqlite:///{db}"
+        if not db.is_file():
+            raise CourseError(f"no gradebook at {db} (run nbgrader autograde {assignment} in {course} first)")
+        import sqlite3
+
+        try:
+            with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)) as conn:
+                known = conn.execute("SELECT 1 FROM assignment WHERE name = ?", (assignment,)).fetchone()
+        except sqlite3.DatabaseError as e:
+            raise CourseError(f"{db} is not an nbgrader gradebook ({e})") from None
+        if known is None:
+            raise CourseError(f"assignment {assignment!r} is unknown to the gradebook {db}")
+    if not (settings["source"] / assignment).is_dir():
+        raise CourseError(f"assignment {assignment!r} has no source folder {settings['source'] / assignment}")
+    if not any(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
+        raise CourseError(f"no autograded submissions of {assignment!r} "
+                          f"({settings['autograded']}/*/{assignment}/*.ipynb): run nbgrader autograde first")
+    return settings
+
+
+def _recorded_fingerprint(course: Path) -> dict | None:
+    """The fingerprint recorded in the course folder, or None when there is none.
+
+    Raises:
+        CourseError: the file is there but unreadable.
+    """
+    path = course / FINGERPRINT_FILE
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CourseError(f"cannot read the recorded fingerprint {path}: {e}") from None
+    return files
+
+
+def write_fingerprint(course: Path) -> Path:
+    """Record the graders' fingerprint (``graders.integrity``) in ``course/FINGERPRINT_FILE``.
+
+    Returns the file written. Raises CourseError when ``course`` has no nbgrader_config.py.
+    """
+    if not (course / "nbgrader_config.py").is_file():
+        raise CourseError(f"{course} is not an nbgrader course folder (no nbgrader_config.py)")
+    path = course / FINGERPRINT_FILE
+    roots = {name: str(p) for name, p in package_roots().items()}
+    path.write_text(json.dumps({"roots": roots, "files": fingerprint()}, indent=1) + "\n")
+    return path
+
+
+def _source_graded_cells(source: Path) -> dict[str, dict[str, tuple[str | None, float]]]:
+    """{notebook: {grade_id: (exercise id, points)}} of the graded cells of a source folder; the
+    exercise id is None for a graded cell that is not one of the book's test cells (e.g. a manually
+    graded cell an instructor added)."""
+    cells: dict[str, dict[str, tuple[str | None, float]]] = {}
+    for path in sorted(source.glob("*.ipynb")):
+        found = cells.setdefault(path.stem, {})
+        for cell in nbformat.read(path, as_version=4).cells:
+            meta = cell.get("metadata", {}).get("nbgrader", {})
+            if (meta.get("grade") or meta.get("task")) and meta.get("grade_id"):
+                m = _TEST_ID.match(meta["grade_id"]) if not meta.get("solution") else None
+                ex = m.group(1).replace("_", ".") if m else None
+                found[meta["grade_id"]] = (ex if ex in POINTS else None, float(meta.get("points", 0.0)))
+    return cells
 
 
 def trusted_regrade(course: Path, assignment: str, secret: str | None = None) -> tuple[dict, list]:
-    """Re-grade every answer cell of ``assignment``'s autograded submissions outside the kernel.
+    """Re-grade every answer cell of ``assignment``'s autograded submissions outside the kernel and
+    check every grade of it in the gradebook.
 
-    Writes the trusted score of every exercise into the gradebook (``manual_score``, which nbgrader
-    prefers over the autograde score) and returns ({student: {exercise: score}}, findings): the
-    answer cells that refer to the graders, then every score that differs from the kernel's.
+    For every grade of the assignment (all students, notebooks and test cells) it records the
+    trusted score as ``manual_score`` (which nbgrader prefers over the autograde score), resets
+    ``extra_credit`` to 0, ``needs_manual_grade`` to False, a negative late penalty to 0 and an
+    ``auto_comment`` nbgrader never writes to None, corrects a test cell's ``max_score`` that differs
+    from graders/points.py (another graded cell's: from the source notebook), removes grades of
+    cells that are not graded cells of the source notebook and sets to 0 the max_score of such a
+    cell; each correction is a finding. Grades
+    of graded cells that are not the book's test cells (an instructor's manually graded cells) are
+    left as they are. When ``course/FINGERPRINT_FILE`` exists, the graders'
+    files are compared with it before and after the re-grade.
+
+    Returns:
+        ({student: {exercise: trusted score}}, findings): LookAtThis (answer cells whose code does
+        something an exercise never needs), GradebookFix (fields the graders did not write, as
+        corrected), then Mismatch (kernel score != trusted score).
+
+    Raises:
+        CourseError: not a course folder, no gradebook, an unknown assignment, no source folder or
+            no autograded submissions; nothing is written.
+        GradersChanged: the graders' files differ from the recorded fingerprint before or after
+            the re-grade; nothing is written.
     """
-    from nbgrader.api import Gradebook
+    from nbgrader.api import Gradebook, MissingEntry
+
+    course = Path(course)
+    settings = _course_settings(course, assignment)
+    recorded = _recorded_fingerprint(course)
+    if recorded is not None and (diff := check_fingerprint(recorded)):
+        raise GradersChanged(diff, "found before verify's re-grade")
+    graded_cells = _source_graded_cells(settings["source"] / assignment)
 
     jobs = []
-    for nb_path in sorted((course / "autograded").glob(f"*/{assignment}/*.ipynb")):
+    for nb_path in sorted(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
         student = nb_path.parts[-3]
         nb = nbformat.read(nb_path, as_version=4)
         jobs += [(student, nb_path.stem, ex, c.source) for c in nb.cells if (ex := exercise_of(c))]
@@ -149,17 +302,97 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    if recorded is not None and (diff := check_fingerprint(recorded)):
+        raise GradersChanged(diff, "found after verify's re-grade")
+
+    look = [LookAtThis(student, ex, lines) for student, _, ex, source in jobs if (lines := suspicious_code(source))]
+    trusted = {(student, notebook, ex): score for (student, notebook, ex, _), score in zip(jobs, results)}
+    autograded = {(student, notebook) for student, notebook, _, _ in jobs}
     scores: dict[str, dict[str, float]] = {}
-    mismatches = [Attempt(student, ex) for student, _, ex, source in jobs if refers_to_graders(source)]
-    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        for (student, notebook, ex, _), trusted in zip(jobs, results):
-            scores.setdefault(student, {})[ex] = trusted
-            grade = gb.find_grade(ex.replace(".", "_") + "_test", notebook, assignment, student)
-            if grade.auto_score != trusted:
-                mismatches.append(Mismatch(student, ex, float(grade.auto_score or 0.0), trusted))
-            grade.manual_score = trusted
+    fixes: list[GradebookFix] = []
+    mismatches: list[Mismatch] = []
+    with Gradebook(settings["db_url"], course_id=settings["course_id"]) as gb:
+        try:
+            db_assignment = gb.find_assignment(assignment)
+        except MissingEntry:
+            raise CourseError(f"assignment {assignment!r} is unknown to the gradebook") from None
+        # the cells every submission is graded on (max_score lives on the cell, shared by all students)
+        for nb in db_assignment.notebooks:
+            source_cells = graded_cells.get(nb.name, {})
+            for cell in [*nb.grade_cells, *nb.task_cells]:
+                if cell.name not in source_cells:
+                    if cell.max_score:
+                        fixes.append(GradebookFix(ALL_STUDENTS, f"{nb.name}/{cell.name}",
+                                                  "a graded cell that is not in the source notebook, "
+                                                  f"max_score {cell.max_score:g}; set to 0"))
+                        cell.max_score = 0.0
+                    continue
+                ex, points = source_cells[cell.name]
+                want = total_points(ex) if ex is not None else points
+                if cell.max_score != want:
+                    fixes.append(GradebookFix(ALL_STUDENTS, ex or f"{nb.name}/{cell.name}",
+                                              f"max_score {cell.max_score:g} in the gradebook, "
+                                              f"{'graders/points.py' if ex else 'the source notebook'} gives "
+                                              f"{want:g}; corrected"))
+                    cell.max_score = want
+        submitted = set()
+        for sub in gb.assignment_submissions(assignment):
+            student = sub.student.id
+            for snb in sub.notebooks:
+                submitted.add((student, snb.name))
+                source_cells = graded_cells.get(snb.name, {})
+                expected = {name: ex for name, (ex, _) in source_cells.items() if ex is not None}
+                if (student, snb.name) not in autograded:
+                    fixes.append(GradebookFix(student, snb.name, "in the gradebook but no autograded notebook "
+                                              "to re-grade; its test cells recorded as 0 (re-run autograde)"))
+                if snb.late_submission_penalty is not None and snb.late_submission_penalty < 0:
+                    fixes.append(GradebookFix(student, snb.name, f"late_submission_penalty "
+                                              f"{snb.late_submission_penalty:g} (a bonus) in the gradebook; reset to 0"))
+                    snb.late_submission_penalty = 0.0
+                seen = set()
+                for grade in list(snb.grades):
+                    name = grade.cell.name
+                    if name not in source_cells or grade.cell.type not in ("GradeCell", "TaskCell"):
+                        fixes.append(GradebookFix(student, f"{snb.name}/{name}", "a grade of a cell that is not a "
+                                                  f"graded cell of the source notebook (score {grade.score or 0:g}); "
+                                                  "removed"))
+                        gb.db.delete(grade)
+                        continue
+                    ex = expected.get(name)
+                    if ex is None:
+                        continue  # an instructor's own manually graded cell: not the graders' to judge
+                    seen.add(name)
+                    score = trusted.get((student, snb.name, ex), 0.0)
+                    scores.setdefault(student, {})[ex] = score
+                    if grade.auto_score != score:
+                        mismatches.append(Mismatch(student, ex, float(grade.auto_score or 0.0), score))
+                    if grade.manual_score is not None and grade.manual_score != score:
+                        fixes.append(GradebookFix(student, ex, f"manual_score {grade.manual_score:g} in the gradebook, "
+                                                  f"not given by the graders; recorded {score:g}"))
+                    if grade.extra_credit:
+                        fixes.append(GradebookFix(student, ex, f"extra_credit {grade.extra_credit:g} in the "
+                                                  "gradebook, not given by the graders; reset to 0"))
+                    if grade.needs_manual_grade:
+                        fixes.append(GradebookFix(student, ex, "marked as needing manual grading in the "
+                                                  "gradebook; the trusted score is recorded instead"))
+                    grade.manual_score, grade.extra_credit, grade.needs_manual_grade = score, 0.0, False
+                for name in sorted(set(expected) - seen):
+                    fixes.append(GradebookFix(student, expected[name] or name, "no grade in the gradebook for this "
+                                              "test cell (re-run autograde)"))
+                for comment in snb.comments:
+                    if comment.auto_comment not in (None, "", "No response."):
+                        fixes.append(GradebookFix(student, f"{snb.name}/{comment.cell.name}",
+                                                  f"auto_comment {comment.auto_comment[:60]!r} that nbgrader "
+                                                  "never writes; cleared"))
+                        comment.auto_comment = None
+        for student, notebook in sorted(autograded - submitted):
+            fixes.append(GradebookFix(student, notebook, "autograded notebook with no submission in the "
+                                      "gradebook; nothing recorded (re-run autograde)"))
+            for (s, nb_name, ex), score in trusted.items():
+                if (s, nb_name) == (student, notebook):
+                    scores.setdefault(student, {})[ex] = score
         gb.db.commit()
-    return scores, mismatches
+    return scores, [*look, *fixes, *mismatches]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +434,7 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
     return summary
 
 
-def print_table(scores: dict, mismatches: list[Mismatch], course: Path) -> None:
+def print_table(scores: dict, mismatches: list, course: Path) -> None:
     exercises = sorted(POINTS, key=lambda e: tuple(int(p) for p in e[2:].split(".")))
     width = max(len(s) for s in scores) if scores else 8
     print("\nPoints per exercise (trusted re-grade); max in the header row")
@@ -211,13 +444,26 @@ def print_table(scores: dict, mismatches: list[Mismatch], course: Path) -> None:
         cells = "".join(f"{d.get(e, 0.0):>6g}" for e in exercises)
         print(f"{s:<{width}}{cells}{sum(d.values()):>9g}")
     print()
-    if mismatches:
-        print("Tampering attempts, and scores that differed from the notebooks' own test cells "
-              "(the trusted score is what is recorded):")
-        for m in mismatches:
-            print("  " + str(m))
-    else:
+    look = [m for m in mismatches if isinstance(m, LookAtThis)]
+    fixes = [m for m in mismatches if isinstance(m, GradebookFix)]
+    differ = [m for m in mismatches if isinstance(m, Mismatch)]
+    for heading, found in (
+            ("Answer cells to look at (what the code does, not proof of tampering):", look),
+            ("Gradebook fields the graders did not write (learner code can edit gradebook.db); corrected:", fixes),
+            ("Scores that differed from the notebooks' own test cells (the trusted score is what is recorded):",
+             differ)):
+        if found:
+            print(heading)
+            for m in found:
+                print("  " + str(m))
+    if not differ:
         print("Every notebook test cell agreed with the trusted re-grade.")
+    if (course / FINGERPRINT_FILE).exists():
+        print(f"The graders' files matched the fingerprint recorded in {course / FINGERPRINT_FILE}, "
+              "before and after the re-grade.")
+    else:
+        print("No fingerprint of the graders was recorded (python -m graders.course fingerprint, before "
+              "autograde): the graders' files were NOT checked for changes during grading.")
     print(f"\nFeedback (HTML, one per learner and chapter): {course / 'feedback'}/<learner>/<chapter>/")
     print(f"Grades exported by nbgrader: {course / 'grades.csv'}; gradebook: {course / 'gradebook.db'}")
 
@@ -248,13 +494,23 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="trusted re-grade of an autograded assignment")
     verify.add_argument("assignment")
     verify.add_argument("--course-dir", type=Path, default=Path.cwd())
+    fprint = sub.add_parser("fingerprint", help=f"record the graders' files in COURSE_DIR/{FINGERPRINT_FILE} "
+                            "(before autograde; verify checks them)")
+    fprint.add_argument("--course-dir", type=Path, default=Path.cwd())
     args = parser.parse_args(argv)
     if args.command == "demo":
         run_demo(args.course_dir)
     elif args.command == "learner":
         write_learner_version(args.out)
     else:
-        scores, mismatches = trusted_regrade(args.course_dir, args.assignment, os.environ.get(SECRET_ENV))
+        try:
+            if args.command == "fingerprint":
+                print(f"wrote {write_fingerprint(args.course_dir)}")
+                return 0
+            scores, mismatches = trusted_regrade(args.course_dir, args.assignment, os.environ.get(SECRET_ENV))
+        except CourseError as e:
+            print(f"{args.command}: {e}", file=sys.stderr)
+            return 2
         print_table(scores, mismatches, args.course_dir)
     return 0
 

@@ -56,7 +56,11 @@ def test_every_score_is_the_expected_one(demo):
 def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
     summary, course = demo
     findings = {(f["kind"], f["student"], f["exercise"]): f for f in summary["findings"]}
-    assert set(findings) == {("Attempt", "broken_code", "ch02.7"), ("Attempt", "broken_code", "ch02.8"),
+    # answer cells pointed at by what their code does (graders.tamper): ch02.6 assigns torch.allclose,
+    # ch02.7 imports graders.core and patches it, ch02.8 assigns graders.check at top level; only
+    # ch02.8's patch reaches the kernel's later test cells, forging ch02.8-ch02.9 there
+    assert set(findings) == {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
+                             ("LookAtThis", "broken_code", "ch02.8"),
                              ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
     assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
     with open(course / "grades.csv") as f:

@@ -1,0 +1,356 @@
+"""``python -m graders.course verify`` on a small real course (chapter 01, two students): it refuses
+input it cannot verify without changing anything, finds and corrects grade fields written into
+gradebook.db behind the graders' back, compares the graders' files with a recorded fingerprint,
+and points at answer cells by what their code does (graders.tamper), never by what they say."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import nbformat
+import pytest
+
+import graders.course as course_mod
+from graders.course import (FINGERPRINT_FILE, CourseError, GradebookFix, GradersChanged, LookAtThis, Mismatch,
+                            _nbgrader, _new_course, build_submission, exercise_of, main, parse_answers,
+                            trusted_regrade)
+from graders.core import SECRET_ENV
+from graders.integrity import check_fingerprint, fingerprint
+from graders.mutation import apply_edits, load_catalogue, sample_learner, solution_answers
+from graders.tamper import suspicious_code
+
+ROOT = Path(__file__).resolve().parents[1]
+A = "01_lora_basics"
+SECRET = "tests-fixed-secret"
+HONEST_COMMENT = "# the tolerances are the ones in graders/tolerances.py, as the exercise says\n"
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory) -> Path:
+    """generate_assignment 01_lora_basics; ``honest`` (the solution cells) and ``mistaken`` (the
+    plausible mistakes of ch01), both autograded; nothing verified yet."""
+    root = tmp_path_factory.mktemp("verify") / "course"
+    _new_course(root)
+    env = dict(os.environ, **{SECRET_ENV: SECRET})
+    _nbgrader(root, "generate_assignment", A, "--force", env=env)
+    release = root / "release" / A / f"{A}.ipynb"
+    honest = {ex: src for ex, src in sample_learner("all_correct").items() if ex.startswith("ch01.")}
+    honest["ch01.2"] = HONEST_COMMENT + honest["ch01.2"]  # a comment that cites the graders
+    mistaken = {ex: src for ex, src in sample_learner("plausible_mistakes").items() if ex.startswith("ch01.")}
+    build_submission(release, honest, root / "submitted" / "honest" / A / f"{A}.ipynb")
+    build_submission(release, mistaken, root / "submitted" / "mistaken" / A / f"{A}.ipynb")
+    _nbgrader(root, "autograde", A, "--create", "--force", env=env)
+    return root
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _copy(course: Path, dest: Path) -> Path:
+    shutil.copytree(course, dest)
+    return dest
+
+
+def _grade_id(db: sqlite3.Connection, student: str, cell: str) -> str:
+    return db.execute(
+        "SELECT grade.id FROM grade JOIN base_cell ON grade.cell_id = base_cell.id "
+        "JOIN submitted_notebook ON grade.notebook_id = submitted_notebook.id "
+        "JOIN submitted_assignment ON submitted_notebook.assignment_id = submitted_assignment.id "
+        "WHERE submitted_assignment.student_id = ? AND base_cell.name = ?", (student, cell)).fetchone()[0]
+
+
+def _scores(course: Path) -> dict[tuple[str, str], tuple]:
+    with sqlite3.connect(course / "gradebook.db") as db:
+        rows = db.execute(
+            "SELECT submitted_assignment.student_id, base_cell.name, grade.auto_score, grade.manual_score, "
+            "grade.extra_credit FROM grade JOIN base_cell ON grade.cell_id = base_cell.id "
+            "JOIN submitted_notebook ON grade.notebook_id = submitted_notebook.id "
+            "JOIN submitted_assignment ON submitted_notebook.assignment_id = submitted_assignment.id").fetchall()
+    return {(s, c): tuple(rest) for s, c, *rest in rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: exit 2, one line, nothing written
+
+
+def test_refuses_a_folder_that_is_not_a_course_and_creates_no_gradebook(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "verify", A, "--course-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"verify: {tmp_path} is not an nbgrader course folder (no nbgrader_config.py); "
+        "pass the course root with --course-dir"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_course_without_a_gradebook(tmp_path, capsys):
+    shutil.copy(ROOT / "nbgrader_config.py", tmp_path / "nbgrader_config.py")
+    assert main(["verify", A, "--course-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verify: no gradebook at ") and "run nbgrader autograde" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "gradebook.db").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unknown assignment", "no source folder", "no autograded submissions"])
+def test_refuses_what_it_cannot_verify_and_changes_nothing(course, tmp_path, capsys, case):
+    root = _copy(course, tmp_path / "course")
+    assignment = "01_lora_basic" if case == "unknown assignment" else A  # a typo
+    if case == "no source folder":
+        shutil.rmtree(root / "notebooks" / A)
+    if case == "no autograded submissions":
+        shutil.rmtree(root / "autograded")
+    before = _sha(root / "gradebook.db")
+    assert main(["verify", assignment, "--course-dir", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert {"unknown assignment": "is unknown to the gradebook", "no source folder": "has no source folder",
+            "no autograded submissions": "no autograded submissions of"}[case] in err
+    assert _sha(root / "gradebook.db") == before
+    with pytest.raises(CourseError):
+        trusted_regrade(root, assignment, SECRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# The instructor sequence: fingerprint, autograde (the fixture), verify
+
+
+@pytest.mark.slow
+def test_honest_course_verifies_cleanly_against_its_fingerprint(course, capsys):
+    assert main(["fingerprint", "--course-dir", str(course)]) == 0
+    try:
+        recorded = json.loads((course / FINGERPRINT_FILE).read_text())["files"]
+        assert "graders/core.py" in recorded and "reference/lora_math.py" in recorded
+        assert main(["verify", A, "--course-dir", str(course)]) == 0  # conftest: LORA_BOOK_SECRET=SECRET
+    finally:
+        (course / FINGERPRINT_FILE).unlink()
+    out = capsys.readouterr().out
+    assert "matched the fingerprint" in out
+    assert "Every notebook test cell agreed with the trusted re-grade." in out
+    assert "Answer cells to look at" not in out  # the comment citing graders/tolerances.py is no finding
+    assert "Gradebook fields" not in out
+    scores = _scores(course)
+    for ex in range(1, 7):
+        assert scores[("honest", f"ch01_{ex}_test")] == (3.0, 3.0, 0.0)
+        assert scores[("mistaken", f"ch01_{ex}_test")] == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.slow
+def test_forged_gradebook_fields_are_found_and_corrected(course, tmp_path):
+    root = _copy(course, tmp_path / "course")
+    with sqlite3.connect(root / "gradebook.db") as db:  # what learner code can do during autograde
+        db.execute("UPDATE grade SET extra_credit = 5 WHERE id = ?", (_grade_id(db, "mistaken", "ch01_3_test"),))
+        db.execute("UPDATE grade SET extra_credit = -2 WHERE id = ?", (_grade_id(db, "honest", "ch01_5_test"),))
+        db.execute("UPDATE grade SET manual_score = 3 WHERE id = ?", (_grade_id(db, "mistaken", "ch01_1_test"),))
+        db.execute("UPDATE grade SET auto_score = 3, needs_manual_grade = 1 WHERE id = ?",
+                   (_grade_id(db, "mistaken", "ch01_2_test"),))
+        db.execute("UPDATE grade_cells SET max_score = 30 WHERE id = "
+                   "(SELECT id FROM base_cell WHERE name = 'ch01_4_test')")
+        notebook = db.execute("SELECT notebook_id FROM grade WHERE id = ?",
+                              (_grade_id(db, "mistaken", "ch01_1_test"),)).fetchone()[0]
+        answer_cell = db.execute("SELECT id FROM base_cell WHERE name = 'ch01_1_answer'").fetchone()[0]
+        db.execute("INSERT INTO grade (id, notebook_id, cell_id, auto_score, needs_manual_grade) "
+                   "VALUES (?, ?, ?, 10, 0)", (uuid.uuid4().hex, notebook, answer_cell))
+        db.execute("UPDATE submitted_notebook SET late_submission_penalty = -4 WHERE id = ?", (notebook,))
+        bonus = uuid.uuid4().hex  # a graded cell of its own, worth 100
+        db.execute("INSERT INTO base_cell (id, name, notebook_id, type) SELECT ?, 'bonus', notebook_id, "
+                   "'GradeCell' FROM base_cell WHERE id = ?", (bonus, answer_cell))
+        db.execute("INSERT INTO grade_cells (id, max_score, cell_type) VALUES (?, 100, 'code')", (bonus,))
+        db.execute("INSERT INTO grade (id, notebook_id, cell_id, auto_score, needs_manual_grade) "
+                   "VALUES (?, ?, ?, 100, 0)", (uuid.uuid4().hex, notebook, bonus))
+    scores, findings = trusted_regrade(root, A, SECRET)
+    assert scores == {"honest": {f"ch01.{i}": 3.0 for i in range(1, 7)},
+                      "mistaken": {f"ch01.{i}": 0.0 for i in range(1, 7)}}
+    fixes = sorted(str(f) for f in findings if isinstance(f, GradebookFix))
+    assert fixes == sorted([
+        "every student ch01.4: max_score 30 in the gradebook, graders/points.py gives 3; corrected",
+        "student honest ch01.5: extra_credit -2 in the gradebook, not given by the graders; reset to 0",
+        "student mistaken ch01.3: extra_credit 5 in the gradebook, not given by the graders; reset to 0",
+        "student mistaken ch01.1: manual_score 3 in the gradebook, not given by the graders; recorded 0",
+        "student mistaken ch01.2: marked as needing manual grading in the gradebook; the trusted score is "
+        "recorded instead",
+        f"student mistaken {A}: late_submission_penalty -4 (a bonus) in the gradebook; reset to 0",
+        f"student mistaken {A}/ch01_1_answer: a grade of a cell that is not a graded cell of the source "
+        "notebook (score 10); removed",
+        f"every student {A}/bonus: a graded cell that is not in the source notebook, max_score 100; set to 0",
+        f"student mistaken {A}/bonus: a grade of a cell that is not a graded cell of the source notebook "
+        "(score 100); removed",
+    ])
+    assert [(m.student, m.exercise, m.kernel, m.trusted) for m in findings if isinstance(m, Mismatch)] == [
+        ("mistaken", "ch01.2", 3.0, 0.0)]
+    assert not [f for f in findings if isinstance(f, LookAtThis)]
+    # what nbgrader's export and feedback read: the trusted totals
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}", course_id="multi-lora-serving") as gb:
+        honest, mistaken = gb.find_submission(A, "honest"), gb.find_submission(A, "mistaken")
+        assert (honest.score, mistaken.score, mistaken.late_submission_penalty) == (18.0, 0.0, 0.0)
+        assert gb.find_assignment(A).max_score == 18.0
+    # a second verify finds nothing left to correct
+    _, again = trusted_regrade(root, A, SECRET)
+    assert not [f for f in again if isinstance(f, GradebookFix)]
+
+
+@pytest.mark.slow
+def test_a_changed_grader_file_before_the_regrade_is_refused(course, tmp_path, capsys):
+    root = _copy(course, tmp_path / "course")
+    assert main(["fingerprint", "--course-dir", str(root)]) == 0
+    data = json.loads((root / FINGERPRINT_FILE).read_text())
+    data["files"]["graders/core.py"] = "0" * 64  # as if core.py was rewritten after the fingerprint
+    (root / FINGERPRINT_FILE).write_text(json.dumps(data))
+    before = _sha(root / "gradebook.db")
+    assert main(["verify", A, "--course-dir", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("verify: the graders' files changed during grading (found before verify's re-grade): "
+                          "graders/core.py changed (sha256 000000000000... recorded")
+    assert len(err.splitlines()) == 1
+    assert _sha(root / "gradebook.db") == before
+
+
+@pytest.mark.slow
+def test_a_grader_file_changed_during_the_regrade_is_refused(course, tmp_path, monkeypatch):
+    root = _copy(course, tmp_path / "course")
+    course_mod.write_fingerprint(root)
+    calls = []
+
+    def changed_on_second_call(recorded):  # a detached learner process rewrote a file mid-grade
+        calls.append(1)
+        return [] if len(calls) == 1 else ["graders/tolerances.py changed"]
+
+    monkeypatch.setattr(course_mod, "check_fingerprint", changed_on_second_call)
+    monkeypatch.setattr(course_mod, "grade_source", lambda ex, source: SimpleNamespace(score=3.0))
+    before = _sha(root / "gradebook.db")
+    with pytest.raises(GradersChanged, match=r"found after verify's re-grade\): graders/tolerances.py changed"):
+        trusted_regrade(root, A, SECRET)
+    assert _sha(root / "gradebook.db") == before
+
+
+@pytest.mark.slow
+def test_answer_cells_are_pointed_at_by_what_their_code_does(course, tmp_path, monkeypatch):
+    root = _copy(course, tmp_path / "course")
+    path = root / "autograded" / "mistaken" / A / f"{A}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if exercise_of(cell) == "ch01.4":
+            cell.source = 'import sys\n\nsys.modules["grad" + "ers"].check = lambda *a: 3.0\n' + cell.source
+    nbformat.write(nb, path)
+    monkeypatch.setattr(course_mod, "grade_source", lambda ex, source: SimpleNamespace(score=0.0))
+    _, findings = trusted_regrade(root, A, SECRET)
+    look = [f for f in findings if isinstance(f, LookAtThis)]
+    assert [(f.student, f.exercise) for f in look] == [("mistaken", "ch01.4")]  # honest's comment: nothing
+    assert any("line 3: reads or changes sys.modules" in line for line in look[0].lines)
+    assert all(line.endswith("(look at this)") for line in look[0].lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# graders.integrity and graders.tamper on their own
+
+
+def test_check_fingerprint_names_every_difference():
+    recorded = fingerprint()
+    assert check_fingerprint(recorded) == []
+    recorded["graders/core.py"] = "f" * 64
+    recorded["graders/gone.py"] = "e" * 64
+    del recorded["reference/lora_math.py"]
+    lines = check_fingerprint(recorded)
+    assert [line.split(" ")[0] for line in lines] == ["graders/core.py", "graders/gone.py", "reference/lora_math.py"]
+    assert "changed" in lines[0] and "missing" in lines[1] and "new" in lines[2]
+
+
+def test_no_solution_cell_and_no_mutant_is_flagged():
+    solutions = solution_answers()
+    flagged = {ex: suspicious_code(src) for ex, src in solutions.items() if suspicious_code(src)}
+    for m in load_catalogue():
+        if lines := suspicious_code(apply_edits(solutions[m.exercise], m.edits, m.id)):
+            flagged[m.id] = lines
+    assert flagged == {}
+
+
+def test_the_bundled_tampering_answers_are_found():
+    found = {}
+    for path in sorted((ROOT / "submissions").glob("*/*.py")):
+        for ex, src in parse_answers(path.read_text()).items():
+            if lines := suspicious_code(src):
+                found[(path.parent.name, ex)] = lines
+    assert set(found) == {("broken_code", "ch02.6"), ("broken_code", "ch02.7"), ("broken_code", "ch02.8")}
+    assert "line 2: assigns torch.allclose on the imported module torch (a patch) (look at this)" in found[
+        ("broken_code", "ch02.6")]
+    assert "line 4: assigns graders.check on the imported module graders (a patch) (look at this)" in found[
+        ("broken_code", "ch02.8")]
+    assert any("imports graders.core" in line for line in found[("broken_code", "ch02.7")])
+
+
+HONEST = [
+    HONEST_COMMENT + "import graders\n\ndef f(x):\n    return x  # not graders.core._compare\n\n"
+    's = "graders.check is a string"\ngraders.check("ch01.1", f)\n',
+    "import torch\nfrom torch import nn\nfrom reference.batch_info import LoRABatchInfo\n\n"
+    "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = torch.zeros(2)\n",
+    "def f(reference, os):\n    reference.shape = os\n    return open('x').read()\n",
+    "",
+]
+
+
+@pytest.mark.parametrize("source", HONEST)
+def test_honest_code_is_not_flagged(source):
+    assert suspicious_code(source) == []
+
+
+SUSPICIOUS = {
+    'import sys\nsys.modules["grad" + "ers"].check = None\n': "line 2: reads or changes sys.modules",
+    "import sys as s\nm = s.modules\n": "line 2: reads or changes sys.modules",
+    "import sys\ngetattr(sys, 'mod' + 'ules')\n": "line 2: getattr() on sys with a name computed at run time",
+    "g = __import__('grad' + 'ers')\n": "line 1: uses __import__",
+    "import importlib\n": "line 1: imports importlib",
+    "from graders import core\n": "line 1: imports graders.core",
+    "import graders.core\n": "line 1: imports graders.core",
+    "from graders.core import _compare\n": "line 1: imports graders.core._compare",
+    "from graders import check\n": "line 1: imports graders.check",
+    "\ng = graders\ng.check = print\n": "line 3: assigns g.check on the imported module graders",
+    "setattr(graders, 'check', print)\n": "line 1: calls setattr() on the imported module graders",
+    "import torch\ndelattr(torch, 'allclose')\n": "line 2: calls delattr() on the imported module torch",
+    "import triton\ntriton.jit = None\n": "line 2: assigns triton.jit on the imported module triton",
+    "import numpy as np\nnp.allclose = None\n": "line 2: assigns np.allclose on the imported module numpy",
+    "vars(graders)['check'] = print\n": "line 1: assigns vars(graders)['check'] on the imported module graders",
+    "globals()['x'] = 1\n": "line 1: writes into globals()",
+    "import builtins\n": "line 1: imports builtins",
+    "__builtins__['len'] = None\n": "line 1: uses __builtins__",
+    "import sqlite3\n": "line 1: imports sqlite3",
+    "from subprocess import Popen\n": "line 1: imports subprocess",
+    "import multiprocessing\n": "line 1: imports multiprocessing",
+    "import ctypes\n": "line 1: imports ctypes",
+    "import signal\n": "line 1: imports signal",
+    "import socket\n": "line 1: imports socket",
+    "import os\nos.system('x')\n": "line 2: uses os.system",
+    "import os\nos.fork()\n": "line 2: uses os.fork",
+    "import os\nos.spawnl(0, 'a')\n": "line 2: uses os.spawnl",
+    "import os\nos.execv('a', [])\n": "line 2: uses os.execv",
+    "import os\nos.kill(1, 9)\n": "line 2: uses os.kill",
+    "import os\nos.setsid()\n": "line 2: uses os.setsid",
+    "import os\nos.popen('ls')\n": "line 2: uses os.popen",
+    "import os\nos.utime('f')\n": "line 2: uses os.utime",
+    "from os import remove\n": "line 1: uses os.remove",
+    "import os\nos.unlink('f')\n": "line 2: uses os.unlink",
+    "import os\nos.rename('a', 'b')\n": "line 2: uses os.rename",
+    "import os\nos.replace('a', 'b')\n": "line 2: uses os.replace",
+    "import shutil\nshutil.copy('a', 'b')\n": "line 2: uses shutil.copy",
+    "open('f', 'w')\n": "line 1: opens a file for writing (mode 'w')",
+    "open('f', mode='ab')\n": "line 1: opens a file for writing (mode 'ab')",
+    "def f(:\n": "line 1: the cell does not parse",
+}
+
+
+@pytest.mark.parametrize("source", list(SUSPICIOUS))
+def test_suspicious_code_is_flagged(source):
+    lines = suspicious_code(source)
+    assert any(line.startswith(SUSPICIOUS[source]) for line in lines), lines
+    assert all(line.endswith(" (look at this)") for line in lines)
