@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from graders import sandbox
 from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
-__all__ = ["AutogradeRun", "autograde", "default_db_url", "students_of"]
+__all__ = ["AutogradeRun", "autograde", "configured_db_url", "default_db_url", "students_of"]
 
 #: SQLite waits this long (seconds) for another worker's commit before "database is locked".
 SQLITE_TIMEOUT_S = 120
@@ -49,6 +49,19 @@ class AutogradeRun:
 def default_db_url(course: Path) -> str:
     """The course's SQLite gradebook, with a lock timeout long enough for parallel workers."""
     return f"sqlite:///{course / 'gradebook.db'}?timeout={SQLITE_TIMEOUT_S}"
+
+
+def configured_db_url(course: Path) -> str:
+    """The gradebook URL of the course's nbgrader_config.py (``c.CourseDirectory.db_url``, also what
+    verify, feedback and export use), else :func:`default_db_url`."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    try:
+        cd = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config().CourseDirectory
+        url = cd["db_url"] if "db_url" in cd else ""
+    except Exception:  # noqa: BLE001 (no or broken config: nbgrader itself will say so)
+        url = ""
+    return url or default_db_url(course)
 
 
 def students_of(course: Path, assignment: str) -> list[str]:
@@ -85,7 +98,7 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
         course: the nbgrader course folder (nbgrader_config.py, source/ or the configured sources).
         students: whom to grade (default: every student with a submission).
         jobs: parallel nbgrader processes (each runs one student's notebooks, one kernel at a time).
-        db_url: the gradebook (default: :func:`default_db_url`).
+        db_url: the gradebook (default: :func:`configured_db_url`).
         env: the environment of nbgrader (default: ours); the sandboxed kernels never get the secret.
         progress: a tqdm bar on stderr.
     Returns:
@@ -102,7 +115,7 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
     students = list(students) if students is not None else students_of(course, assignment)
     if not students:
         raise ValueError(f"no submissions of {assignment!r} under {course / 'submitted'}")
-    db_url = db_url or default_db_url(course)
+    db_url = db_url or configured_db_url(course)
     sandboxed = sandbox.enabled()
     work = Path(tempfile.mkdtemp(prefix="lora-book-autograde-"))
     jupyter_dir = work / "jupyter" if sandboxed else None

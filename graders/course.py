@@ -8,7 +8,12 @@
                the gradebook; every mismatch is reported), generate feedback, print the score table.
     learner    self-study: write the learner version of every chapter into --out (default learner/);
                notebooks already there are kept, so a learner's work is never overwritten.
-    verify     for instructors: the trusted re-grade of an autograded assignment in a real course.
+    grade      for instructors: the whole grading run of one assignment of a real course
+               (graders.instructor): fingerprint of the graders, autograde in --jobs parallel
+               sandboxed workers, the trusted re-grade, feedback, export. Refuses to run learner
+               code unsandboxed unless --unsandboxed.
+    verify     for instructors: the trusted re-grade of an autograded assignment (part of grade).
+    fingerprint  record the graders' files before an autograde run by other means; verify checks them.
 
 Threat model (README): a test cell's score comes from inside the learner's kernel, where a
 top-level patch of ``graders`` can forge it. The re-grade here runs each answer cell in a child
@@ -123,7 +128,10 @@ class Mismatch:
     trusted: float
 
     def __str__(self) -> str:
-        why = ("higher than the answer earns on its own: tampering suspected"
+        # A sandboxed kernel has no secret: its cells draw the hidden group from the public seed, so
+        # an answer that fails only the secret's hidden cases scores higher there, honestly.
+        why = ("higher than the re-grade: an answer that fails only the secret's hidden cases (the "
+               "notebook's cells grade without the secret), or a tampered kernel"
                if self.kernel > self.trusted else "lower than the answer earns on its own (e.g. the kernel died)")
         return (f"{self.student} {self.exercise}: the notebook's test cell reported {self.kernel:g}, "
                 f"the re-grade outside the kernel gives {self.trusted:g} ({why}); recorded {self.trusted:g}")
@@ -287,6 +295,9 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     if recorded is not None and (diff := check_fingerprint(recorded)):
         raise GradersChanged(diff, "found before verify's re-grade")
     graded_cells = _source_graded_cells(settings["source"] / assignment)
+    from graders import forkserver
+
+    forkserver.hide(course)  # the re-grade's children (sandboxed) see no gradebook, no submission
 
     jobs = []
     for nb_path in sorted(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
@@ -399,9 +410,20 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
 # Commands
 
 
-def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str = DEMO_SECRET) -> dict:
-    """The main job; returns {"scores": {student: {exercise: points}}, "mismatches": [...], ...}."""
+def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str = DEMO_SECRET,
+             jobs: int | None = None) -> dict:
+    """The main job; returns {"scores": {student: {exercise: points}}, "findings": [...], ...}.
+
+    ``jobs`` parallel autograde workers (default: one per CPU core). Learner code runs sandboxed
+    when bubblewrap works here (``graders.sandbox``); the table says which.
+    """
+    from graders import forkserver, sandbox
+    from graders.autograde import autograde
+
+    jobs = jobs or max(1, os.cpu_count() or 1)
     _new_course(course)
+    forkserver.hide(course)
+    timings: list = []
     env = dict(os.environ, **{SECRET_ENV: secret})
     built = {name: sample_learner(name) for name in SAMPLE_LEARNERS}  # edits of the solution cells
     learners = sorted([*built, *(p.name for p in submissions.iterdir() if p.is_dir())])
@@ -418,8 +440,12 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
             else:
                 answers = parse_answers(answers_file.read_text()) if answers_file.exists() else {}
             build_submission(release, answers, course / "submitted" / learner / chapter / f"{chapter}.ipynb")
-        print(f"[{chapter}] autograde {len(learners)} submissions", flush=True)
-        _nbgrader(course, "autograde", chapter, "--create", "--force", env=env)
+        print(f"[{chapter}] autograde {len(learners)} submissions ({jobs} in parallel)", flush=True)
+        run = autograde(course, chapter, jobs=jobs, env=env, progress=False)
+        failed = {s: e for s, e in run.errors.items() if e}
+        if failed:
+            raise RuntimeError(f"autograde {chapter} failed for {', '.join(failed)}:\n" + next(iter(failed.values())))
+        timings.append(run)
         print(f"[{chapter}] trusted re-grade outside the learners' kernels", flush=True)
         chapter_scores, chapter_mismatches = trusted_regrade(course, chapter, secret)
         for s, d in chapter_scores.items():
@@ -428,9 +454,11 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
         _nbgrader(course, "generate_feedback", chapter, "--force", env=env)
     _nbgrader(course, "export", env=env)
     summary = {"scores": scores, "findings": [{"kind": type(m).__name__, **vars(m)} for m in mismatches],
-               "course": str(course)}
+               "course": str(course), "sandbox": sandbox.describe(),
+               "autograde_seconds": {t.assignment: round(t.wall_seconds, 1) for t in timings}, "jobs": jobs}
     (course / "scores.json").write_text(json.dumps(summary, indent=1))
     print_table(scores, mismatches, course)
+    print(sandbox.describe())
     return summary
 
 
@@ -491,9 +519,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--course-dir", type=Path, default=ROOT / "build" / "demo-course")
     learner = sub.add_parser("learner", help="write the learner version of every chapter")
     learner.add_argument("--out", type=Path, default=ROOT / "learner")
+    grade = sub.add_parser("grade", help="the whole grading run of an assignment: fingerprint, sandboxed "
+                           "parallel autograde, trusted re-grade, feedback, export")
+    grade.add_argument("assignment")
+    grade.add_argument("--course-dir", type=Path, default=Path.cwd())
+    grade.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1),
+                       help="parallel autograde workers (default: one per CPU core)")
+    grade.add_argument("--unsandboxed", action="store_true",
+                       help="grade even where bubblewrap cannot run (learner code can then read and write what you can)")
     verify = sub.add_parser("verify", help="trusted re-grade of an autograded assignment")
     verify.add_argument("assignment")
     verify.add_argument("--course-dir", type=Path, default=Path.cwd())
+    verify.add_argument("--unsandboxed", action="store_true",
+                        help="re-grade even where bubblewrap cannot run")
     fprint = sub.add_parser("fingerprint", help=f"record the graders' files in COURSE_DIR/{FINGERPRINT_FILE} "
                             "(before autograde; verify checks them)")
     fprint.add_argument("--course-dir", type=Path, default=Path.cwd())
@@ -503,15 +541,29 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "learner":
         write_learner_version(args.out)
     else:
+        from graders import sandbox
+
         try:
             if args.command == "fingerprint":
                 print(f"wrote {write_fingerprint(args.course_dir)}")
                 return 0
-            scores, mismatches = trusted_regrade(args.course_dir, args.assignment, os.environ.get(SECRET_ENV))
-        except CourseError as e:
+            if args.command == "grade":
+                from graders.instructor import grade_assignment
+
+                done = grade_assignment(args.course_dir, args.assignment, jobs=args.jobs,
+                                        unsandboxed=args.unsandboxed)
+                scores, mismatches = done["scores"], done["findings"]
+                times = ", ".join(f"{k} {v:.0f} s" for k, v in done["seconds"].items())
+                print(f"{len(scores)} students graded with {args.jobs} workers: {times}")
+            else:
+                os.environ[sandbox.MODE_ENV] = "auto" if args.unsandboxed else "required"
+                sandbox.enabled()
+                scores, mismatches = trusted_regrade(args.course_dir, args.assignment, os.environ.get(SECRET_ENV))
+        except (CourseError, sandbox.SandboxUnavailable) as e:
             print(f"{args.command}: {e}", file=sys.stderr)
             return 2
         print_table(scores, mismatches, args.course_dir)
+        print(sandbox.describe())
     return 0
 
 

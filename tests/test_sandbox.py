@@ -215,26 +215,64 @@ def test_the_kernel_wrapper_refuses_an_ipc_folder_not_made_for_it(tmp_path):
     assert proc.returncode != 0 and "was not made for it" in proc.stderr
 
 
-def test_parallel_autograde_honours_the_database_url(tmp_path):
-    """Two workers, two students, the gradebook at a URL of our choosing (a large course would
-    give a PostgreSQL URL the same way)."""
-    from nbgrader.api import Gradebook
-
+def _small_course(tmp_path: Path, config_lines: str = "") -> tuple[Path, str]:
+    """A chapter-01 course with two students: one right, one with ch01's plausible mistakes."""
     from graders import course as course_jobs
-    from graders.autograde import autograde
     from graders.mutation import sample_learner
 
     course = tmp_path / "course"
     course_jobs._new_course(course)
+    if config_lines:
+        with open(course / "nbgrader_config.py", "a") as f:
+            f.write(config_lines)
     chapter = "01_lora_basics"
-    db_url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
-    course_jobs._nbgrader(course, "generate_assignment", chapter, "--force", f"--CourseDirectory.db_url={db_url}")
+    course_jobs._nbgrader(course, "generate_assignment", chapter, "--force")
     release = course / "release" / chapter / f"{chapter}.ipynb"
     answers = {"right": {e: s for e, s in solution_answers().items() if e.startswith("ch01")},
                "wrong": {e: s for e, s in sample_learner("plausible_mistakes").items() if e.startswith("ch01")}}
     for student, cells in answers.items():
         course_jobs.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
-    run = autograde(course, chapter, jobs=2, db_url=db_url, progress=False)
+    return course, chapter
+
+
+@needs_bwrap
+def test_the_grade_command_runs_the_whole_sequence(tmp_path):
+    course, chapter = _small_course(tmp_path)
+    env = dict(os.environ, **{SECRET_ENV: "the-instructors-secret"})
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, "--course-dir", str(course),
+                           "--jobs", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "learner code ran sandboxed" in proc.stdout
+    import csv
+
+    with open(course / "grades.csv") as f:
+        scores = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f) if r["assignment"] == chapter}
+    assert scores == {"right": 18.0, "wrong": 0.0}, scores
+    assert (course / "feedback" / "right" / chapter / f"{chapter}.html").exists()
+    assert (course / ".lora_book_fingerprint.json").exists()
+
+
+def test_the_grade_command_refuses_without_the_sandbox(tmp_path):
+    course = tmp_path / "course"
+    course.mkdir()
+    (course / "nbgrader_config.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", "01_lora_basics", "--course-dir",
+                           str(course)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PATH="/nonexistent"))
+    assert proc.returncode == 2 and "--unsandboxed" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in course.iterdir()) == ["nbgrader_config.py"]
+
+
+def test_parallel_autograde_honours_the_database_url(tmp_path):
+    """Two workers, two students, the gradebook at the URL of the course's nbgrader_config.py
+    (``c.CourseDirectory.db_url``: a large course gives a PostgreSQL URL the same way)."""
+    from nbgrader.api import Gradebook
+
+    from graders.autograde import autograde
+
+    db_url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    course, chapter = _small_course(tmp_path, f"\nc.CourseDirectory.db_url = {db_url!r}\n")
+    run = autograde(course, chapter, jobs=2, progress=False)
     assert run.errors == {"right": None, "wrong": None}
     assert not (course / "gradebook.db").exists()
     with Gradebook(db_url) as gb:
