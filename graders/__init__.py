@@ -47,6 +47,21 @@ __all__ = ["check", "show_reference", "grade_source", "answer_source", "GradeRes
 _PASSED: set[str] = set()
 
 
+def _prestart_in_a_notebook() -> None:
+    """In a Jupyter kernel, start the grader's fork server now, in the background, so the first
+    ``check`` does not wait for it to import torch (graders.forkserver)."""
+    import sys
+
+    if "ipykernel" in sys.modules and not os.environ.get("LORA_BOOK_GRADER_CHILD"):
+        from graders import forkserver
+
+        if forkserver.usable():
+            forkserver.prestart()
+
+
+_prestart_in_a_notebook()
+
+
 def answer_source(fn: Callable) -> str:
     """The source of the cell (or file) that defined ``fn``: what the grader re-runs.
 

@@ -253,6 +253,38 @@ def usable() -> bool:
             and hasattr(os, "fork"))
 
 
+_SPAWNS = None  # a queue.Queue of spawn requests, once the spawner thread runs
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` from one long-lived thread of this process.
+
+    Why: Linux delivers a parent-death signal (``PR_SET_PDEATHSIG``, used by the server and by
+    bwrap's ``--die-with-parent``) when the *thread* that created the child exits, so a server
+    started from a short-lived worker thread (a ThreadPoolExecutor's) would be killed with it.
+    """
+    global _SPAWNS
+    import queue
+    from concurrent.futures import Future
+
+    with _SPAWNER_LOCK:
+        if _SPAWNS is None:
+            _SPAWNS = queue.Queue()
+
+            def loop():
+                while True:
+                    future, args, kwargs = _SPAWNS.get()
+                    try:
+                        future.set_result(subprocess.Popen(args, **kwargs))
+                    except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                        future.set_exception(exc)
+            threading.Thread(target=loop, name="graders-forkserver-spawner", daemon=True).start()
+    future: Future = Future()
+    _SPAWNS.put((future, argv, popen_kwargs))
+    return future.result()
+
+
 class ForkServer:
     """A handle on one fork server process (started by :meth:`start`)."""
 
@@ -278,9 +310,8 @@ class ForkServer:
         else:
             argv, env = command, sandbox.sandbox_env({"HOME": os.environ.get("HOME", "/tmp"),
                                                       "TMPDIR": tempfile.gettempdir()})
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, env=env,
-                                     cwd=tempfile.gettempdir())
+        self.proc = _spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           start_new_session=True, env=env, cwd=tempfile.gettempdir())
         try:
             meta, _ = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S))
         except (EOFError, TimeoutError, ValueError) as exc:
@@ -389,50 +420,6 @@ def kill_all() -> None:
 atexit.register(kill_all)
 
 
-_HIDDEN: list[Path] = []
-
-
-def hide(folder: Path) -> None:
-    """Hide ``folder`` (a course being graded) from every grader child started from now on; the
-    fork servers already running are stopped so their successors start without it."""
-    folder = Path(folder).resolve()
-    if folder not in _HIDDEN:
-        _HIDDEN.append(folder)
-        kill_all()
-
-
-def hidden_folders() -> list[Path]:
-    """Folders a grader child has no business reading: those given to :func:`hide` and the current
-    folder (a course's root, with its gradebook and every student's submission, or a learner's
-    notebook folder), except any that holds the book's own sources."""
-    root = Path(__file__).resolve().parents[1]
-    folders = [*_HIDDEN, Path.cwd().resolve()]
-    return [f for f in dict.fromkeys(folders) if f != Path("/") and not root.is_relative_to(f)]
-
-
-_LOCAL = threading.local()
-_ALL: list[ForkServer] = []
-
-
-def server() -> ForkServer:
-    """This thread's fork server (created on first use, killed at exit): threads that grade in
-    parallel (``graders.course``) each get their own."""
-    srv = getattr(_LOCAL, "server", None)
-    if srv is None:
-        srv = _LOCAL.server = ForkServer()
-        _ALL.append(srv)
-    return srv
-
-
-def kill_all() -> None:
-    """Kill every fork server this process started."""
-    for srv in list(_ALL):
-        srv.kill()
-
-
-atexit.register(kill_all)
-
-
 def run_job(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
     """:meth:`ForkServer.run` on an idle server of this process (:func:`server`)."""
     srv = server()
@@ -445,14 +432,12 @@ def run_job(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
 def prestart() -> None:
     """Start a server in the background (a notebook's first check is then fast)."""
     srv = server()
+    _release(srv)  # idle at once: a check that takes it waits on its lock until the start is done
 
     def go():
-        try:
-            with contextlib.suppress(Exception), srv.lock:
-                if not srv.alive():
-                    srv.start()
-        finally:
-            _release(srv)
+        with contextlib.suppress(Exception), srv.lock:
+            if not srv.alive():
+                srv.start()
     threading.Thread(target=go, daemon=True).start()
 
 
