@@ -511,13 +511,16 @@ def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: 
         _write_job(ex, cases, workdir, device, {"sources": list(sources), "func_name": ex.func_name,
                                                  "timeout": timeout})
         start = time.perf_counter()
-        _run_child(workdir, timeout * len(sources) + 60)
+        _, job_timed_out, job_stderr = _run_child(workdir, timeout * len(sources) + 60)
         elapsed = (time.perf_counter() - start) / max(len(sources), 1)
         results = []
         for k in range(len(sources)):
             sub = workdir / f"s{k}"
-            status = read_json(sub / "status.json") if (sub / "status.json").exists() else {"code": None, "timed_out": True}
-            stderr = (sub / "stderr.txt").read_text(errors="replace")[-800:] if (sub / "stderr.txt").exists() else ""
+            # no status: the whole batch was stopped (its budget) or its results did not come back
+            status = (read_json(sub / "status.json") if (sub / "status.json").exists()
+                      else {"code": None, "timed_out": job_timed_out})
+            stderr = ((sub / "stderr.txt").read_text(errors="replace")[-800:] if (sub / "stderr.txt").exists()
+                      else job_stderr)
             verdicts = _verdicts(ex, cases, expected, sub, device, status["code"], status["timed_out"], timeout, stderr)
             results.append({k2: _result(ex, cases, verdicts, device, elapsed, k2) for k2 in secrets})
     return results

@@ -12,7 +12,7 @@ left in the sandbox's PID namespace), and sends back the files the child wrote.
 Jobs and results travel over the server's stdin/stdout as length-prefixed frames (:func:`pack`): the
 server needs no folder of the host, so in the sandbox (``graders.sandbox``) everything learner code
 can write lies in the sandbox's private, size-bounded /tmp. Only the file names the comparer reads
-come back, at most :data:`MAX_RESULT_BYTES` in all. The comparer decodes them as data (JSON,
+come back, at most :data:`MAX_RESULT_BYTES` per graded answer. The comparer decodes them as data (JSON,
 safetensors: ``graders.wire``); nothing is unpickled.
 
 When the process that started the server dies (a kernel restarted, shut down or killed), the
@@ -49,6 +49,7 @@ _HEADER = struct.Struct(">Q")
 _RESULT_NAME = re.compile(r"^(s\d+/)?(result_\d+\.json|result_\d+\.safetensors|load\.json|status\.json|stderr\.txt)$")
 IN_SANDBOX_ENV = "LORA_BOOK_IN_SANDBOX"
 START_TIMEOUT_S = 120.0
+SERVER_TMP_MB = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,15 +134,16 @@ def _kill_the_rest() -> None:
             pass
 
 
-def _collect(jobdir: Path) -> tuple[dict[str, bytes], Optional[str]]:
-    files, total = {}, 0
+def _collect(jobdir: Path, sources: int = 1) -> tuple[dict[str, bytes], Optional[str]]:
+    """The result files of a job (:data:`MAX_RESULT_BYTES` per graded source), or an error."""
+    files, total, cap = {}, 0, MAX_RESULT_BYTES * max(1, sources)
     for path in sorted(jobdir.rglob("*")):
         rel = path.relative_to(jobdir).as_posix()
         if not _RESULT_NAME.match(rel) or path.is_symlink() or not path.is_file():
             continue
         total += path.stat().st_size
-        if total > MAX_RESULT_BYTES:
-            return {}, f"the results came to more than {MAX_RESULT_BYTES >> 20} MiB"
+        if total > cap:
+            return {}, f"the results came to more than {cap >> 20} MiB (the grader's limit)"
         files[rel] = path.read_bytes()
     return files, None
 
@@ -230,7 +232,7 @@ def serve() -> None:
         for name in ("job.json", "inputs.safetensors"):
             (jobdir / name).write_bytes(files.get(name, b""))
         status = _run(jobdir, float(meta["timeout"]), in_fd, sandboxed)
-        results, error = _collect(jobdir)
+        results, error = _collect(jobdir, int(meta.get("sources", 1)))
         shutil.rmtree(jobdir, ignore_errors=True)
         _write_all(out_fd, pack({**status, "error": error}, results))
     shutil.rmtree(base, ignore_errors=True)
@@ -304,7 +306,9 @@ class ForkServer:
 
         command = [sys.executable, "-m", "graders.forkserver"]
         if sandbox.enabled():
-            argv = sandbox.bwrap_argv(command, hidden=hidden_folders(),
+            # /tmp holds each job's inputs and results: a mutation batch of 20 kernel answers
+            # writes about 110 MiB (tmpfs pages are used only as written)
+            argv = sandbox.bwrap_argv(command, hidden=hidden_folders(), tmp_mb=SERVER_TMP_MB,
                                       env=sandbox.sandbox_env({IN_SANDBOX_ENV: "1"}))
             env = None
         else:
@@ -334,9 +338,11 @@ class ForkServer:
             if not self.alive():
                 self.start()
             files = {name: (workdir / name).read_bytes() for name in ("job.json", "inputs.safetensors")}
+            sources = len(json.loads(files["job.json"]).get("sources", [None]))
             try:
-                _write_all(self.proc.stdin.fileno(), pack({"timeout": timeout}, files))
-                meta, results = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout + 60))
+                _write_all(self.proc.stdin.fileno(), pack({"timeout": timeout, "sources": sources}, files))
+                meta, results = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout + 60,
+                                                   limit=MAX_RESULT_BYTES * max(1, sources) + 2**20))
             except BaseException as exc:  # KeyboardInterrupt too: no child may outlive the wait
                 self.kill()
                 if isinstance(exc, (EOFError, TimeoutError, ValueError, OSError)):

@@ -181,6 +181,8 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
         print("gradebook", os.path.exists({str(course / "gradebook.db")!r}))
         print("other student", os.path.exists({str(other / "answers.ipynb")!r}))
         open("own-file.txt", "w").write("mine")
+        import subprocess
+        subprocess.Popen(["sleep", "{SLEEP}"], start_new_session=True)  # a process meant to outlive autograde
         try:
             open({str(ROOT / "README.md")!r}, "a").close()
             print("repo writable")
@@ -188,6 +190,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
             print("repo read-only")
     ''')
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    before = _sleepers()
     config = Config()
     config.KernelManager.transport = "ipc"
     config.KernelManager.ip = str(ipc_folder(tmp_path) / "kernel")
@@ -203,6 +206,8 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
     text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
     assert text.split("\n")[:5] == ["secret None", "gradebook False", "other student False", "repo read-only", ""], text
     assert (own / "own-file.txt").read_text() == "mine"
+    time.sleep(1)
+    assert _sleepers() == before, "a process started in the kernel outlived it"
 
 
 @needs_bwrap
