@@ -176,24 +176,10 @@ def _run(jobdir: Path, timeout: float, stdin_fd: int, sandboxed: bool) -> dict:
                 traceback.print_exc()
         finally:
             os._exit(code)
-    deadline = time.monotonic() + timeout
-    code, timed_out, orphaned = None, False, False
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            break
-        if time.monotonic() > deadline:
-            timed_out = True
-            break
-        if select.select([stdin_fd], [], [], 0.005)[0]:  # the parent never writes during a job: EOF
-            orphaned = True
-            break
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)  # whatever the answer left running in its group
-    if code is None:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    from graders.runner import wait_for_group
+
+    # the parent never writes during a job: stdin readable means end-of-file (the parent died)
+    code, timed_out, orphaned = wait_for_group(pid, timeout, lambda s: bool(select.select([stdin_fd], [], [], s)[0]))
     if sandboxed:
         _kill_the_rest()  # also what left its group (setsid, double fork)
     if orphaned:

@@ -15,12 +15,14 @@ import io
 import inspect
 import linecache
 import os
+import signal
 import sys
 import time
 import traceback
 import types
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import reference  # noqa: F401  (fixes the device choice before anything imports triton)
 import torch
@@ -230,23 +232,40 @@ def run_many(job: dict, inputs: dict, workdir: Path) -> None:
                 code = 1
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + job["timeout"]
-        code, timed_out = None, False
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, 9)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, 9)  # whatever the answer left running
+        code, timed_out, _ = wait_for_group(pid, job["timeout"])
         write_json({"code": code, "timed_out": timed_out}, out / "status.json")
+
+
+def wait_for_group(pid: int, timeout: float, stop=None) -> tuple[Optional[int], bool, bool]:
+    """Wait for the forked child ``pid`` (the leader of its own process group) for at most
+    ``timeout`` seconds, or until ``stop(poll_seconds)`` says so; then kill its whole group
+    (whatever the answer left running in it) and reap it.
+
+    Returns:
+        (exit code, or None when it did not end by itself; timed out; stopped by ``stop``).
+    """
+    deadline = time.monotonic() + timeout
+    code, timed_out, stopped = None, False, False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        if stop is not None:
+            if stop(0.005):
+                stopped = True
+                break
+        else:
+            time.sleep(0.005)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    if code is None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return code, timed_out, stopped
 
 
 def run_one(job: dict, inputs: dict, workdir: Path) -> None:
