@@ -241,3 +241,27 @@ def test_a_lambda_and_a_check_inside_the_answer_cell_are_graded(tmp_path, capsys
     namespace: dict = {}
     exec(compile(cell.read_text(), str(cell), "exec"), namespace)
     assert namespace["score"] == 3.0, capsys.readouterr().out
+
+
+def test_answer_cell_kernels_compile_once_per_dtype(monkeypatch):
+    """In the grader's child an answer cell's @triton.jit kernels do not specialize on int values or
+    pointer alignment (graders.runner.compiled_once_per_dtype); constexprs stay; triton.jit is restored."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from graders.runner import compiled_once_per_dtype
+
+    original = triton.jit
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU: a compiled JITFunction
+    with compiled_once_per_dtype():
+        @triton.jit
+        def kernel(x_ptr, n, stride, BLOCK: tl.constexpr):
+            pass
+
+        @triton.jit(debug=False)
+        def other(y_ptr, BLOCK: tl.constexpr):
+            pass
+    assert list(kernel.do_not_specialize) == ["x_ptr", "n", "stride"]
+    assert list(kernel.do_not_specialize_on_alignment) == ["x_ptr", "n", "stride"]
+    assert list(other.do_not_specialize) == ["y_ptr"]
+    assert triton.jit is original
