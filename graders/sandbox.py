@@ -151,6 +151,10 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         raise FileNotFoundError("bwrap (package bubblewrap) is not installed")
     args = [bwrap, *_base_args(), *(["--share-net"] if share_net else []),
             "--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"]
+    # the private /tmp covers the host's: bring back, read-only, what the process needs to run
+    # that lives there (a checkout or virtual environment under /tmp, e.g. a CI clone)
+    for path in _needed_under_tmp():
+        args += ["--ro-bind", str(path), str(path)]
     hidden = list(hidden)
     for path in hidden:
         args += ["--tmpfs", str(path)]
@@ -168,6 +172,22 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         args += ["--setenv", k, str(v)]
     args += ["--chdir", str(cwd or "/tmp"), "--", *command]
     return args
+
+
+def _needed_under_tmp() -> list[Path]:
+    """The book's checkout, Python's prefixes and sys.path entries that lie under /tmp, outermost
+    only."""
+    root = Path(__file__).resolve().parents[1]
+    candidates = [root, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent,
+                  *(Path(p) for p in sys.path if p)]
+    tmp = Path("/tmp")
+    under = sorted({c.resolve() for c in candidates if c.exists() and c.resolve().is_relative_to(tmp)
+                    and c.resolve() != tmp}, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for p in under:
+        if not any(p.is_relative_to(k) for k in kept):
+            kept.append(p)
+    return kept
 
 
 def _processes_of_this_user() -> int:
