@@ -169,6 +169,16 @@ def _expected(ex: Exercise, case: Case) -> Any:
 # Running the learner's code
 
 
+def _child_preexec(sandboxed: bool, cuda: bool) -> None:
+    """In the grader's child, before exec: the sandbox's rlimits when sandboxed, and in every case
+    SIGKILL when the process that started it dies."""
+    from graders import forkserver, sandbox
+
+    if sandboxed:
+        sandbox.limit_resources(cpu_only=not cuda)
+    forkserver._set_parent_death_signal()
+
+
 def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
     """Run graders.runner on the job in ``workdir``; return (exit code or None, timed out, stderr tail).
 
@@ -186,12 +196,15 @@ def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]
     if sandbox.enabled():
         argv, env = sandbox.bwrap_argv(command, writable=[workdir], hidden=forkserver.hidden_folders(),
                                        gpu=cuda, env=sandbox.sandbox_env({"PYTHONUNBUFFERED": "1"})), None
-        preexec = functools.partial(sandbox.limit_resources, cpu_only=not cuda)
+        preexec = functools.partial(_child_preexec, True, cuda)
     else:
-        argv, preexec = command, None
+        argv, preexec = command, functools.partial(_child_preexec, False, cuda)
         env = sandbox.sandbox_env({"PYTHONUNBUFFERED": "1", "HOME": os.environ.get("HOME", "/tmp"),
                                    "TMPDIR": tempfile.gettempdir()})
-    proc = subprocess.Popen(
+    # from the spawner thread, with a parent-death signal: a kernel killed (restart, shutdown)
+    # while this child runs a hanging answer takes the child with it (the child is in a session
+    # of its own, so nothing else would)
+    proc = forkserver._spawn(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True, env=env, preexec_fn=preexec,
     )

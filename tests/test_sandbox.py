@@ -20,12 +20,14 @@ from graders.mutation import solution_answers
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) cannot run here")
-#: A unique sleep: `pgrep -x` finds it and never the shell that asks.
+#: Unique sleeps, one per test (tests run side by side under xdist): `pgrep -f '^sleep N$'` finds
+#: a test's own and never the shell that asks, nor another test's.
 SLEEP = "31.4159"
+KERNEL_SLEEP = "27.1828"
 
 
-def _sleepers() -> int:
-    out = subprocess.run(["pgrep", "-f", f"^sleep {SLEEP}$"], capture_output=True, text=True).stdout
+def _sleepers(marker: str = SLEEP) -> int:
+    out = subprocess.run(["pgrep", "-f", f"^sleep {marker}$"], capture_output=True, text=True).stdout
     return len(out.split())
 
 
@@ -140,15 +142,22 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["interrupt", "kill"])
 @pytest.mark.parametrize("policy", ["auto", "off"])
-def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process(how, policy):
+@pytest.mark.parametrize("server", ["fork", "spawn"])
+def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process(how, policy, server):
     """JupyterLab's interrupt (SIGINT: KeyboardInterrupt in the kernel) and a restart or shutdown
-    (the kernel killed) during a check whose answer loops forever: nothing may keep spinning."""
+    (the kernel killed) during a check whose answer loops forever: nothing may keep spinning.
+    ``spawn`` is the GPU's way (a fresh child per check, no fork server), tried on the CPU too."""
     env = dict(os.environ, **{sandbox.MODE_ENV: policy})
+    if server == "spawn":
+        env[forkserver.SWITCH_ENV] = "off"
     kernel = subprocess.Popen([sys.executable, "-c", _HANGING_CHECK], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=env, text=True)
     server = int(kernel.stdout.readline())
     time.sleep(3)  # the answer is spinning now
-    spinning = _descendants(server) | {server}
+    # everything under the kernel: on the CPU the fork server and its job, on a GPU (no fork
+    # server) also the check's own child process
+    spinning = _descendants(kernel.pid)
+    assert server in spinning
     assert len(spinning) >= 2, "the check's child never started"
     kernel.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     kernel.wait(timeout=30)
@@ -182,7 +191,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
         print("other student", os.path.exists({str(other / "answers.ipynb")!r}))
         open("own-file.txt", "w").write("mine")
         import subprocess
-        subprocess.Popen(["sleep", "{SLEEP}"], start_new_session=True)  # a process meant to outlive autograde
+        subprocess.Popen(["sleep", "{KERNEL_SLEEP}"], start_new_session=True)  # a process meant to outlive autograde
         try:
             open({str(ROOT / "README.md")!r}, "a").close()
             print("repo writable")
@@ -190,7 +199,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
             print("repo read-only")
     ''')
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
-    before = _sleepers()
+    before = _sleepers(KERNEL_SLEEP)
     config = Config()
     config.KernelManager.transport = "ipc"
     config.KernelManager.ip = str(ipc_folder(tmp_path) / "kernel")
@@ -207,7 +216,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
     assert text.split("\n")[:5] == ["secret None", "gradebook False", "other student False", "repo read-only", ""], text
     assert (own / "own-file.txt").read_text() == "mine"
     time.sleep(1)
-    assert _sleepers() == before, "a process started in the kernel outlived it"
+    assert _sleepers(KERNEL_SLEEP) == before, "a process started in the kernel outlived it"
 
 
 @needs_bwrap
