@@ -52,8 +52,8 @@ from reference.adapters import layer_index, projection_map
 from reference.batch_info import LoRABatchInfo
 from reference.mem_pool import LoRAMemoryPool
 
-__all__ = ["LoRAContext", "LoRABackend", "get_backend", "SharedShrink", "LoRALinear", "wrap_llama",
-           "unwrap_llama"]
+__all__ = ["LoRAContext", "LoRABackend", "get_backend", "uses_token_slots", "SharedShrink", "LoRALinear",
+           "wrap_llama", "unwrap_llama"]
 
 
 class LoRAContext:
@@ -89,23 +89,50 @@ class LoRAContext:
 
 
 class LoRABackend(NamedTuple):
-    """The two ops a LoRA layer calls, with the contract's signatures (``reference.ops``)."""
+    """The ops a LoRA layer calls, with the contract's signatures (``reference.ops``).
+
+    ``shrink`` / ``expand`` read the segments (SGMV: prefill, any batch); ``decode_shrink`` /
+    ``decode_expand``, when given, read ``token_slots`` (BGMV) and serve batches of one token per
+    segment (:func:`uses_token_slots`). A backend without them runs SGMV for every batch.
+    """
 
     name: str
     shrink: Callable  # shrink(x, A_stack, batch_info, out, stack_num=1)
     expand: Callable  # expand(t, B_stack, batch_info, out, slice_offsets=None)
+    decode_shrink: Optional[Callable] = None  # same signatures, reading token_slots
+    decode_expand: Optional[Callable] = None
 
 
 def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
-    """"torch" (the plain-PyTorch references) or "triton" (the SGMV kernels; in the interpreter on
-    the CPU); a LoRABackend is returned as it is. Raises ValueError for another name."""
+    """"torch" (the plain-PyTorch references) or "triton" (the Triton kernels; in the interpreter on
+    the CPU): SGMV for segments, BGMV for one-token-per-segment batches. A LoRABackend is returned
+    as it is. Raises ValueError for another name."""
     if isinstance(backend, LoRABackend):
         return backend
     if backend == "torch":
-        return LoRABackend("torch", ops.torch_ref.shrink, ops.torch_ref.expand)
+        return LoRABackend("torch", ops.torch_ref.shrink, ops.torch_ref.expand,
+                           ops.torch_ref.bgmv_shrink, ops.torch_ref.bgmv_expand)
     if backend == "triton":
-        return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand)
+        return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand)
     raise ValueError(f"unknown LoRA backend {backend!r}: use 'torch', 'triton' or a LoRABackend")
+
+
+def uses_token_slots(batch_info: LoRABatchInfo) -> bool:
+    """Whether a layer takes the BGMV ops for this batch: every segment has at most one token
+    (``max_len <= 1``, a host int) and ``token_slots`` is set (a decode step).
+
+    Why: SGMV tiles rows by segment, so one-token segments leave a 16-128-row tile almost empty,
+    one per request; BGMV gives each token its own gather (``benchmarks/benchmark_lora_ops.py``
+    times both on decode batches). The choice is read from the batch info, so what the layers will
+    do is visible where the batch was built.
+    """
+    return batch_info.max_len <= 1 and batch_info.token_slots is not None
+
+
+def _ops_for(backend: LoRABackend, batch_info: LoRABatchInfo) -> tuple[Callable, Callable]:
+    if backend.decode_shrink is not None and backend.decode_expand is not None and uses_token_slots(batch_info):
+        return backend.decode_shrink, backend.decode_expand
+    return backend.shrink, backend.expand
 
 
 class SharedShrink:
@@ -199,17 +226,18 @@ class LoRALinear(nn.Module):
             raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
                              f"batch info covers {expected}: set this forward's batch with context.set_batch")
         y = y.contiguous()
-        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info))
+        shrink, expand = _ops_for(self.backend, info)
+        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink))
         lo, hi = self.rows_of_B
         B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
-        self.backend.expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
+        expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
         return y
 
-    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable) -> torch.Tensor:
         """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified."""
         A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
         t = rows.new_empty(rows.shape[0], A.shape[1])
-        return self.backend.shrink(rows, A, info, t, stack_num=self.spec.stack_num)
+        return shrink(rows, A, info, t, stack_num=self.spec.stack_num)
 
 
 def _targets(model: nn.Module, pool: LoRAMemoryPool) -> list[tuple[str, int, str, int]]:
