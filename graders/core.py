@@ -7,6 +7,7 @@ trusted re-grade) a process that never ran any learner code at all.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import os
@@ -169,6 +170,33 @@ def _expected(ex: Exercise, case: Case) -> Any:
 # Running the learner's code
 
 
+#: The Triton cache that a grader child on the GPU may share with other checks (see
+#: :func:`triton_cache_scope`); None: a private cache that dies with the child.
+_TRITON_CACHE: contextvars.ContextVar[Optional[Path]] = contextvars.ContextVar("triton_cache", default=None)
+
+
+@contextlib.contextmanager
+def triton_cache_scope(folder: Path):
+    """Checks run in this context (this thread) on a GPU share the Triton cache ``folder``.
+
+    Why: every check's child starts with an empty cache (its private /tmp), so each one compiles
+    every kernel of the answer again, 10-30 s per kernel exercise on the H200. The trusted re-grade
+    gives each student one folder: a student's checks reuse their own compiled kernels, and no
+    student's code can plant a compiled kernel that another student's check loads.
+    """
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = _TRITON_CACHE.set(folder)
+    try:
+        yield folder
+    finally:
+        _TRITON_CACHE.reset(token)
+
+
+def _cuda_here() -> bool:
+    """Whether grader children run on a GPU machine (the device nodes bound, a shared Triton cache)."""
+    return torch.cuda.is_available()
+
+
 def _child_preexec(sandboxed: bool, cuda: bool) -> None:
     """In the grader's child, before exec: the sandbox's rlimits when sandboxed, and in every case
     SIGKILL when the process that started it dies."""
@@ -192,14 +220,17 @@ def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]
     if forkserver.usable():
         return forkserver.run_job(workdir, timeout)
     command = [sys.executable, "-m", "graders.runner", str(workdir)]
-    cuda = torch.cuda.is_available()
+    cuda = _cuda_here()
+    cache = _TRITON_CACHE.get() if cuda else None
+    extra = {"PYTHONUNBUFFERED": "1", **({"TRITON_CACHE_DIR": str(cache)} if cache else {})}
     if sandbox.enabled():
-        argv, env = sandbox.bwrap_argv(command, writable=[workdir], hidden=forkserver.hidden_folders(),
-                                       gpu=cuda, env=sandbox.sandbox_env({"PYTHONUNBUFFERED": "1"})), None
+        argv, env = sandbox.bwrap_argv(command, writable=[workdir, *([cache] if cache else [])],
+                                       hidden=forkserver.hidden_folders(), gpu=cuda,
+                                       env=sandbox.sandbox_env(extra)), None
         preexec = functools.partial(_child_preexec, True, cuda)
     else:
         argv, preexec = command, functools.partial(_child_preexec, False, cuda)
-        env = sandbox.sandbox_env({"PYTHONUNBUFFERED": "1", "HOME": os.environ.get("HOME", "/tmp"),
+        env = sandbox.sandbox_env({**extra, "HOME": os.environ.get("HOME", "/tmp"),
                                    "TMPDIR": tempfile.gettempdir()})
     # from the spawner thread, with a parent-death signal: a kernel killed (restart, shutdown)
     # while this child runs a hanging answer takes the child with it (the child is in a session

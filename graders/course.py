@@ -29,13 +29,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from graders.core import SECRET_ENV, grade_source
+from graders.core import SECRET_ENV, grade_source, triton_cache_scope
 from graders.integrity import check_fingerprint, fingerprint, package_roots
 from graders.mutation import SAMPLE_LEARNERS, sample_learner
 from graders.points import POINTS, total_points
@@ -308,8 +309,18 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     old = {k: os.environ.get(k) for k in env_secret}
     os.environ.update(env_secret)
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            results = list(pool.map(lambda j: grade_source(j[2], j[3]).score, jobs))
+        caches = Path(tempfile.mkdtemp(prefix="lora-book-regrade-triton-"))
+
+        def grade(job):
+            with triton_cache_scope(caches / f"s{students.index(job[0])}"):
+                return grade_source(job[2], job[3]).score
+
+        students = sorted({j[0] for j in jobs})
+        # one worker per core: on a GPU each check is a fresh process that waits on imports and
+        # Triton compiles more than on the device
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            results = list(pool.map(grade, jobs))
+        shutil.rmtree(caches, ignore_errors=True)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

@@ -293,3 +293,30 @@ def test_parallel_autograde_honours_the_database_url(tmp_path):
         assert gb.find_submission(chapter, "right").score == 18
         assert gb.find_submission(chapter, "wrong").score == 0
     assert run.sandboxed == sandbox.enabled()
+
+
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_a_students_checks_share_one_triton_cache_on_a_gpu(tmp_path, monkeypatch, policy):
+    """On a GPU (a fresh child per check, as here with CUDA faked in this process) the trusted
+    re-grade's checks of one student share a Triton cache folder, writable in the sandbox; the
+    checks of another student see another folder."""
+    from graders.core import triton_cache_scope
+
+    monkeypatch.setenv(sandbox.MODE_ENV, policy)
+    monkeypatch.setattr("graders.core._cuda_here", lambda: True)
+    monkeypatch.setattr(forkserver, "usable", lambda: False)
+    answer = textwrap.dedent('''
+        import os
+        def lora_forward(x, W, A, B, scaling):
+            cache = os.environ.get("TRITON_CACHE_DIR")
+            open(os.path.join(cache, "compiled.txt"), "a").write("x")
+            raise RuntimeError("SEEN " + cache + " " + str(sorted(os.listdir(cache))) + " END")
+    ''')
+    seen = []
+    for student in ("a", "a", "b"):
+        with triton_cache_scope(tmp_path / student):
+            seen.append(re.search(r"SEEN (.*?) END", grade_source("ch01.1", answer).report).group(1))
+    assert seen == [f"{tmp_path / 'a'} ['compiled.txt']", f"{tmp_path / 'a'} ['compiled.txt']",
+                    f"{tmp_path / 'b'} ['compiled.txt']"], seen
+    calls = len((tmp_path / "b" / "compiled.txt").read_text())  # one write per case
+    assert calls > 0 and len((tmp_path / "a" / "compiled.txt").read_text()) == 2 * calls
