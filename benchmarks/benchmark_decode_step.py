@@ -1,0 +1,183 @@
+"""One decode step of a Llama-shaped model with multi-LoRA: eager vs CUDA graph (chapter 08).
+
+    python benchmarks/benchmark_decode_step.py [--layers 4] [--context 512] [--out PATH]
+    python benchmarks/benchmark_decode_step.py --smoke        # tiny sizes, CPU or GPU, seconds
+
+Model: hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocab 32000, bf16, random weights,
+``--layers`` layers (default 4), wrapped by ``reference.layers.wrap_llama`` over a pool of fused
+modules (qkv_proj, o_proj, gate_up_proj, down_proj) with the Triton backend; the step runs through
+``reference.cuda_graph.DecodeGraphRunner`` over ``reference.static_llama.StaticKVLlama``. Every
+sequence attends to ``--context`` cached positions (the static cache's attention reads its whole
+row, so the context is a fixed cost of the base step; the results record it).
+
+Cases: 1, 16, 64 and 256 sequences x 0 (base only), 1, 8, 32 and 64 distinct adapters (no more
+adapters than sequences) x rank 16 and 64; request i uses adapter (i mod D). Each case times, with
+``triton.testing.do_bench(..., return_mode="median")`` in one run: the graph replay of the LoRA
+step, the eager step (the same Python code, no graph), and the base model's own graphed step at the
+same batch size. Reported: graph speed-up over eager, and the LoRA overhead as a fraction of the
+base graphed step: ``lora_graph_us / base_graph_us - 1``.
+
+Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
+8 adapters / rank 16 and <= 50 % at 256 / 32. The script prints which are met.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from reference.cuda_graph import DecodeGraphRunner
+from reference.layers import LoRAContext, wrap_llama
+from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+            vocab_size=32000)
+SMOKE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=128)
+
+
+def modules(cfg: dict) -> tuple[ModuleSpec, ...]:
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    return (ModuleSpec("qkv_proj", h, (h, kv, kv)), ModuleSpec("o_proj", h, (h,)),
+            ModuleSpec("gate_up_proj", h, (i, i)), ModuleSpec("down_proj", i, (h,)))
+
+
+def random_adapter(uid: str, rank: int, mods, layers: int, gen: torch.Generator) -> LoRAAdapter:
+    """An adapter on every module of every layer, weights scaled so the delta is O(1) of the base."""
+    weights = {}
+    for layer in range(layers):
+        for m in mods:
+            A = torch.randn(m.stack_num * rank, m.in_features, generator=gen) * m.in_features ** -0.5
+            B = torch.randn(m.out_total, rank, generator=gen) * rank ** -0.5 * 0.1
+            weights[(layer, m.name)] = (A.to(torch.bfloat16), B.to(torch.bfloat16))
+    return LoRAAdapter(uid, rank, 2.0, weights)
+
+
+def timer(device: torch.device):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: 1e3 * do_bench(fn, return_mode="median")
+
+    def wall(fn, reps: int = 3) -> float:  # the CPU has no graph; a rough median of a few calls
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * sorted(times)[len(times) // 2]
+    return wall
+
+
+def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, device: torch.device) -> list[dict]:
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=context + 8, **cfg)
+    with torch.device(device):
+        base = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    mods = modules(cfg)
+    dtype = torch.bfloat16
+    rows = []
+    timeit = timer(device)
+    max_seqs = max(seqs_list)
+    for rank in ranks:
+        n_adapters = max(adapter_counts)
+        gen = torch.Generator().manual_seed(rank)
+        registry = {f"a{k}": random_adapter(f"a{k}", rank, mods, layers, gen) for k in range(n_adapters)}
+        pool = LoRAMemoryPool(mods, layers, n_adapters + 1, rank, dtype=dtype, device=device,
+                              adapter_source=registry.__getitem__)
+        context_ = LoRAContext()
+        model = wrap_llama(base, pool, context_, "triton")
+        runner = DecodeGraphRunner(model, pool, context_, max_seqs=max_seqs, max_len=context + 8,
+                                   buckets=tuple(seqs_list))
+        runner.capture()
+        for n in seqs_list:
+            for D in adapter_counts:
+                if D > n:
+                    continue
+                uids = [None] * n if D == 0 else [f"a{i % D}" for i in range(n)]
+                ids = [[i % cfg["vocab_size"]] for i in range(n)]
+                runner.decode(ids, [context] * n, list(range(n)), uids)  # writes the static buffers
+                lora = D > 0
+                graph, _ = runner.graphs[(n, lora)]
+                graph_us = timeit(graph.replay) if graph is not None else float("nan")
+                eager_us = timeit(lambda: runner._step(n, lora))
+                base_graph, _ = runner.graphs[(n, False)]
+                base_us = timeit(base_graph.replay) if base_graph is not None else timeit(lambda: runner._step(n, False))
+                row = dict(seqs=n, adapters=D, rank=rank, graph_us=round(graph_us, 2), eager_us=round(eager_us, 2),
+                           base_graph_us=round(base_us, 2),
+                           graph_speedup=round(eager_us / graph_us, 3) if graph is not None else None,
+                           lora_overhead=round(graph_us / base_us - 1, 4) if lora and graph is not None else None)
+                rows.append(row)
+                print(f"seqs {n:4d} adapters {D:3d} rank {rank:3d}: graph {graph_us:9.1f} us, eager {eager_us:9.1f} us, "
+                      f"base graph {base_us:9.1f} us"
+                      + (f", LoRA +{100 * row['lora_overhead']:.1f}%" if row["lora_overhead"] is not None else ""),
+                      flush=True)
+        from reference.layers import unwrap_llama
+
+        unwrap_llama(model)
+        del runner, pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue #11's targets, each with the measured value and whether it holds."""
+    def find(n, D, r):
+        return next((x for x in rows if (x["seqs"], x["adapters"], x["rank"]) == (n, D, r)), None)
+
+    out = []
+    for x in rows:
+        if x["seqs"] <= 32 and x["graph_speedup"] is not None:
+            out.append(dict(target=f"graph >= 2x eager at {x['seqs']} seqs / {x['adapters']} adapters / rank {x['rank']}",
+                            value=x["graph_speedup"], met=x["graph_speedup"] >= 2.0))
+    for (n, D, r, limit) in ((64, 8, 16, 0.30), (256, 32, 16, 0.50)):
+        x = find(n, D, r)
+        if x is not None and x["lora_overhead"] is not None:
+            out.append(dict(target=f"LoRA adds <= {limit:.0%} at {n} seqs / {D} adapters / rank {r}",
+                            value=x["lora_overhead"], met=x["lora_overhead"] <= limit))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--smoke", action="store_true", help="tiny model and batches (any machine)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.smoke and device.type != "cuda":
+        raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
+    if args.smoke:
+        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device)
+    else:
+        rows = run(args.layers, args.context, [1, 16, 64, 256], [0, 1, 8, 32, 64], [16, 64], FULL, device)
+    met = targets(rows)
+    for t in met:
+        print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
+    import triton
+    import transformers
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                  transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
+                  context=args.context if not args.smoke else 8, smoke=args.smoke,
+                  model=FULL if not args.smoke else SMOKE, rows=rows, targets=met,
+                  method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
+    out = args.out or (ROOT / "benchmarks" / "results" /
+                       ("decode_step_smoke.json" if args.smoke else "decode_step_h200.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
