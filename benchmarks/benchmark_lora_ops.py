@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from reference.batch_info import build_batch_info
+from reference.batch_info import batch_info_from_requests, build_batch_info
 from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +80,11 @@ def problem(n_req: int, tokens: int, n_adapters: int, d_in: int, d_out: int, ran
     info = build_batch_info([tokens] * n_req, [1 + i % n_adapters for i in range(n_req)], ranks,
                             [0.0] + [1.0] * n_adapters, "cuda")
     n = n_req * tokens
+    uids = [1 + i % n_adapters for i in range(n_req)]
+    info_sorted = batch_info_from_requests(uids, [tokens] * n_req, {u: u for u in range(slots)}, ranks,
+                                           [0.0] + [1.0] * n_adapters, "cuda", sort_by_slot=True)
     x = torch.randn(n, d_in, generator=g, device="cuda").to(DT)
-    return dict(A=A, B=B, info=info, x=x, t=torch.zeros(n, rank, dtype=DT, device="cuda"),
+    return dict(A=A, B=B, info=info, info_sorted=info_sorted, x=x, t=torch.zeros(n, rank, dtype=DT, device="cuda"),
                 out=torch.randn(n, d_out, generator=g, device="cuda").to(DT), n=n, D=min(n_adapters, n_req),
                 d_in=d_in, d_out=d_out, rank=rank)
 
@@ -98,10 +101,18 @@ def ops_for(p, kind: str, cfg: dict):
     A, B, info, x, t, out = p["A"], p["B"], p["info"], p["x"], p["t"], p["out"]
     cfg = {op: cfg.get(config_key(op, p["rank"]), cfg.get(op, {})) for op in SWEEP}
     if kind == "decode":
+        # every decode path a layer could take: BGMV (what the layers choose for one-token segments),
+        # the fused kernel, SGMV over per-request one-token segments (the layers' path before
+        # chapter 08) and SGMV over slot-sorted segments (the CUDA-graph view with tokens_per_seq > 1)
+        srt = p["info_sorted"]
         return {
             "shrink": lambda: bgmv_shrink(x, A, info, t, **cfg.get("bgmv_shrink", {})),
             "expand": lambda: bgmv_expand(t, B, info, out, **cfg.get("bgmv_expand", {})),
             "fused": lambda: fused_decode(x, A, B, info, out, **cfg.get("fused_decode", {})),
+            "sgmv_per_request:shrink": lambda: sgmv_shrink(x, A, info, t, **cfg.get("sgmv_shrink", {})),
+            "sgmv_per_request:expand": lambda: sgmv_expand(t, B, info, out, **cfg.get("sgmv_expand", {})),
+            "sgmv_slot_sorted:shrink": lambda: sgmv_shrink(x, A, srt, t, **cfg.get("sgmv_shrink", {})),
+            "sgmv_slot_sorted:expand": lambda: sgmv_expand(t, B, srt, out, **cfg.get("sgmv_expand", {})),
         }
     return {
         "shrink": lambda: sgmv_shrink(x, A, info, t, **cfg.get("sgmv_shrink", {})),
@@ -177,8 +188,8 @@ def main() -> None:
     print(f"{device}: copy bandwidth {bw:.0f} GB/s (1 GiB device-to-device, fastest of "
           + ", ".join(f"{k} {v:.0f}" for k, v in copies.items()) + ")")
     rows = []
-    header = f"{'case':40s} {'op':7s} {'us':>8s} {'MB':>8s} {'GB/s':>7s} {'%copy':>6s} {'%base':>6s} {'torch us':>9s}"
-    print(header)
+    header = f"{'case':40s} {'op':24s} {'us':>8s} {'MB':>8s} {'GB/s':>7s} {'%copy':>6s} {'%base':>6s} {'torch us':>9s}"
+    print(header)  # op "path:shrink" = that decode path's shrink; plain ops: BGMV / SGMV as the kind says
     for kind, n_req, tokens, D, d_in, d_out, rank in CASES:
         p = problem(n_req, tokens, D, d_in, d_out, rank)
         w = torch.randn(d_out, d_in, device="cuda").to(DT)
@@ -191,13 +202,13 @@ def main() -> None:
                "fused": lambda: torch_ref.fused_decode(p["x"], p["A"], p["B"], p["info"], p["out"])}
         for op, fn in ops_for(p, kind, cfg).items():
             us = graph_time(fn)
-            b = nbytes(p, op)
-            torch_us = eager_time(ref[op])
+            b = nbytes(p, op.split(":")[-1])
+            torch_us = eager_time(ref[op]) if op in ref else float("nan")
             row = dict(case=case, kind=kind, n_req=n_req, tokens=tokens, adapters=D, d_in=d_in, d_out=d_out,
                        rank=rank, op=op, us=us, bytes=b, gbps=b / (us * 1e-6) / 1e9, frac_copy=b / (us * 1e-6) / 1e9 / bw,
                        base_gemm_us=base_us, frac_base=us / base_us, torch_ref_us_eager=torch_us)
             rows.append(row)
-            print(f"{case:40s} {op:7s} {us:8.1f} {b / 1e6:8.2f} {row['gbps']:7.0f} {100 * row['frac_copy']:5.0f}% "
+            print(f"{case:40s} {op:24s} {us:8.1f} {b / 1e6:8.2f} {row['gbps']:7.0f} {100 * row['frac_copy']:5.0f}% "
                   f"{100 * row['frac_base']:5.0f}% {torch_us:9.1f}", flush=True)
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                   copy_bandwidth_gbps=bw, copy_bandwidths_gbps=copies, method="CUDA graph replay, triton.testing.do_bench median; torch_ref eager",
