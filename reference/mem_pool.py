@@ -223,7 +223,9 @@ class LoRAMemoryPool:
     def validate(self, adapter: LoRAAdapter) -> None:
         """Check an adapter against the pool's fixed modules, layers and max rank; never mutates.
 
-        NaN or inf values are allowed (they are data, not layout).
+        NaN or inf values are allowed (they are data, not layout). A and B may be of any floating
+        dtype: loading casts them to the pool's dtype (the model's dtype, which ``wrap_llama``
+        checks), as a checkpoint saved in fp32 is served in bf16.
         Raises:
             ValueError: not a LoRAAdapter; uid None or EMPTY_SLOT; rank not an int in
             [1, max_lora_rank]; a non-numeric scaling; a key that is not (layer, module) with a known
@@ -272,6 +274,7 @@ class LoRAMemoryPool:
             for (l, m), (A, B) in adapter.weights: A_buffer[m][l][slot, :A.shape[0]] = A
                                                    B_buffer[m][l][slot, :, :r] = B
             lora_ranks[slot] = r (0 for base); scalings[slot] = scaling (0 for base)
+        (A and B are cast to the pool's dtype and device by the copy.)
         The slot's previous owner is dropped from the maps and the policy (no event: events record
         prepare_lora_batch's decisions); the new uid is marked used.
         Raises:
