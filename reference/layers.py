@@ -170,6 +170,28 @@ def _num_tokens(batch_info: LoRABatchInfo) -> Optional[int]:
         return None
 
 
+def _check_pool_matches_base(base: nn.Module, pool: LoRAMemoryPool, where: str) -> None:
+    """Raise ValueError if the base layer's weight has another dtype or device than the pool.
+
+    Why at construction: the ops read activations in the base layer's dtype next to the pool's
+    buffers; with another dtype the Triton kernels fail at the first forward (a CompilationError
+    inside ``tl.dot``), while the torch references silently compute at mixed precision. A weight
+    that is not floating (a quantized layer) says nothing about the activations and is not checked.
+    """
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        return
+    if weight.dtype != pool.dtype:
+        raise ValueError(f"{where}: the base layer's weight is {weight.dtype} but the pool stores {pool.dtype}: "
+                         f"create the pool with LoRAMemoryPool(..., dtype={weight.dtype}), or cast the model "
+                         f"with model.to({pool.dtype}), before wrapping")
+    pool_device = pool.lora_ranks.device  # a concrete device (cuda:0, not "cuda")
+    if weight.device != pool_device:
+        raise ValueError(f"{where}: the base layer's weight is on {weight.device} but the pool's buffers are "
+                         f"on {pool_device}: create the pool with device={str(weight.device)!r}, or move the "
+                         f"model with model.to({str(pool_device)!r}), before wrapping")
+
+
 class LoRALinear(nn.Module):
     """A base linear layer plus the LoRA deltas of a mixed batch, added in place into its output.
 
@@ -186,7 +208,8 @@ class LoRALinear(nn.Module):
     A token in a rank-0 slot (base model, empty slot) gets exactly base(x).
     Raises (at construction):
         ValueError: an unknown module, a layer or part out of range, a base layer whose
-        in_features / out_features differ from the pool module's part.
+        in_features / out_features differ from the pool module's part, or whose (floating) weight
+        has another dtype or device than the pool's buffers.
     """
 
     def __init__(self, base: nn.Module, pool: LoRAMemoryPool, module_name: str, layer: int,
@@ -205,6 +228,7 @@ class LoRALinear(nn.Module):
         if got != want:
             raise ValueError(f"layer {layer} {module_name} part {part}: base layer is {got[0]} -> {got[1]}, "
                              f"the pool's part is {want[0]} -> {want[1]}")
+        _check_pool_matches_base(base, pool, f"layer {layer} {module_name} part {part}")
         self.base = base
         self.pool, self.spec, self.layer, self.part, self.context = pool, spec, layer, part, context
         self.backend = get_backend(backend)
@@ -269,8 +293,8 @@ def wrap_llama(model: nn.Module, pool: LoRAMemoryPool, context: LoRAContext,
     LoRALinear modules; ``model.model.layers[0].self_attn.k_proj`` is
     LoRALinear(base=<the original Linear>, module "qkv_proj", part 1).
     Raises:
-        ValueError: the model is already wrapped; no linear layer is served by the pool; a layer
-        or shape mismatch (see :class:`LoRALinear`).
+        ValueError: the model is already wrapped; no linear layer is served by the pool; a layer,
+        shape, dtype or device mismatch between a projection and the pool (see :class:`LoRALinear`).
     """
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("the model is already wrapped; unwrap_llama(model) first")

@@ -28,7 +28,9 @@ true}. Running example, 2 slots, LRU, adapters A and B on disk:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Optional, Sequence, Union
@@ -141,8 +143,40 @@ def uid_sort_key(uid: Hashable) -> tuple:
     """Deterministic processing order of a batch's uids: base first, then by type name, then value.
 
     Python's set order of strings changes with the hash seed, so the pool never iterates a set.
+    A uid need only be hashable, so the key is total over any mix of uids: within one type name,
+    values compare by :func:`_value_key` (numbers by value, strings as strings, tuples element by
+    element, frozensets as their sorted elements, dataclasses field by field, anything else by
+    (qualified type name, repr)). For None, str, int, float, bool and tuples of those the order is
+    exactly the one of ``(uid is not None, type(uid).__name__, uid)``, the key before it was total
+    (chapter 05's event logs are compared in this order).
+    Example: ["b", 2, None, ("x", 1), 1, "a"] -> [None, 1, 2, "a", "b", ("x", 1)].
     """
-    return (uid is not None, type(uid).__name__, uid)
+    return (uid is not None, type(uid).__name__, _value_key(uid))
+
+
+def _value_key(value) -> tuple:
+    """A total order key that agrees with Python's ``<`` wherever ``<`` worked on the kinds above.
+
+    A tag keeps kinds apart (Python's ``<`` raised between them, so any fixed order will do); within
+    a tag the payloads always compare. Numbers share one tag, as ``(1, "a") < (1.5, "b")`` and
+    ``1 == True`` did; tuples map element by element, so a prefix still sorts first.
+    """
+    if value is None:
+        return (0,)
+    if isinstance(value, numbers.Real):
+        return (1, value)
+    if isinstance(value, str):
+        return (2, value)
+    if isinstance(value, bytes):
+        return (3, value)
+    if isinstance(value, tuple):
+        return (4, tuple(_value_key(v) for v in value))
+    if isinstance(value, frozenset):  # its iteration order follows the hash seed: sort it
+        return (5, tuple(sorted(_value_key(v) for v in value)))
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (6, kind, tuple(_value_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    return (7, kind, repr(value))
 
 
 class LoRAMemoryPool:
@@ -223,7 +257,9 @@ class LoRAMemoryPool:
     def validate(self, adapter: LoRAAdapter) -> None:
         """Check an adapter against the pool's fixed modules, layers and max rank; never mutates.
 
-        NaN or inf values are allowed (they are data, not layout).
+        NaN or inf values are allowed (they are data, not layout). A and B may be of any floating
+        dtype: loading casts them to the pool's dtype (the model's dtype, which ``wrap_llama``
+        checks), as a checkpoint saved in fp32 is served in bf16.
         Raises:
             ValueError: not a LoRAAdapter; uid None or EMPTY_SLOT; rank not an int in
             [1, max_lora_rank]; a non-numeric scaling; a key that is not (layer, module) with a known
@@ -272,6 +308,7 @@ class LoRAMemoryPool:
             for (l, m), (A, B) in adapter.weights: A_buffer[m][l][slot, :A.shape[0]] = A
                                                    B_buffer[m][l][slot, :, :r] = B
             lora_ranks[slot] = r (0 for base); scalings[slot] = scaling (0 for base)
+        (A and B are cast to the pool's dtype and device by the copy.)
         The slot's previous owner is dropped from the maps and the policy (no event: events record
         prepare_lora_batch's decisions); the new uid is marked used.
         Raises:

@@ -426,6 +426,71 @@ def test_layer_rejects_mismatched_base():
         LoRALinear(nn.Linear(IN, 20), pool, "proj", 0, context, "cuda")
 
 
+def test_layer_refuses_a_pool_of_another_dtype_or_device():
+    """The base layer's dtype and device must be the pool's, checked when the layer is built: a bf16
+    model over an fp32 pool used to fail only at the first forward on the GPU (a Triton
+    CompilationError in tl.dot), and ran at mixed precision with the torch references."""
+    pool = _layer_pool("cpu")  # fp32
+    context = LoRAContext()
+    with pytest.raises(ValueError, match=r"layer 0 proj part 0: the base layer's weight is torch\.bfloat16 but the "
+                                         r"pool stores torch\.float32: create the pool with "
+                                         r"LoRAMemoryPool\(\.\.\., dtype=torch\.bfloat16\), or cast the model with "
+                                         r"model\.to\(torch\.float32\)"):
+        LoRALinear(nn.Linear(IN, 20, dtype=torch.bfloat16), pool, "proj", 0, context)
+    with pytest.raises(ValueError, match=r"qkv part 2: the base layer's weight is torch\.float16 but"):
+        LoRALinear(nn.Linear(IN, 8, dtype=torch.float16), pool, "qkv", 0, context, part=2)
+    with pytest.raises(ValueError, match=r"weight is on meta but the pool's buffers are on cpu: create the pool "
+                                         r"with device='meta', or move the model with model\.to\('cpu'\)"):
+        LoRALinear(nn.Linear(IN, 20, device="meta"), pool, "proj", 0, context)
+    # the other side: matching dtype and device are accepted (fp32 here; bf16 below), and a base layer
+    # without a floating weight (a quantized one, or any module) is not judged by it
+    assert LoRALinear(nn.Linear(IN, 20), pool, "proj", 0, context).base.weight.dtype == pool.dtype
+    assert isinstance(LoRALinear(nn.Identity(), pool, "proj", 0, context).base, nn.Identity)
+
+
+@pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
+def test_layer_with_a_bf16_pool_serves_a_bf16_base(backend, device):
+    """Both sides of the dtype check: a bf16 base with a bf16 pool builds and adds the LoRA delta."""
+    pool = LoRAMemoryPool([ModuleSpec("proj", IN, (20,))], 1, 2, 5, dtype=torch.bfloat16, device=device)
+    g = torch.Generator().manual_seed(4)
+    adapter = LoRAAdapter("a", 3, 0.5, {(0, "proj"): (torch.randn(3, IN, generator=g), torch.randn(20, 3, generator=g))})
+    pool.load_to_slot(adapter, 1)  # fp32 host weights, cast into the bf16 slot
+    assert pool.A_buffer["proj"][0].dtype == torch.bfloat16
+    context = LoRAContext()
+    layer = LoRALinear(nn.Linear(IN, 20, dtype=torch.bfloat16, device=device), pool, "proj", 0, context, backend)
+    context.set_batch(batch_info_from_requests(["a", None], [2, 3], {"a": 1, None: 0}, pool.lora_ranks_host,
+                                               pool.scalings_host, device))
+    x = torch.randn(5, IN, generator=g).to(device, torch.bfloat16)
+    with torch.no_grad():
+        got, plain = layer(x), layer.base(x)
+    a, b = (w.to(device).float() for w in adapter.weights[(0, "proj")])
+    want = plain[:2].float() + 0.5 * (x[:2].float() @ a.T) @ b.T
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got[:2].float(), want, rtol=3e-2, atol=3e-2)
+    assert torch.equal(got[2:], plain[2:]), "base tokens get exactly the base layer's output"
+
+
+def test_wrap_refuses_a_pool_of_another_dtype_and_changes_nothing(base, adapters):
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    with pytest.raises(ValueError, match=r"the base layer's weight is torch\.bfloat16 but the pool stores "
+                                         r"torch\.float32: create the pool with LoRAMemoryPool\(\.\.\., "
+                                         r"dtype=torch\.bfloat16\)"):
+        wrap_llama(model, _pool("fused", adapters, "cpu"), LoRAContext())
+    assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == originals
+    assert not any(isinstance(m, LoRALinear) for m in model.modules()), "a failed wrap must change nothing"
+    pool = LoRAMemoryPool(FUSED, LAYERS, 6, MAX_RANK, dtype=torch.bfloat16,
+                          adapter_source=adapters["fused"].__getitem__)
+    context = LoRAContext()
+    assert sum(isinstance(m, LoRALinear) for m in wrap_llama(model, pool, context).modules()) == 7 * LAYERS
+    ids, mask = _prompts([4, 4], 3, "cpu")
+    _set_batch(context, pool, ["rs", "__base__"], [4, 4], "cpu")
+    got = _logits(model, input_ids=ids, attention_mask=mask)
+    plain = _logits(unwrap_llama(model), input_ids=ids, attention_mask=mask)
+    assert got.dtype == torch.bfloat16 and torch.equal(got[1], plain[1])
+    assert (got[0] - plain[0]).abs().max() > 1e-2, "the adapter changes its row"
+
+
 def test_shared_shrink_is_keyed_by_input_version_and_batch():
     calls = []
     shared = SharedShrink(2)

@@ -2,6 +2,7 @@
 hand-worked event logs, the zero-fill invariant, every rejected input leaving the snapshot unchanged,
 and a brute-force model of the slot decisions on random traces."""
 import copy
+import dataclasses
 import json
 import pickle
 import time
@@ -12,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from reference.mem_pool import (EMPTY_SLOT, AdapterRegistry, EmptySlot, LoRAAdapter, LoRAMemoryPool,
                                 ModuleSpec, events_from_json, events_to_json, snapshot_diff,
-                                uid_from_json, uid_to_json)
+                                uid_from_json, uid_sort_key, uid_to_json)
 from reference.pool_trace import TraceConfig, make_trace, simulate_trace, zipf_probabilities
 
 HIDDEN = 8
@@ -554,3 +555,82 @@ def test_simulate_trace_counts_and_speed():
         assert all(e <= n and d <= n for e, n, d in zip(stats.evictions, stats.loads, stats.disk_loads))
     assert runs["lru"].hit_rate() > runs["fifo"].hit_rate()  # the figure's claim, on this seed
     assert simulate_trace(trace, "lru", 12, 24).hits == runs["lru"].hits  # deterministic
+
+
+# ---- uids need only be hashable ------------------------------------------------------------------
+def _old_uid_key(uid):
+    """The key before it was total: chapter 05's event logs are compared in its order."""
+    return (uid is not None, type(uid).__name__, uid)
+
+
+_PRIMITIVE = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(-2, 2, width=16) | st.text("ab", max_size=2)
+_OLD_KINDS = st.recursive(_PRIMITIVE, lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_OLD_KINDS, _OLD_KINDS)
+def test_uid_order_of_none_str_int_float_bool_and_tuples_is_unchanged(a, b):
+    """Wherever the old key compared two uids, the new one gives the same answer (so every sort
+    that used to succeed gives the same order); where it raised, the new one answers."""
+    new = (uid_sort_key(a) < uid_sort_key(b), uid_sort_key(b) < uid_sort_key(a))
+    try:
+        old = (_old_uid_key(a) < _old_uid_key(b), _old_uid_key(b) < _old_uid_key(a))
+    except TypeError:
+        return
+    assert new == old
+
+
+def test_uid_order_pinned_for_strings_ints_and_the_base():
+    uids = ["b", 10, None, "a", 2, -1, "B", "", ("a", 1), ("a",), 1.5, True, False]
+    assert sorted(uids, key=uid_sort_key) == [None, False, True, 1.5, -1, 2, 10, "", "B", "a", "b", ("a",), ("a", 1)]
+    pool = make_pool(slots=5, adapters=[lora(u) for u in ["b", 10, "a", 2]])
+    pool.prepare_lora_batch(["b", 10, None, "a", 2])
+    assert [e[1] for e in pool.events] == [None, 2, 10, "a", "b"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _UidOf:
+    """A frozen-dataclass uid (hashable, not orderable), e.g. a (tenant, adapter) pair."""
+    tenant: str
+    version: int
+
+
+MIXED_UIDS = [_UidOf("t1", 2), _UidOf("t1", 1), _UidOf("t0", 9), ("a", 1), (1, "a"), (None, 2), ("a", (1, "x")),
+              frozenset({"x", 3}), 7, "s"]
+
+
+def test_uid_key_is_total_and_deterministic_for_any_hashable():
+    orders = {tuple(sorted(perm, key=uid_sort_key)) for perm in (MIXED_UIDS, MIXED_UIDS[::-1],
+                                                                  MIXED_UIDS[3:] + MIXED_UIDS[:3])}
+    assert len(orders) == 1, "the order must not depend on the input order (nor on set order)"
+    # by type name first ("_UidOf" < "frozenset" < "int" < "str" < "tuple"), then field by field,
+    # element by element (None, then numbers, then strings, then tuples, between kinds)
+    assert list(orders.pop()) == [_UidOf("t0", 9), _UidOf("t1", 1), _UidOf("t1", 2), frozenset({"x", 3}), 7, "s",
+                                  (None, 2), (1, "a"), ("a", 1), ("a", (1, "x"))]
+
+
+def test_pool_serves_dataclass_and_mixed_tuple_uids_with_evictions():
+    """Frozen-dataclass and mixed-type tuple uids through prepare_lora_batch, 3 slots, LRU: every
+    batch evicts, a pinned one blocks, and the capacity error lists the pinned uids (it sorted them
+    with the old key and raised TypeError instead)."""
+    pool = make_pool(slots=3, adapters=[lora(u, seed=i) for i, u in enumerate(MIXED_UIDS)])
+    batches = [[_UidOf("t1", 2), ("a", 1), None], [(1, "a"), _UidOf("t1", 1)], [(None, 2), ("a", (1, "x"))],
+               [frozenset({3, "x"}), 7, _UidOf("t1", 2)]]
+    for batch in batches:
+        start = len(pool.events)
+        slots = pool.prepare_lora_batch(batch)
+        assert list(slots) == sorted(set(batch), key=uid_sort_key)
+        for uid, slot in slots.items():
+            assert pool.buffer_id_to_uid[slot] == uid and pool.uid_to_buffer_id[uid] == slot
+            if uid is not None:
+                assert_slot_holds(pool, slot, pool.cpu_cache[uid])
+        assert [e[1] for e in pool.events[start:] if e[0] != "evict"] == list(slots)
+    # LRU victims outside the batch, the base model last (the 4th batch needs all three slots)
+    assert [e for e in pool.events if e[0] == "evict"] == [
+        ("evict", _UidOf("t1", 2), 1), ("evict", ("a", 1), 2), ("evict", _UidOf("t1", 1), 1),
+        ("evict", (1, "a"), 2), ("evict", (None, 2), 1), ("evict", ("a", (1, "x")), 2), ("evict", None, 0)]
+    pool.pin(_UidOf("t1", 2))
+    pool.pin((1, "a"))
+    pool.prepare_lora_batch([(1, "a")])
+    assert_rejected_unchanged(pool, lambda: pool.prepare_lora_batch([7, "s"]),
+                              r"hold pinned adapters it does not use: \[_UidOf\(tenant='t1', version=2\), \(1, 'a'\)\]")

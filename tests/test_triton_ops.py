@@ -3,8 +3,20 @@ CPU, compiled kernels on CUDA). CPU grids use weird small sizes (rank 1 and 7, h
 adds real model sizes. Poisoned padding (NaN past every rank) proves no kernel reads it."""
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
+
+import reference
 
 from reference.batch_info import build_batch_info, stable_sort_by_slot
 from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
@@ -152,3 +164,227 @@ def test_model_sizes_on_gpu(n_out, rank):
     expected = torch_ref.fused_decode(xd, A, B, dec, base[:64].clone())
     _close(fused_decode(xd, A, B, dec, base[:64].clone()), expected, torch.bfloat16)
     _close(fused_decode(xd, A, B, dec, base[:64].clone(), schedule="slot"), expected, torch.bfloat16)
+
+
+# ---- offsets past 2^31 elements ----------------------------------------------------------------
+# A row (or slot) index times its stride passes 2^31 elements at real sizes (x [600000, 4096], out
+# [80000, 28672]); int32 offsets wrap there to an illegal address. The kernels take every stride in
+# int64. The far layout below puts the last index of one dimension past 2^31 elements while the
+# tensor stays small: that dimension's stride is about 2^31 / (size - 1), the other dimensions stay
+# packed. Its storage is mostly never touched (on the CPU it is never committed, so this is cheap).
+TWO_31 = 2 ** 31
+
+
+def _far(v: torch.Tensor, dim: int, reach: int = 0) -> torch.Tensor:
+    """A copy of ``v`` in which index ``reach`` (default: the last) along ``dim`` lies past 2^31
+    elements of its storage; the other dimensions stay packed.
+
+    The stride of ``dim`` stays below 2^31, so Triton passes it as an int32 (the case that wrapped):
+    ``reach`` must be at least 2. A K dimension that a kernel walks in blocks gets ``reach`` = the
+    block, so the pointer step of its loop (block x stride) passes 2^31 as well. Storage: about
+    2^31 * (shape[dim] - 1) / reach elements of ``v.dtype``, almost all of it never touched.
+    """
+    sizes = list(v.shape)
+    reach = reach or sizes[dim] - 1
+    assert 2 <= reach < sizes[dim], "the stride must fit an int32 and the index must exist"
+    strides, span = [0] * v.dim(), 1
+    for d in reversed(range(v.dim())):
+        if d != dim:
+            strides[d], span = span, span * sizes[d]
+    far = -(-TWO_31 // reach)
+    far = max(span, far + (-far) % 16)  # a multiple of 16: the GPU specializes like a packed tensor
+    assert reach * far >= TWO_31 > far
+    strides[dim] = far
+    storage = torch.empty((sizes[dim] - 1) * far + span, dtype=v.dtype, device=v.device)
+    out = storage.as_strided(sizes, strides)
+    out.copy_(v)
+    return out
+
+
+FAR_BLOCK_K = 64  # the K block every shrink-side op gets below; hidden = FAR_BLOCK_K + 2: two steps
+
+
+def _far_cases():
+    """(name, run(*args) -> output, args, arg names, {(arg, dim): reach}) for every op and schedule."""
+    device, dtype = TRITON_DEVICE, torch.float16
+    g = torch.Generator().manual_seed(5)
+    ranks, max_rank, d_in, d_out, bk = [0, 4, 3], 4, FAR_BLOCK_K + 2, 40, FAR_BLOCK_K
+    A, B = _pool(g, ranks, max_rank, d_in, d_out, torch.float32, device)
+    A, B = torch.nan_to_num(A, 0.0).to(dtype), torch.nan_to_num(B, 0.0).to(dtype)
+    x = torch.randn(5, d_in, generator=g).to(dtype).to(device)
+    base = torch.randn(5, d_out, generator=g).to(dtype).to(device)
+    seg = _batch([2, 3], [1, 2], ranks, device)
+    seg_perm = _batch([1, 2, 2], [2, 1, 2], ranks, device, sort=True)
+    dec = _batch([1] * 5, [1, 2, 0, 2, 1], ranks, device)
+    t = torch_ref.sgmv_shrink(x, A, seg, torch.zeros(5, max_rank, dtype=dtype, device=device))
+    nan_t = torch.full((5, max_rank), NAN, dtype=dtype, device=device)
+    shrink_k = {(0, 1): bk, (1, 2): bk}  # x's and A's hidden dimension, walked in blocks of bk
+    cases = []
+    for kind, info in [("segments", seg), ("permuted", seg_perm)]:
+        cases.append((f"sgmv_shrink/{kind}", lambda x_, A_, o, info=info: sgmv_shrink(x_, A_, info, o, block_k=bk),
+                      (x, A, nan_t), ("x", "A_stack", "out"), shrink_k))
+        cases.append((f"sgmv_expand/{kind}", lambda t_, B_, o, info=info: sgmv_expand(t_, B_, info, o),
+                      (t, B, base), ("t", "B_stack", "out"), {}))
+    cases.append(("bgmv_shrink", lambda x_, A_, o: bgmv_shrink(x_, A_, dec, o, block_k=bk),
+                  (x, A, nan_t), ("x", "A_stack", "out"), shrink_k))
+    cases.append(("bgmv_expand", lambda t_, B_, o: bgmv_expand(t_, B_, dec, o),
+                  (t, B, base), ("t", "B_stack", "out"), {}))
+    cases.append(("fused_decode/token",
+                  lambda x_, A_, B_, o: fused_decode(x_, A_, B_, dec, o, block_k=bk, num_splits=2, block_n=16),
+                  (x, A, B, base), ("x", "A_stack", "B_stack", "out"), shrink_k))
+    cases.append(("fused_decode/slot",
+                  lambda x_, A_, B_, o: fused_decode(x_, A_, B_, dec, o, schedule="slot", block_k=bk, block_t=16,
+                                                     block_n=16),
+                  (x, A, B, base), ("x", "A_stack", "B_stack", "out"), shrink_k))
+    return cases
+
+
+def _run_far_checks() -> None:
+    """Run every op with each argument in turn laid out far along each dimension; print one line per
+    check (``run`` before the launch, then ``ok`` or ``bad``), so a crash names its check."""
+    for name, run, args, arg_names, reach in _far_cases():
+        expected = run(*[a.clone() for a in args])
+        for i, arg in enumerate(args):
+            for dim in range(arg.dim()):
+                check = f"{name} with {arg_names[i]} far along dim {dim}"
+                print("run", check, flush=True)
+                call = [a.clone() for a in args]
+                call[i] = _far(arg, dim, reach.get((i, dim), 0))
+                got = run(*call).clone()
+                del call
+                try:
+                    assert torch.equal(torch.isnan(got), torch.isnan(expected)), "another region written"
+                    _close(got, expected, torch.float16, ~torch.isnan(expected))
+                except AssertionError as e:
+                    print("bad", check, str(e).replace("\n", " ")[:300], flush=True)
+                else:
+                    print("ok", check, flush=True)
+
+
+def test_offsets_past_2_31_elements_in_every_kernel_and_argument():
+    """Every kernel, every tensor argument, every dimension: an index times its stride past 2^31
+    elements reads and writes the right element (in int32 it wrapped: a crash or garbage).
+
+    Runs in a child process: a wrapped offset is an illegal address, which kills the process on
+    the CPU and poisons the CUDA context on the GPU."""
+    here = Path(__file__).resolve().parent
+    path = [str(here.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    code = f"import reference, sys; sys.path.insert(0, {str(here)!r}); import test_triton_ops as t; t._run_far_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    started = [line[4:] for line in lines if line.startswith("run ")]
+    bad = [line[4:] for line in lines if line.startswith("bad ")]
+    assert started, f"no check ran (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    assert not bad, "wrong results:\n" + "\n".join(bad)
+    assert proc.returncode == 0, f"crashed (rc {proc.returncode}) during: {started[-1]}\n{proc.stderr[-2000:]}"
+    ok = [line for line in lines if line.startswith("ok ")]
+    assert len(ok) == len(started) == sum(a.dim() for _, _, args, _, _ in _far_cases() for a in args)
+
+
+def test_every_reference_kernel_takes_its_strides_in_int64():
+    """A kernel added later is held to the rule the far-layout test checks for the current ones:
+    every ``stride_*`` parameter is cast to int64 (``tl.cast``: a stride of 1 is a constexpr)."""
+    kernels = {}
+    for info in pkgutil.walk_packages(reference.__path__, "reference."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)
+            if isinstance(obj, (triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction)) \
+                    and getattr(fn, "__module__", None) == info.name:
+                kernels[f"{info.name}:{name}"] = fn
+    assert {"reference.ops.sgmv_shrink:_sgmv_shrink_kernel", "reference.ops.fused_decode:_fused_decode_by_slot_kernel"} \
+        <= set(kernels)
+    missing = []
+    for key, fn in kernels.items():
+        source = inspect.getsource(fn)
+        for p in inspect.signature(fn).parameters:
+            if p.startswith("stride") and not re.search(rf"\b{p}\b[^\n]*= [^\n]*tl\.cast\({p}, tl\.int64\)", source):
+                missing.append(f"{key}: {p}")
+    assert not missing, "strides not cast to int64:\n" + "\n".join(missing)
+
+
+# ---- the same on the GPU at the sizes that crashed (H200: an illegal memory access) ---------------
+def _rows_past_2_31(n_rows: int, width: int) -> list[int]:
+    """A few rows on both sides of 2^31 elements, the first rows and the last ones."""
+    cross = TWO_31 // width
+    return sorted({0, 1, cross - 1, cross, cross + 1, n_rows - 2, n_rows - 1} & set(range(n_rows)))
+
+
+def _check_shrink_rows(n: int, hidden: int, rank: int, device) -> None:
+    """x [n, hidden] bf16, three slots (ranks rank, rank, 8; slot 0 the base): sgmv (segments and a
+    permutation), bgmv and fused decode (both schedules), sampled rows against torch on those rows."""
+    g = torch.Generator(device=device).manual_seed(6)
+    ranks = [0, rank, rank, 8]
+    A = torch.randn(len(ranks), rank, hidden, generator=g, device=device, dtype=torch.bfloat16) * hidden ** -0.5
+    x = torch.randn(n, hidden, generator=g, device=device, dtype=torch.bfloat16)
+    a, b = max(1, n // 600), max(1, n // 300)
+    lens = [a, n - a - b, b]
+    seg = _batch(lens, [1, 2, 3], ranks, device)
+    rows = _rows_past_2_31(n, hidden)
+    slot_of = seg.token_slots[rows].long()
+    want = torch.einsum("tk,trk->tr", x[rows].float(), A[slot_of].float())  # [rows, rank]
+    r_of = torch.tensor(ranks, device=device)[slot_of]
+    defined = torch.arange(rank, device=device)[None, :] < r_of[:, None]
+
+    def check(out, what):
+        torch.testing.assert_close(out[rows].float()[defined], want[defined], rtol=3e-2, atol=3e-2, msg=what)
+
+    check(sgmv_shrink(x, A, seg, torch.zeros(n, rank, dtype=torch.bfloat16, device=device)), "sgmv_shrink")
+    perm = torch.arange(n, device=device).flip(0)  # sorted row i is row n-1-i of x: same slots per row
+    flipped = build_batch_info(lens[::-1], [3, 2, 1], ranks, [0.0] * len(ranks), device, perm)
+    check(sgmv_shrink(x, A, flipped, torch.zeros(n, rank, dtype=torch.bfloat16, device=device)), "sgmv permuted")
+    check(bgmv_shrink(x, A, seg, torch.zeros(n, rank, dtype=torch.bfloat16, device=device)), "bgmv_shrink")
+    B = torch.randn(len(ranks), 64, rank, generator=g, device=device, dtype=torch.bfloat16) * rank ** -0.5
+    t = torch.where(defined, want, 0.0).bfloat16().float()  # the rounding a two-kernel path has
+    exp = seg.scalings[slot_of][:, None] * torch.einsum("tr,tnr->tn", t, B[slot_of].float())
+    for schedule in ("token", "slot"):
+        out = fused_decode(x, A, B, seg, torch.zeros(n, 64, dtype=torch.bfloat16, device=device), schedule=schedule)
+        torch.testing.assert_close(out[rows].float(), exp, rtol=3e-2, atol=3e-2, msg=f"fused {schedule}")
+
+
+def _check_expand_rows(expand_op, n: int, width: int, rank: int, device) -> None:
+    """out [n, width] bf16 updated in place through two slices (a gate_up), sampled rows against
+    torch on those rows (their base values saved before the call)."""
+    g = torch.Generator(device=device).manual_seed(7)
+    ranks = [0, rank, 8]
+    B = torch.randn(len(ranks), width, rank, generator=g, device=device, dtype=torch.bfloat16) * rank ** -0.5
+    t = torch.randn(n, 2 * rank, generator=g, device=device, dtype=torch.bfloat16)
+    a, b = max(1, n // 16), max(1, n // 80)
+    info = _batch([a, n - a - b, b], [1, 2, 0], ranks, device)
+    out = torch.randn(n, width, generator=g, device=device, dtype=torch.bfloat16)
+    rows = _rows_past_2_31(n, width)
+    want = out[rows].float()
+    offsets = (0, width // 2, width)
+    expand_op(t, B, info, out, slice_offsets=offsets)
+    for j, (row, slot) in enumerate(zip(rows, info.token_slots[rows].tolist())):
+        r = ranks[slot]
+        for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+            if r:
+                want[j, lo:hi] += info.scalings[slot] * (B[slot, lo:hi, :r].float() @ t[row, i * r:(i + 1) * r].float())
+    torch.testing.assert_close(out[rows].float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_sampled_row_checks_at_small_sizes():
+    """The checks of the two GPU tests below, at sizes the interpreter runs in a moment (so a
+    mistake in the checks themselves shows on the CPU, not first on the GPU)."""
+    _check_shrink_rows(40, 72, 16, TRITON_DEVICE)
+    for expand_op in (sgmv_expand, bgmv_expand):
+        _check_expand_rows(expand_op, 40, 48, 16, TRITON_DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="2^31-element tensors run on the GPU only")
+def test_shrink_of_x_past_2_31_elements_on_gpu():
+    """x [600000, 4096] bf16 (4.9 GB, 2.46e9 elements), rank 16: the shape that crashed an H200
+    with an illegal memory access while offsets were int32. About 5 GB of GPU memory."""
+    _check_shrink_rows(600_000, 4096, 16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="2^31-element tensors run on the GPU only")
+@pytest.mark.parametrize("expand_op", [sgmv_expand, bgmv_expand], ids=["sgmv", "bgmv"])
+def test_expand_into_out_past_2_31_elements_on_gpu(expand_op):
+    """out [80000, 28672] bf16 (4.6 GB, 2.29e9 elements; a gate_up of 2 x 14336), rank 16: the
+    other shape that crashed. About 5 GB of GPU memory."""
+    _check_expand_rows(expand_op, 80_000, 28_672, 16, "cuda")

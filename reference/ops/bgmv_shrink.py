@@ -38,6 +38,13 @@ def _bgmv_shrink_kernel(
     # constexpr
     STACK_NUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
+    # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
+    # tl.cast, not .to(): a stride of 1 arrives as a constexpr and stays a constant (contiguous loads).
+    stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
+    stride_as, stride_an = tl.cast(stride_as, tl.int64), tl.cast(stride_an, tl.int64)
+    stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
+    stride_on = tl.cast(stride_on, tl.int64)
     tok = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(token_slots_ptr + tok)

@@ -48,6 +48,14 @@ def _fused_decode_kernel(
     # constexpr
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
+    # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
+    # tl.cast, not .to(): a stride of 1 arrives as a constexpr and stays a constant (contiguous loads).
+    stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
+    stride_as, stride_ar = tl.cast(stride_as, tl.int64), tl.cast(stride_ar, tl.int64)
+    stride_ak, stride_bs = tl.cast(stride_ak, tl.int64), tl.cast(stride_bs, tl.int64)
+    stride_bn, stride_br = tl.cast(stride_bn, tl.int64), tl.cast(stride_br, tl.int64)
+    stride_om, stride_on = tl.cast(stride_om, tl.int64), tl.cast(stride_on, tl.int64)
     tok = tl.program_id(0)
     split = tl.program_id(1)
     slot = tl.load(token_slots_ptr + tok)
@@ -96,6 +104,12 @@ def _fused_decode_by_slot_kernel(
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
+    # offsets in int64, as in _fused_decode_kernel
+    stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
+    stride_as, stride_ar = tl.cast(stride_as, tl.int64), tl.cast(stride_ar, tl.int64)
+    stride_ak, stride_bs = tl.cast(stride_ak, tl.int64), tl.cast(stride_bs, tl.int64)
+    stride_bn, stride_br = tl.cast(stride_bn, tl.int64), tl.cast(stride_br, tl.int64)
+    stride_om, stride_on = tl.cast(stride_om, tl.int64), tl.cast(stride_on, tl.int64)
     slot = tl.program_id(0)
     split = tl.program_id(1)
     rank = tl.load(lora_ranks_ptr + slot)

@@ -49,6 +49,13 @@ def _sgmv_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
+    # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
+    # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
+    # tl.cast, not .to(): a stride of 1 arrives as a constexpr and stays a constant (contiguous loads).
+    stride_tm, stride_tk = tl.cast(stride_tm, tl.int64), tl.cast(stride_tk, tl.int64)
+    stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
+    stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
+    stride_on = tl.cast(stride_on, tl.int64)
     # 1. map the program to (segment, slice, row tile, column tile)
     seg = tl.program_id(1)
     part = tl.program_id(2)

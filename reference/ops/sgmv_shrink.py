@@ -41,6 +41,13 @@ def _sgmv_shrink_kernel(
     STACK_NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
+    # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
+    # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
+    # tl.cast, not .to(): a stride of 1 arrives as a constexpr and stays a constant (contiguous loads).
+    stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
+    stride_as, stride_an = tl.cast(stride_as, tl.int64), tl.cast(stride_an, tl.int64)
+    stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
+    stride_on = tl.cast(stride_on, tl.int64)
     # 1. map the program to (segment, row tile, column tile); leave at once when there is no work
     seg = tl.program_id(1)
     pid_m = tl.program_id(0) // num_n_tiles
