@@ -68,13 +68,17 @@ def _bucket_edge() -> list[Case]:
 
 
 def _bucket_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
-    """Every draw: a shuffled bucket list with a repeat (tuple or list), each bucket hit exactly, a
-    count between two buckets, one sequence, one past the largest, zero."""
+    """Every draw: a shuffled bucket list with a repeat (tuple or list; the largest bucket first in
+    draws 0 and 2), each bucket hit exactly, a count between two buckets, one sequence, one past
+    the largest, zero and a negative count."""
     cases = []
     for i in range(3):
         buckets = sorted(rng.sample(range(1, 70), rng.randint(2, 6)))
         listed = buckets + [rng.choice(buckets)]
         rng.shuffle(listed)
+        if i != 1:  # the largest first: the first bucket that fits is not the smallest
+            listed.remove(max(buckets))
+            listed.insert(0, max(buckets))
         listed = tuple(listed) if i % 2 == 0 else listed
         for b in buckets:
             cases.append(_bucket_case(f"random_{i}_exact_{b}", b, listed))
@@ -85,6 +89,7 @@ def _bucket_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
         cases.append(_bucket_case(f"random_{i}_one_sequence", 1, listed))
         cases.append(_bucket_case(f"random_{i}_past_the_largest", max(buckets) + rng.randint(1, 5), listed))
         cases.append(_bucket_case(f"random_{i}_zero", 0, listed))
+        cases.append(_bucket_case(f"random_{i}_negative", -rng.randint(1, 9), listed))
     return cases
 
 
@@ -139,7 +144,9 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
     Returns one line per step: the call, its outcome ("returned" or "raised <Type>"), which buffers
     were replaced (another object or another address than the constructor's), and then, for an
     update that returned, every buffer's values (permutation up to bucket * tps); for one that
-    raised, which buffers it changed. Last, per step as data: [outcome, replaced, changed].
+    raised, which buffers it changed. Last, per step as data: [outcome, replaced, changed by a
+    refused update] (nothing that depends on what the contract leaves open, e.g. the permutation
+    past the bucket).
     """
     static = cls(num_slots, max_seqs, tps, "cpu")
     original = dict(static.buffers)
@@ -172,7 +179,7 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
         else:
             line += f"; buffers changed: {', '.join(changed) or 'none'}"
         lines.append(line)
-        data.append([outcome, replaced, changed])
+        data.append([outcome, replaced, [] if outcome == "returned" else changed])
     return lines + [data]
 
 
@@ -263,8 +270,11 @@ def _bad_step(rng: random.Random, kind: str, num_slots: int, max_seqs: int, buck
         seqs = seqs or [0]
         seqs[rng.randrange(len(seqs))] = rng.choice([num_slots, num_slots + 2, -1])
         return [seqs, max(b, len(seqs)), pad, ranks, scal, flag]
-    if kind == "pad_out_of_range":
-        return [seqs, b, rng.choice([num_slots, -1]), ranks, scal, flag]
+    if kind == "pad_past_the_end":
+        return [seqs, b, num_slots, ranks, scal, flag]
+    if kind == "pad_negative":  # a full bucket, the last slot of rank 0: only the range check refuses it
+        r2, s2 = list(ranks[:-1]) + [0], list(scal[:-1]) + [0.0]
+        return [[rng.randrange(num_slots) for _ in range(b)], b, -1, r2, s2, flag]
     if kind == "pad_rank":
         adapters = [s for s, r in enumerate(ranks) if r > 0] or [pad]
         bad = list(ranks)
@@ -278,12 +288,14 @@ def _bad_step(rng: random.Random, kind: str, num_slots: int, max_seqs: int, buck
     return [seqs, b, pad, r2, s2, flag]
 
 
-BAD_KINDS = ("n_past_bucket", "bucket_past_max", "slot_out_of_range", "pad_out_of_range", "pad_rank", "tables")
+BAD_KINDS = ("n_past_bucket", "bucket_past_max", "slot_out_of_range", "pad_past_the_end", "pad_negative", "pad_rank",
+             "tables")
 
 
-def _static_trace(rng: random.Random, num_slots: int, max_seqs: int, tps: int) -> list:
+def _static_trace(rng: random.Random, num_slots: int, max_seqs: int, tps: int, pad_not_0: bool) -> list:
     buckets = sorted({max_seqs, *rng.sample(range(1, max_seqs + 1), min(max_seqs, rng.randint(1, 3)))})
-    pad = rng.randrange(1, num_slots) if rng.random() < 0.8 else 0  # the base model's slot, mostly not 0
+    # the base model's slot: never 0 in some draws, mostly not 0 in the others
+    pad = rng.randrange(1, num_slots) if pad_not_0 or rng.random() < 0.8 else 0
     ranks, scal = _tables(rng, num_slots, pad)
     steps = []
 
@@ -317,13 +329,14 @@ def _static_trace(rng: random.Random, num_slots: int, max_seqs: int, tps: int) -
 
 def _static_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     """Every draw: tokens_per_seq 1, 2, 3 and 1 (by index), junk and zeros at the start (by index),
-    a pad slot other than 0 in most, buckets below max_seqs, each refused update once."""
+    a pad slot other than 0 (always in draws 0 and 2), buckets below max_seqs, each refused update
+    once."""
     cases = []
     for i, (tps, junk) in enumerate([(1, True), (2, False), (3, True), (1, False)]):
         num_slots, max_seqs = rng.randint(2, 6), rng.randint(3, 8)
         poison = _junk(rng, num_slots, max_seqs, tps) if junk else None
         cases.append(_static_case(f"random_{i}", num_slots, max_seqs, tps, poison,
-                                  _static_trace(rng, num_slots, max_seqs, tps)))
+                                  _static_trace(rng, num_slots, max_seqs, tps, pad_not_0=i % 2 == 0)))
     return cases
 
 
