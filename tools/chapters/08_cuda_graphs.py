@@ -1,9 +1,10 @@
 # %% [markdown]
 # # 08 · CUDA-graph decode with LoRA
 #
-# A decode step runs the whole model for one token per sequence: hundreds of small kernels, each a
-# few microseconds on the GPU. Launching them one by one from Python can take longer than running
-# them. A **CUDA graph** records the launches once and replays them with one call. LoRA makes that
+# A decode step runs the whole model for one token per sequence: hundreds of small kernels (section 1
+# loads measured times of the LoRA ones). Launching them one by one from Python costs host time per
+# launch, which the GPU spends waiting when the kernels are that short. A **CUDA graph** records the
+# launches once and replays them with one call. LoRA makes that
 # hard: a graph freezes every pointer, shape and branch it recorded, while the batch's adapters
 # change every step. This chapter builds what makes it work anyway, on chapter 05's pool and
 # chapter 07's batch info and layers: static buffers updated in place, bucketed batch sizes, grids
@@ -322,7 +323,7 @@ print(f"a prefill batch (5 and 3 tokens): max_len {prefill.max_len}, layers use 
 # branch at capture, whatever the batch was. The kernels' grids depend only on host ints fixed by
 # the bucket (the number of tokens, `max_rank`, `num_slots` segments), never on which adapters are
 # present. And the kernels read each row's slot and that slot's rank from the buffers **at run
-# time**: a row on a rank-0 slot adds nothing, a row on a rank-16 slot loops over 16 ranks, in the
+# time**: a row on a rank-0 slot adds nothing, a row on a rank-16 slot uses its 16 ranks, in the
 # same recorded launch. (A kernel that sized its grid by the ranks present at capture, or a layer
 # that skipped modules the first adapter did not target, would silently drop deltas later.)
 #
