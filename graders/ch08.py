@@ -18,7 +18,10 @@ slots past the bucket), a first update with the flag off (the junk tables must s
 refused update of each kind. ch08.3: a real ``LoRAMemoryPool`` (tiny adapters, a CPU cache that
 drops host copies) replayed with polls between some calls, several calls between others, two polls
 in a row, an interval of hits only, a load followed by a hit, a host copy dropped alone, and a
-tracker made on a warm pool.
+tracker made on a warm pool. ch08.4: static tensors left by an earlier step (real rows, tokens and
+positions everywhere) or in the capture state, padding inside the bucket and none, a bucket below
+max_seqs, one to four tokens per sequence, cache rows out of order; compared on the first ``bucket``
+rows (what the bucket's graph reads).
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from graders.core import Case, Exercise
 from reference.cuda_graph import SlotChangeTracker, StaticLoRABatch, bucket_for
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec, uid_sort_key
 
-__all__ = ["EXERCISES", "drive_static_batch", "replay_tracker", "BUFFER_ORDER"]
+__all__ = ["EXERCISES", "drive_static_batch", "replay_tracker", "drive_write_inputs", "write_decode_inputs",
+           "BUFFER_ORDER"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,6 +601,102 @@ def _tracker_hint(case: Case, expected, got) -> Optional[str]:
     return "only load and evict events change a slot's owner"
 
 
+# ---------------------------------------------------------------------------------------------
+# ch08.4 write_decode_inputs
+
+
+def write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions,
+                        static_rows):
+    """Reference for ch08.4: ``DecodeGraphRunner._write_inputs`` on given static tensors (the CPU
+    path: no pinned staging)."""
+    n, tps = len(input_ids), static_ids.shape[1]
+    ids = torch.zeros(bucket, tps, dtype=torch.int64)
+    ids[:n] = torch.tensor([list(t) for t in input_ids], dtype=torch.int64).view(n, tps)
+    pos = torch.zeros(bucket, tps, dtype=torch.int64)
+    pos[:n] = torch.tensor(list(positions), dtype=torch.int64).view(n, 1) + torch.arange(tps)
+    rows = torch.full((bucket,), scratch_row, dtype=torch.int64)  # padding: the scratch row
+    rows[:n] = torch.tensor(list(cache_rows), dtype=torch.int64)
+    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):
+        dst[:bucket].copy_(src)
+
+
+def drive_write_inputs(fn, input_ids, positions, cache_rows, bucket, scratch_row, static: list):
+    """Call the learner's function on the static tensors ``static`` = [ids, positions, rows] and
+    return their first ``bucket`` rows (what the bucket's graph reads), not what it returns: a
+    version that builds new tensors changes nothing a captured graph sees. (The static tensors come
+    as one list so that the graders' "inputs unchanged" check leaves them alone: writing them is the
+    exercise.)"""
+    static_ids, static_positions, static_rows = static
+    fn(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions, static_rows)
+    return static_ids[:bucket].clone(), static_positions[:bucket].clone(), static_rows[:bucket].clone()
+
+
+def _inputs_case(name, rng: random.Random, max_seqs, tps, n, bucket, junk=True) -> Case:
+    rows = rng.sample(range(max_seqs), n)  # the batch's sequences, in any order of their cache rows
+    ids = [[rng.randrange(1, 128) for _ in range(tps)] for _ in range(n)]
+    pos = [rng.randint(0, 40) for _ in range(n)]
+    scratch = max_seqs  # StaticKVLlama's scratch row: one past the last sequence row
+    if junk:  # an earlier, larger step left real rows, tokens and positions everywhere
+        s_ids = torch.tensor([[rng.randrange(1, 128) for _ in range(tps)] for _ in range(max_seqs)])
+        s_pos = torch.tensor([[rng.randint(1, 60) for _ in range(tps)] for _ in range(max_seqs)])
+        s_rows = torch.tensor([rng.randrange(max_seqs) for _ in range(max_seqs)])
+    else:
+        s_ids, s_pos = torch.zeros(max_seqs, tps, dtype=torch.int64), torch.zeros(max_seqs, tps, dtype=torch.int64)
+        s_rows = torch.full((max_seqs,), scratch, dtype=torch.int64)
+    desc = (f"{n} sequences (input_ids {ids}, positions {pos}, cache_rows {rows}) in a bucket of {bucket}, "
+            f"scratch_row {scratch}; static tensors of {max_seqs} rows x {tps} token(s) holding "
+            f"{'an earlier step' if junk else 'the capture state'}: rows {s_rows.tolist()}")
+    return Case(name, [ids, pos, rows, bucket, scratch, [s_ids, s_pos, s_rows]], desc, op="exact")
+
+
+def _inputs_edge() -> list[Case]:
+    r = random.Random(84)
+    return [
+        _inputs_case("three_sequences_bucket_4", r, 6, 1, 3, 4),
+        _inputs_case("no_padding", r, 4, 1, 4, 4),
+        _inputs_case("one_sequence_bucket_8", r, 8, 1, 1, 8),
+        _inputs_case("bucket_below_max_seqs_capture_state", r, 8, 1, 2, 4, junk=False),
+        _inputs_case("two_tokens_per_sequence", r, 5, 2, 3, 4),
+        _inputs_case("three_tokens_per_sequence_no_padding", r, 3, 3, 3, 3),
+        _inputs_case("four_tokens_one_sequence_bucket_2", r, 4, 4, 1, 2),
+    ]
+
+
+def _inputs_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    """Every draw: tokens_per_seq 1..4 (by index), padding inside the bucket, a bucket below
+    max_seqs, cache rows out of order, static tensors left by an earlier step."""
+    cases = []
+    for i, tps in enumerate([1, 2, 3, 4, 1]):
+        max_seqs = rng.randint(3, 9)
+        bucket = rng.randint(2, max_seqs - 1)
+        cases.append(_inputs_case(f"random_{i}", rng, max_seqs, tps, rng.randint(1, bucket - 1), bucket))
+    return cases
+
+
+def _inputs_hint(case: Case, expected, got) -> Optional[str]:
+    ids, pos, rows, bucket, scratch = case.args[:5]
+    n = len(ids)
+    if not (isinstance(got, tuple) and len(got) == 3 and all(isinstance(g, torch.Tensor) for g in got)):
+        return None
+    if all(torch.equal(g, a[:bucket]) for g, a in zip(got, case.args[5])):
+        return ("the static tensors you were given are unchanged: write into them in place (copy_ or slice "
+                "assignment); the captured graph reads those tensors, not new ones")
+    e_ids, e_pos, e_rows = expected
+    g_ids, g_pos, g_rows = got
+    if not torch.equal(g_rows[:n], e_rows[:n]):
+        return "static_rows[q] is cache_rows[q] for the real sequences"
+    if not torch.equal(g_rows, e_rows):
+        return (f"padding rows (n .. bucket-1) must use the scratch row ({scratch}): any other row belongs to a "
+                "real sequence (in this batch or not), and the padding's key/value writes would overwrite its "
+                "cache")
+    if not torch.equal(g_pos[:n], e_pos[:n]):
+        return ("token j of sequence q sits at position positions[q] + j (tokens_per_seq consecutive positions "
+                "from the sequence's first)")
+    if not torch.equal(g_pos, e_pos) or not torch.equal(g_ids[n:], e_ids[n:]):
+        return "padding rows get token 0 at position 0 (a stale position could lie past the cache's max_len)"
+    return "static_ids[q] holds input_ids[q] (tokens_per_seq tokens) for the real sequences"
+
+
 EXERCISES = [
     Exercise("ch08.1", "bucket_for", ("num_seqs", "buckets"), bucket_for, _bucket_edge, _bucket_random,
              _bucket_hint, grade_on="cpu"),
@@ -606,4 +706,9 @@ EXERCISES = [
     Exercise("ch08.3", "SlotChangeTracker", ("num_slots", "max_loaded_loras", "warm", "steps"),
              functools.partial(replay_tracker, SlotChangeTracker), _tracker_edge, _tracker_random, _tracker_hint,
              driver=replay_tracker, grade_on="cpu"),
+    Exercise("ch08.4", "write_decode_inputs", ("input_ids", "positions", "cache_rows", "bucket", "scratch_row",
+                                               "[static_ids, static_positions, static_rows]"),
+             functools.partial(drive_write_inputs, write_decode_inputs), _inputs_edge, _inputs_random, _inputs_hint,
+             driver=drive_write_inputs, grade_on="cpu",
+             result_names=("static_ids[:bucket]", "static_positions[:bucket]", "static_rows[:bucket]")),
 ]

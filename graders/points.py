@@ -52,6 +52,7 @@ POINTS: dict[str, dict[str, float]] = {
     "ch08.1": dict(_STANDARD),
     "ch08.2": dict(_STANDARD),
     "ch08.3": dict(_STANDARD),
+    "ch08.4": dict(_STANDARD),
 }
 
 

@@ -44,4 +44,5 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch08.1": ("reference.cuda_graph:bucket_for",),
     "ch08.2": ("reference.cuda_graph:StaticLoRABatch.update",),
     "ch08.3": ("reference.cuda_graph:SlotChangeTracker",),
+    "ch08.4": ("reference.cuda_graph:DecodeGraphRunner._write_inputs",),
 }

@@ -43,7 +43,8 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch07.1": "from reference.batch_info import batch_info_from_requests\n",
                   "ch07.3": ("graders.ch07", "ReferenceLoRALinear"),
                   "ch08.2": ("reference.cuda_graph", "StaticLoRABatch"),
-                  "ch08.3": ("reference.cuda_graph", "SlotChangeTracker")}
+                  "ch08.3": ("reference.cuda_graph", "SlotChangeTracker"),
+                  "ch08.4": ("graders.ch08", "write_decode_inputs")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
@@ -82,6 +83,7 @@ FAULTS = [
     ("ch08.1", "broken_code", None, "expected a number, got str"),
     ("ch08.2", "broken_code", None, "a buffer was replaced"),
     ("ch08.3", "broken_code", None, "poll() returns a bool"),
+    ("ch08.4", "broken_code", None, "raised IndexError"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),

@@ -30,3 +30,16 @@ class SlotChangeTracker:
         new = self.pool.events[self.seen:]
         self.seen = len(self.pool.events)
         return new
+
+
+# %% ch08.4
+import torch
+
+
+def write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions,
+                        static_rows):
+    # loops past the batch: input_ids[q] for q >= n
+    for q in range(bucket):
+        static_ids[q] = torch.tensor(input_ids[q])
+        static_positions[q] = positions[q]
+        static_rows[q] = cache_rows[q]

@@ -92,4 +92,25 @@ MUTANTS = [
     Mutant("ch08.3", "any-event-counts", ((_EVENTS, "return bool(new)"),), "a hit is an LRU refresh", "clause"),
     Mutant("ch08.3", "returns-the-events", ((_EVENTS, 'return [e for e in new if e[0] in ("load", "evict")]'),),
            "poll() returns a bool", "clause"),
+
+    # ch08.4 write_decode_inputs
+    Mutant("ch08.4", "only-the-real-rows-written", (("        dst[:bucket].copy_(src)", "        dst[:n].copy_(src[:n])"),),
+           "padding rows (n .. bucket-1) must use the scratch row", "poison", plausible=True),
+    Mutant("ch08.4", "padding-on-row-0",
+           (("torch.full((bucket,), scratch_row, dtype=torch.int64)", "torch.zeros(bucket, dtype=torch.int64)"),),
+           "must use the scratch row", "clause"),
+    Mutant("ch08.4", "padding-on-the-unused-rows",
+           (("torch.full((bucket,), scratch_row, dtype=torch.int64)", "torch.arange(bucket, dtype=torch.int64)"),),
+           "must use the scratch row", "clause"),
+    Mutant("ch08.4", "positions-not-offset-per-token", ((" + torch.arange(tps)", ""),), "positions[q] + j", "layout"),
+    Mutant("ch08.4", "stale-padding-positions",
+           (("    pos = torch.zeros(bucket, tps, dtype=torch.int64)", "    pos = static_positions[:bucket].clone()"),),
+           "padding rows get token 0 at position 0", "poison"),
+    Mutant("ch08.4", "new-tensors-returned",
+           (("    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):\n"
+             "        dst[:bucket].copy_(src)", "    return ids, pos, rows"),),
+           "write into them in place", "state"),
+    Mutant("ch08.4", "cache-rows-not-written",
+           (("(static_positions, pos), (static_rows, rows))", "(static_positions, pos))"),),
+           "static_rows[q] is cache_rows[q]", "clause"),
 ]

@@ -22,7 +22,8 @@
 # - Speculative verification (several tokens per sequence) through the slot-sorted view of chapter 07,
 #   and how the layers choose BGMV or SGMV from the batch info.
 #
-# **Exercises**: ch08.1 `bucket_for`, ch08.2 `StaticLoRABatch.update`, ch08.3 `SlotChangeTracker`.
+# **Exercises**: ch08.1 `bucket_for`, ch08.2 `StaticLoRABatch.update`, ch08.3 `SlotChangeTracker`,
+# ch08.4 `write_decode_inputs`.
 
 # %%
 import copy
@@ -474,6 +475,72 @@ def rel_err(got, want):
 
 
 print("backend:", backend, "| graphs captured:", device.type == "cuda")
+
+# %% [markdown]
+# ### Exercise ch08.4: `write_decode_inputs`
+#
+# Step 3 of `decode` fills the runner's static inputs: `static_ids` and `static_positions`
+# `[max_seqs, tokens_per_seq]` int64, `static_rows [max_seqs]` int64 (each sequence's KV-cache row).
+# Write `write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids,
+# static_positions, static_rows)` for `n = len(input_ids)` sequences (host lists: `input_ids[q]` the
+# `tokens_per_seq` token ids of sequence q, `positions[q]` the position of its first token,
+# `cache_rows[q]` its cache row; `1 <= n <= bucket <= max_seqs`, checked by the caller). Write rows
+# `0 .. bucket-1` of the three tensors **in place**:
+#
+# - real sequences: `static_ids[q] = input_ids[q]`, `static_positions[q, j] = positions[q] + j`,
+#   `static_rows[q] = cache_rows[q]`;
+# - padding sequences `n .. bucket-1`: token 0 at position 0 (every token), and cache row
+#   `scratch_row`, whatever the tensors held before.
+#
+# Rows past the bucket are not read by the bucket's graph and are not graded. The grader's static
+# tensors start as an earlier, larger step left them (real rows, tokens and positions) or in the
+# capture state, and it compares the first `bucket` rows of the tensors it gave you.
+
+# %% exercise="ch08.4" role="answer"
+import torch
+
+
+def write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions,
+                        static_rows):
+    """One decode step's token ids, positions and cache rows, padded to the bucket, written in place."""
+    ### BEGIN SOLUTION
+    n, tps = len(input_ids), static_ids.shape[1]
+    ids = torch.zeros(bucket, tps, dtype=torch.int64)
+    ids[:n] = torch.tensor([list(t) for t in input_ids], dtype=torch.int64).view(n, tps)
+    pos = torch.zeros(bucket, tps, dtype=torch.int64)
+    pos[:n] = torch.tensor(list(positions), dtype=torch.int64).view(n, 1) + torch.arange(tps)
+    rows = torch.full((bucket,), scratch_row, dtype=torch.int64)
+    rows[:n] = torch.tensor(list(cache_rows), dtype=torch.int64)
+    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):
+        dst[:bucket].copy_(src)
+    ### END SOLUTION
+
+
+# %% exercise="ch08.4" role="test"
+graders.check("ch08.4", write_decode_inputs)
+
+# %% [markdown]
+# The runner's version stages the three host tensors in pinned memory on CUDA:
+
+# %%
+graders.show_reference("ch08.4")
+
+# %% [markdown]
+# Why the scratch row: a padding row runs through the whole model, attention included, and writes
+# its keys and values into the cache at its row and position. Pointed at a real sequence's row, it
+# overwrites that sequence's position 0. On a static-cache Llama of 3 rows (row 3 is the scratch row),
+# after a prefill of row 1:
+
+# %%
+from reference.static_llama import StaticKVLlama  # noqa: E402
+
+tiny = StaticKVLlama(copy.deepcopy(base).to(device), max_rows=3, max_len=8)
+with torch.inference_mode():
+    tiny(torch.tensor([[1, 2]], device=device), torch.tensor([[0, 1]], device=device), torch.tensor([1], device=device))
+    kept = tiny.k_cache[:, 1].clone()
+    for row in (tiny.scratch_row, 1):
+        tiny(torch.tensor([[0]], device=device), torch.tensor([[0]], device=device), torch.tensor([row], device=device))
+        print(f"a padding row on cache row {row}: row 1's keys unchanged: {torch.equal(tiny.k_cache[:, 1], kept)}")
 
 # %% [markdown]
 # A trace of decode steps over 4 sequences whose adapters come and go in a pool of 3 slots (the base
