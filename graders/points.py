@@ -49,6 +49,10 @@ POINTS: dict[str, dict[str, float]] = {
     "ch07.1": dict(_STANDARD),
     "ch07.2": dict(_STANDARD),
     "ch07.3": dict(_STANDARD),
+    "ch08.1": dict(_STANDARD),
+    "ch08.2": dict(_STANDARD),
+    "ch08.3": dict(_STANDARD),
+    "ch08.4": dict(_STANDARD),
 }
 
 

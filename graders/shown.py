@@ -41,4 +41,8 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch07.1": ("reference.batch_info:batch_info_from_requests",),
     "ch07.2": ("reference.batch_info:slot_sorted_view",),
     "ch07.3": ("reference.layers:LoRALinear.forward", "reference.layers:SharedShrink"),
+    "ch08.1": ("reference.cuda_graph:bucket_for",),
+    "ch08.2": ("reference.cuda_graph:StaticLoRABatch.update",),
+    "ch08.3": ("reference.cuda_graph:SlotChangeTracker",),
+    "ch08.4": ("reference.cuda_graph:DecodeGraphRunner._write_inputs",),
 }

@@ -16,25 +16,32 @@ ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
          "ch02.1", "ch02.2", "ch02.3", "ch02.4", "ch02.5", "ch02.6", "ch02.7", "ch02.8", "ch02.9",
          "ch03.1", "ch03.2", "ch03.3", "ch04.1", "ch04.2", "ch04.3", "ch04.4",
          "ch05.1", "ch05.2", "ch05.3", "ch05.4", "ch05.5",
-         "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3"]
+         "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3", "ch08.1", "ch08.2", "ch08.3",
+         "ch08.4"]
 EXPECTED = {
-    "all_correct":        [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
+    "all_correct":        [3] * 38,
     # plausible_mistakes is built from the mutant catalogue (one `plausible=True` mutant per exercise,
     # tests/mutants/chNN.py); every exercise now has one, and the case design rule (every clause, both
     # sides of every error, every layout, tile-crossing sizes in every draw) makes each lose all three
     # groups. The four 3s of the old hand-written learner (ch01.3, ch02.2, ch02.5, ch02.8) were answers
     # that were in fact correct; those exercises now carry real mistakes: unmerge adds the delta
     # instead of subtracting it, token slots returned as int64, the rank clip taken from t's width
-    # (t may be wider than max_rank), an unstable sort.
-    "plausible_mistakes": [0] * 34,
+    # (t may be wider than max_rank), an unstable sort. ch08: the first fitting bucket in the given
+    # order (every group has unsorted bucket lists), padding on slot 0 (every group has pad slots
+    # other than 0), a tracker that starts at the end of the log (every group has a warm pool), only
+    # the real rows of the static inputs written (every group pads inside the bucket over stale rows).
+    "plausible_mistakes": [0] * 38,
     # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
     # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel;
     # Triton: a kernel that writes nothing; a launch with an argument missing; ch03.3 left as the stub;
     # ch04: a list; a kernel zeroing the output; the stub; a generator;
     # ch05: no select_victim; a constructor argument; returns nothing; sets; the stub;
     # ch06: the layer as a str; a re.Match for a bool; the stub; KeyError on a missing part;
-    # ch07: a dict; host lists; forward returns nothing
-    "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    # ch07: a dict; host lists; forward returns nothing;
+    # ch08: a str for the bucket; buffers replaced by fresh tensors; poll returns the events (a list);
+    # a loop over the bucket that indexes past the batch (IndexError)
+    "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                           0, 0, 0, 0],
 }
 
 
@@ -69,7 +76,7 @@ def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
         per_chapter = {"01_lora_basics": sum(expected[:6]), "02_batching_adapters": sum(expected[6:15]),
                        "03_triton_sgmv": sum(expected[15:18]), "04_packed_and_chunked": sum(expected[18:22]),
                        "05_memory_pool": sum(expected[22:27]), "06_loading_adapters": sum(expected[27:31]),
-                       "07_batch_info": sum(expected[31:34])}
+                       "07_batch_info": sum(expected[31:34]), "08_cuda_graphs": sum(expected[34:38])}
         for chapter, total in per_chapter.items():
             assert exported[(student, chapter)] == total
 

@@ -25,7 +25,7 @@ def _submission(learner: str, exercise_id: str) -> str:
         return sample_learner(learner)[exercise_id]
     chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
                "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters",
-               "ch07": "07_batch_info"}[exercise_id[:4]]
+               "ch07": "07_batch_info", "ch08": "08_cuda_graphs"}[exercise_id[:4]]
     return parse_answers((ROOT / "submissions" / learner / f"{chapter}.py").read_text())[exercise_id]
 
 
@@ -41,7 +41,10 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch05.5": ("graders.ch05", "reference_slot_manager"),
                   # a LoRABatchInfo must be the reference's class: import the builder, do not re-define the module
                   "ch07.1": "from reference.batch_info import batch_info_from_requests\n",
-                  "ch07.3": ("graders.ch07", "ReferenceLoRALinear")}
+                  "ch07.3": ("graders.ch07", "ReferenceLoRALinear"),
+                  "ch08.2": ("reference.cuda_graph", "StaticLoRABatch"),
+                  "ch08.3": ("reference.cuda_graph", "SlotChangeTracker"),
+                  "ch08.4": ("graders.ch08", "write_decode_inputs")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
@@ -77,6 +80,10 @@ FAULTS = [
     ("ch05.3", "broken_code", None, "the buffers you were given are unchanged"),
     ("ch07.1", "broken_code", None, "expected a LoRABatchInfo"),
     ("ch07.3", "broken_code", None, "forward must return the output tensor"),
+    ("ch08.1", "broken_code", None, "expected a number, got str"),
+    ("ch08.2", "broken_code", None, "a buffer was replaced"),
+    ("ch08.3", "broken_code", None, "poll() returns a bool"),
+    ("ch08.4", "broken_code", None, "raised IndexError"),
     ("ch01.1", "broken_code", None, "raised AttributeError"),
     ("ch02.1", "broken_code", None, "dtype torch.int64, expected torch.int32"),
     ("ch02.2", "broken_code", None, "shape [0, 1], expected [0]"),
@@ -164,6 +171,30 @@ FAULTS = [
                 B[offs[slot]:offs[slot] + b.shape[0], :a.shape[0]] = b
             return A, B
         """, "gate before up"),
+    ("ch08.2", None, """
+        import torch
+        from reference.batch_info import slot_sorted_view
+        from reference.cuda_graph import StaticLoRABatch as GivenStaticLoRABatch
+
+        class StaticLoRABatch(GivenStaticLoRABatch):
+            def update(self, seq_slots, bucket, pad_slot, lora_ranks, scalings, ownership_changed):
+                n, tps, b = len(seq_slots), self.tokens_per_seq, self.buffers
+                if not n <= bucket <= self.max_seqs or len(lora_ranks) != self.num_slots \
+                        or len(scalings) != self.num_slots:
+                    raise ValueError("sizes")
+                if any(not 0 <= s < self.num_slots for s in [*seq_slots, pad_slot]) or lora_ranks[pad_slot]:
+                    raise ValueError("slots")
+                seqs = list(seq_slots) + [pad_slot] * (bucket - n)
+                counts, offsets, order = slot_sorted_view(seqs, self.num_slots, tps)
+                b["token_slots"].fill_(pad_slot)  # in place, without staging: right on the CPU
+                b["token_slots"][:bucket * tps] = torch.tensor(seqs, dtype=torch.int32).repeat_interleave(tps)
+                b["seg_lens"][:] = counts
+                b["seg_indptr"][:] = offsets
+                b["permutation"][:bucket * tps] = order  # the tail keeps the constructor's arange
+                if ownership_changed:
+                    b["lora_ranks"][:] = torch.tensor(list(lora_ranks), dtype=torch.int32)
+                    b["scalings"][:] = torch.tensor(list(scalings), dtype=torch.float32)
+        """, None),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):
             perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable

@@ -1,0 +1,116 @@
+"""Wrong answers for chapter 08 (buckets, the static LoRA batch, the change flag), each the solution
+cell with one realistic edit (graders.mutation.Mutant). ch08.2 and ch08.3 are classes graded through
+the replay drivers of graders/ch08.py, so these are edits of the method bodies: the in-place
+discipline, padding, the flag, the slot-sorted view, validation order; which events count, how far
+the log was read.
+
+Not in the catalogue, because no trace of the book's pool tells it apart from the solution: a
+tracker that counts only "load" events (the pool logs every "evict" in the same miss as the load
+into that slot). "cpu_evict" is also logged only next to a load by the pool itself, so the graders'
+traces drop host copies on their own too (memory pressure), where counting it fails."""
+from graders.mutation import Mutant
+
+_PAD_CHECK = ("        if lora_ranks[pad_slot] != 0:\n"
+              "            raise ValueError(f\"pad slot {pad_slot} has rank {lora_ranks[pad_slot]}, not 0\")\n")
+_COPY = "            self.buffers[name].copy_(st[name], non_blocking=True)\n"
+_EVENTS = 'return any(event[0] in ("load", "evict") for event in new)'
+
+MUTANTS = [
+    # ch08.1 bucket_for
+    Mutant("ch08.1", "first-fit-in-given-order", (("    return min(fits)", "    return fits[0]"),),
+           "buckets come in any order", "layout", plausible=True),
+    Mutant("ch08.1", "largest-bucket", (("    return min(fits)", "    return max(buckets)"),),
+           "not the largest", "math"),
+    Mutant("ch08.1", "strict-greater", (("b >= num_seqs", "b > num_seqs"),), "an exact fit is allowed", "clause"),
+    Mutant("ch08.1", "returns-an-index", (("    return min(fits)", "    return list(buckets).index(min(fits))"),),
+           "not its index", "clause"),
+    Mutant("ch08.1", "too-many-returns-the-largest",
+           (("    if not fits:\n        raise ValueError(f\"{num_seqs} sequences exceed the largest bucket ({max(buckets)})\")",
+             "    if not fits:\n        return max(buckets)"),),
+           "more_than_the_largest_raises_value_error", "error"),
+    Mutant("ch08.1", "zero-sequences-accepted",
+           (("    if num_seqs < 1:\n        raise ValueError(f\"a decode batch has at least one sequence, got {num_seqs}\")\n", ""),),
+           "zero_sequences_raises_value_error", "error"),
+    Mutant("ch08.1", "only-zero-refused", (("    if num_seqs < 1:", "    if num_seqs == 0:"),),
+           "negative_sequences_raises_value_error", "error"),
+
+    # ch08.2 StaticLoRABatch.update
+    Mutant("ch08.2", "pads-with-slot-0",
+           (("        seqs = list(seq_slots) + [pad_slot] * (bucket - n)", "        seqs = list(seq_slots) + [0] * (bucket - n)"),
+            ('        st["token_slots"].fill_(pad_slot)', '        st["token_slots"].fill_(0)')),
+           "sit on the pad slot", "clause", plausible=True),
+    Mutant("ch08.2", "buffers-reallocated", ((_COPY, "            self.buffers[name] = st[name].clone()\n"),),
+           "a buffer was replaced", "state"),
+    Mutant("ch08.2", "stale-slots-past-the-bucket", (('        st["token_slots"].fill_(pad_slot)\n', ""),),
+           "token_slots past the bucket", "layout"),
+    Mutant("ch08.2", "tables-copied-regardless-of-the-flag", (("        if ownership_changed:", "        if True:"),),
+           "rewritten only when slot ownership changed", "state"),
+    Mutant("ch08.2", "tables-never-copied", (("        if ownership_changed:", "        if False:"),),
+           "ownership_changed is True: copy", "state"),
+    Mutant("ch08.2", "no-tokens-per-seq-expansion",
+           (('        st["token_slots"][:bucket * tps] = torch.tensor(seqs, dtype=torch.int32).repeat_interleave(tps)',
+             '        st["token_slots"][:bucket] = torch.tensor(seqs, dtype=torch.int32)'),),
+           "tokens in a row", "layout"),
+    Mutant("ch08.2", "repeat-not-repeat-interleave", ((".repeat_interleave(tps)", ".repeat(tps)"),),
+           "repeat_interleave, not repeat", "layout"),
+    Mutant("ch08.2", "slot-sorted-view-over-max-seqs",
+           (("slot_sorted_view(seqs, self.num_slots, tps)",
+             "slot_sorted_view(seqs + [pad_slot] * (self.max_seqs - bucket), self.num_slots, tps)"),
+            ('        st["permutation"][:bucket * tps] = order', '        st["permutation"][:] = order')),
+           "not max_seqs", "layout"),
+    Mutant("ch08.2", "permutation-not-written", (('        st["permutation"][:bucket * tps] = order\n', ""),),
+           "sorted token ids of the padded bucket", "clause"),
+    Mutant("ch08.2", "pad-rank-checked-after-the-write",
+           ((_PAD_CHECK, ""), (_COPY, _COPY + _PAD_CHECK)),
+           "a refused update changes nothing", "error"),
+    Mutant("ch08.2", "pad-rank-unchecked", ((_PAD_CHECK, ""),), "padding must add nothing", "error"),
+    Mutant("ch08.2", "more-sequences-than-the-bucket-accepted",
+           (("        if not n <= bucket <= self.max_seqs:", "        if not bucket <= self.max_seqs:"),),
+           "need n <= bucket", "error"),
+    Mutant("ch08.2", "bucket-past-max-seqs-accepted",
+           (("        if not n <= bucket <= self.max_seqs:", "        if not n <= bucket:"),),
+           "need n <= bucket <= max_seqs", "error"),
+    Mutant("ch08.2", "negative-pad-slot-accepted",
+           (("for s in [*seq_slots, pad_slot])", "for s in [*seq_slots, pad_slot] if s >= 0)"),),
+           "a negative index would silently read another slot", "error"),
+    Mutant("ch08.2", "table-lengths-unchecked",
+           (("        if len(lora_ranks) != self.num_slots or len(scalings) != self.num_slots:\n"
+             "            raise ValueError(f\"lora_ranks and scalings need {self.num_slots} entries\")\n", ""),),
+           "one per slot", "error"),
+
+    # ch08.3 SlotChangeTracker
+    Mutant("ch08.3", "starts-at-the-end-of-the-log", (("        self.seen = 0", "        self.seen = len(pool.events)"),),
+           "the first poll reports the events logged before the tracker was made", "state", plausible=True),
+    Mutant("ch08.3", "hits-count-as-changes", ((_EVENTS, 'return any(event[0] in ("load", "evict", "hit") for event in new)'),),
+           "a hit is an LRU refresh", "clause"),
+    Mutant("ch08.3", "cpu-evict-counts", ((_EVENTS, 'return any(event[0] in ("load", "evict", "cpu_evict") for event in new)'),),
+           "cpu_evict drops a host copy", "clause"),
+    Mutant("ch08.3", "never-advances", (("        self.seen = len(self.pool.events)\n", ""),),
+           "poll() forgets what it reported", "state"),
+    Mutant("ch08.3", "only-the-last-event", ((_EVENTS, 'return bool(new) and new[-1][0] in ("load", "evict")'),),
+           "not only the last one", "state"),
+    Mutant("ch08.3", "any-event-counts", ((_EVENTS, "return bool(new)"),), "a hit is an LRU refresh", "clause"),
+    Mutant("ch08.3", "returns-the-events", ((_EVENTS, 'return [e for e in new if e[0] in ("load", "evict")]'),),
+           "poll() returns a bool", "clause"),
+
+    # ch08.4 write_decode_inputs
+    Mutant("ch08.4", "only-the-real-rows-written", (("        dst[:bucket].copy_(src)", "        dst[:n].copy_(src[:n])"),),
+           "padding rows (n .. bucket-1) must use the scratch row", "poison", plausible=True),
+    Mutant("ch08.4", "padding-on-row-0",
+           (("torch.full((bucket,), scratch_row, dtype=torch.int64)", "torch.zeros(bucket, dtype=torch.int64)"),),
+           "must use the scratch row", "clause"),
+    Mutant("ch08.4", "padding-on-the-unused-rows",
+           (("torch.full((bucket,), scratch_row, dtype=torch.int64)", "torch.arange(bucket, dtype=torch.int64)"),),
+           "must use the scratch row", "clause"),
+    Mutant("ch08.4", "positions-not-offset-per-token", ((" + torch.arange(tps)", ""),), "positions[q] + j", "layout"),
+    Mutant("ch08.4", "stale-padding-positions",
+           (("    pos = torch.zeros(bucket, tps, dtype=torch.int64)", "    pos = static_positions[:bucket].clone()"),),
+           "padding rows get token 0 at position 0", "poison"),
+    Mutant("ch08.4", "new-tensors-returned",
+           (("    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):\n"
+             "        dst[:bucket].copy_(src)", "    return ids, pos, rows"),),
+           "write into them in place", "state"),
+    Mutant("ch08.4", "cache-rows-not-written",
+           (("(static_positions, pos), (static_rows, rows))", "(static_positions, pos))"),),
+           "static_rows[q] is cache_rows[q]", "clause"),
+]

@@ -1,0 +1,688 @@
+# %% [markdown]
+# # 08 · CUDA-graph decode with LoRA
+#
+# A decode step runs the whole model for one token per sequence: hundreds of small kernels (section 1
+# loads measured times of the LoRA ones). Launching them one by one from Python costs host time per
+# launch, which the GPU spends waiting when the kernels are that short. A **CUDA graph** records the
+# launches once and replays them with one call. LoRA makes that
+# hard: a graph freezes every pointer, shape and branch it recorded, while the batch's adapters
+# change every step. This chapter builds what makes it work anyway, on chapter 05's pool and
+# chapter 07's batch info and layers: static buffers updated in place, bucketed batch sizes, grids
+# sized for capacity, and a change flag that says when the per-slot tables must be rewritten. It
+# also shows, on a real (tiny) Llama, the bug a missed change flag causes.
+#
+# **What you will learn**
+# - What capture freezes (pointers, shapes, branches, grid sizes) and why LoRA metadata must live in
+#   buffers allocated once and overwritten in place, with padding rows on a rank-0 slot.
+# - Bucketed batch sizes (nano-vllm's capture loop): one graph per bucket, captured largest first
+#   into one shared memory pool; prefill stays eager; a base-only batch replays its own graph.
+# - Grids sized for capacity: a graph captured with one adapter serves every later batch.
+# - The slot manager's change flag (TensorRT-LLM's `slots_changed`): which pool events set it, and
+#   the stale-adapter bug when it is missed.
+# - Speculative verification (several tokens per sequence) through the slot-sorted view of chapter 07,
+#   and how the layers choose BGMV or SGMV from the batch info.
+#
+# **Exercises**: ch08.1 `bucket_for`, ch08.2 `StaticLoRABatch.update`, ch08.3 `SlotChangeTracker`,
+# ch08.4 `write_decode_inputs`.
+
+# %%
+import copy
+import inspect
+import json
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import reference  # first: device choice
+import torch
+
+import graders
+from reference import cuda_graph as cg
+from reference.adapters import load_peft_adapter
+from reference.batch_info import batch_info_from_requests, slot_sorted_view
+from reference.device import default_device
+from reference.layers import LoRAContext, uses_token_slots, wrap_llama
+from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
+
+device = default_device()
+print("device:", device)
+
+# %% [markdown]
+# ## 1. What a CUDA graph freezes
+#
+# `torch.cuda.graph(g)` runs the code once while the GPU *records* every kernel launch instead of
+# running it; `g.replay()` then launches the recorded sequence again. What was recorded is fixed:
+#
+# - **pointers**: each kernel reads and writes the addresses it had at capture. A tensor allocated
+#   after capture, or a Python name rebound to a new tensor, is invisible to the replay;
+# - **shapes and grid sizes**: a kernel launched for 8 rows is replayed for 8 rows;
+# - **branches**: Python ran once, at capture. `if batch_info.has_active_lora:` was decided then, and
+#   a `.item()` that decided a loop's length (a device read, which capture forbids anyway) is gone.
+#
+# For LoRA that is a problem: the adapters of a decode batch change every step (requests finish,
+# new ones arrive, the pool evicts and loads adapters), and with them every tensor of the batch
+# info. The way out has four parts, each a section below: (1) the weights already live in fixed
+# slots (chapter 05: a slot's address never changes, only its contents); (2) the batch info lives in
+# **static buffers** allocated once for the largest batch and overwritten in place before every
+# replay; (3) batch sizes are **bucketed**, one graph per bucket; (4) kernels read the slot and the
+# rank of each row at run time from those buffers, so the **grid is sized for capacity**, not for the
+# adapters present at capture.
+#
+# Why bother: the book's LoRA kernel benchmark (chapter 03) timed decode kernels under CUDA-graph
+# replay. Its committed results, per decode batch, the shrink and expand times next to the base
+# projection's GEMM:
+
+# %%
+bench = json.loads(Path(reference.__file__).resolve().parents[1].joinpath(
+    "benchmarks", "results", "lora_ops_h200.json").read_text())
+print(f"device: {bench['device']} (torch {bench['torch']}, triton {bench['triton']}); method: {bench['method']}")
+for row in bench["rows"]:
+    if row["kind"] == "decode" and row["adapters"] == 1 and row["op"] in ("shrink", "expand"):
+        print(f"  {row['case']:34s} {row['op']:7s} {row['us']:6.2f} us   base GEMM {row['base_gemm_us']:6.2f} us")
+
+# %% [markdown]
+# Every LoRA projection of a decode step adds two such launches (shrink, expand) to the base GEMM.
+# For a Llama-shaped model with four LoRA groups per layer (qkv, o, gate_up, down), the count per
+# decode step is:
+
+# %%
+llama_8b_layers = 32  # Llama-3-8B's num_hidden_layers
+lora_groups_per_layer = 4  # qkv_proj, o_proj, gate_up_proj, down_proj (chapter 04's packed layout)
+launches = llama_8b_layers * lora_groups_per_layer * 2
+print(f"{launches} LoRA kernel launches per decode step, on top of the base model's")
+
+# %% [markdown]
+# Each launch from Python costs host time that the GPU spends waiting when the kernels are this
+# short; a graph replays all of them with one call. (This book's end-to-end benchmark of one decode
+# step, eager against graph replay, is `benchmarks/benchmark_decode_step.py`; its results are not
+# committed yet, so no number is shown here.)
+#
+# ## 2. Bucketed batch sizes
+#
+# A graph has one batch size. Capturing one per possible size costs memory and capture time, so
+# servers capture a few **buckets** and pad each batch up to the smallest bucket that holds it.
+# nano-vllm's list (`nanovllm/engine/model_runner.py`, `capture_cudagraph`): 1, 2, 4, 8, then every
+# multiple of 16 up to the largest batch. It captures them **largest first**, all into **one shared
+# memory pool** (`graph_pool`): the largest graph's temporaries are allocated first, and the smaller
+# graphs, which never run at the same time, reuse that memory. Before a replay it copies the step's
+# inputs into the static input tensors and replays the bucket's graph. Prefill (many tokens per
+# sequence, varying lengths) runs eagerly.
+
+# %%
+buckets = cg.default_buckets(40)
+print("default_buckets(40) =", buckets)
+pads = {n: min(b for b in buckets if b >= n) - n for n in range(1, 41)}
+print("padding rows per batch size:", {n: p for n, p in pads.items() if p})
+print(f"average padding over batch sizes 1..40: {sum(pads.values()) / len(pads):.2f} rows; "
+      f"worst: {max(pads.values())} rows (batch {max(pads, key=pads.get)})")
+
+# %% [markdown]
+# ### Exercise ch08.1: `bucket_for`
+#
+# Write `bucket_for(num_seqs, buckets)`: the smallest bucket that holds `num_seqs` sequences (a bucket
+# `b` holds `n` sequences when `b >= n`). `buckets` is a tuple or a list of ints in **any order**,
+# possibly with repeats. Raise `ValueError` when `buckets` is empty, when `num_seqs < 1` (a decode
+# batch has at least one sequence), or when `num_seqs` exceeds the largest bucket (such a batch must
+# be split or run eagerly: a graph too small for it would silently drop rows). Example:
+# `bucket_for(5, (16, 1, 8, 4))` is 8.
+
+# %% exercise="ch08.1" role="answer"
+def bucket_for(num_seqs, buckets):
+    """The smallest bucket that holds num_seqs sequences (buckets in any order)."""
+    ### BEGIN SOLUTION
+    if not buckets:
+        raise ValueError("no buckets")
+    if num_seqs < 1:
+        raise ValueError(f"a decode batch has at least one sequence, got {num_seqs}")
+    fits = [b for b in buckets if b >= num_seqs]
+    if not fits:
+        raise ValueError(f"{num_seqs} sequences exceed the largest bucket ({max(buckets)})")
+    return min(fits)
+    ### END SOLUTION
+
+
+# %% exercise="ch08.1" role="test"
+graders.check("ch08.1", bucket_for)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch08.1")
+
+# %% [markdown]
+# ## 3. Static buffers, updated in place
+#
+# Every LoRA graph is captured over one `StaticLoRABatch`: the tensors of a `LoRABatchInfo`,
+# allocated **once**, for the largest bucket (`max_seqs` sequences of `tokens_per_seq` tokens) and
+# every slot of the pool:
+#
+# - `token_slots [max_tokens]`: the slot of every token, read by BGMV (decode);
+# - `lora_ranks`, `scalings [num_slots]`: the per-slot tables, copied from the pool's host mirrors;
+# - `seg_lens [num_slots]`, `seg_indptr [num_slots + 1]`, `weight_indices [num_slots]` (= arange: segment
+#   s *is* slot s), `permutation [max_tokens]`: chapter 07's slot-sorted view, a segment table of fixed
+#   size, read by SGMV when each sequence has several tokens.
+#
+# Before each replay the step's values are **written into** these tensors (`copy_`, `fill_`, slice
+# assignment), never bound to new ones: `self.buffers["token_slots"] = torch.tensor(...)` would leave
+# the graph reading the old tensor forever. The values are first written into a **pinned host
+# twin** of each buffer (`staging`) and copied with `non_blocking=True`: a copy from pageable memory
+# waits for the GPU (chapter 07), while a pinned one is queued behind the previous step's work. The
+# host must not refill a staging tensor while the previous copy may still read it, hence one CUDA
+# event recorded after the copies and waited on before the next update.
+#
+# **Padding.** A batch of n sequences in bucket b has b - n padding sequences, and the graph runs
+# the LoRA kernels on them too. Their `token_slots` point at a **rank-0 slot** (the base model's,
+# which the runner keeps resident), so they add exactly nothing, and so do the rows past the bucket,
+# up to `max_tokens`: a slot id left there from an earlier, larger batch could belong to an adapter
+# evicted since, or to no adapter at all. Padding sequences also go into the slot-sorted view (in
+# the pad slot's segment), so the segments cover exactly the bucket's rows.
+#
+# **The LoRA intermediate.** The shrink output `t [tokens, max_rank]` of each layer is allocated
+# inside the layer's forward, that is *inside the captured region*: it comes from the graph's
+# private memory pool, gets a fixed address at capture, and every replay reuses it. Nothing to do
+# by hand, as long as the shapes depend only on the bucket.
+#
+# The constructor, the per-bucket batch infos (views into the buffers, made once) and the address
+# check are given:
+
+# %%
+print(inspect.getsource(cg.StaticLoRABatch.__init__))
+print(inspect.getsource(cg.StaticLoRABatch.batch_info))
+print(inspect.getsource(cg.StaticLoRABatch.data_ptrs))
+
+# %% [markdown]
+# The figure shows two updates of one `StaticLoRABatch` (4 slots, `max_seqs` 8, the base model in
+# slot 2): first 5 sequences in the bucket of 8 with an ownership change, then 3 sequences in the
+# bucket of 4 without one. The tables keep the first step's values in the second; the tokens past
+# the bucket (hatched) hold the pad slot; no buffer moved:
+#
+# ![A StaticLoRABatch's buffers after two in-place updates](static_batch.png)
+#
+# (Figure made by `figures/src/static_batch.py` from the reference's `StaticLoRABatch`.) The same
+# two steps, printed:
+
+# %%
+demo = cg.StaticLoRABatch(num_slots=4, max_seqs=8)
+ptrs = demo.data_ptrs()
+view_4 = demo.batch_info(4)  # made before the updates: a captured graph holds exactly these tensors
+for slots, bucket, ranks, scal, changed in [([0, 1, 0, 3, 2], 8, [8, 4, 0, 16], [2.0, 1.0, 0.0, 0.5], True),
+                                            ([3, 3, 1], 4, [1, 1, 0, 1], [9.0, 9.0, 0.0, 9.0], False)]:
+    demo.update(slots, bucket, pad_slot=2, lora_ranks=ranks, scalings=scal, ownership_changed=changed)
+    print(f"update({slots}, bucket={bucket}, ownership_changed={changed}):")
+    for name in ("token_slots", "seg_lens", "seg_indptr", "lora_ranks", "scalings"):
+        print(f"   {name:12s} {demo.buffers[name].tolist()}")
+print("every buffer at its first address:", demo.data_ptrs() == ptrs,
+      "| the bucket-4 view sees the new token slots:", view_4.token_slots.tolist())
+
+# %% [markdown]
+# ### Exercise ch08.2: `StaticLoRABatch.update`
+#
+# Write `update(self, seq_slots, bucket, pad_slot, lora_ranks, scalings, ownership_changed)` in a
+# subclass of the given class (its `__init__`, `batch_info` and `data_ptrs` are the reference's,
+# printed above). With `n = len(seq_slots)` and `tps = self.tokens_per_seq`:
+#
+# - **validate first**, and raise `ValueError` with nothing written when: not `n <= bucket <=
+#   self.max_seqs`; `lora_ranks` or `scalings` do not have `self.num_slots` entries; a slot of
+#   `seq_slots` or `pad_slot` is outside `0..num_slots-1` (negative too); `lora_ranks[pad_slot] != 0`;
+# - `token_slots`: sequence q's slot on its `tps` consecutive tokens `q*tps .. q*tps + tps - 1`,
+#   padding sequences `n .. bucket-1` **and every token past the bucket** on `pad_slot`;
+# - `seg_lens`, `seg_indptr` and `permutation[:bucket * tps]`: `slot_sorted_view` (chapter 07) of the
+#   padded bucket, `seq_slots + [pad_slot] * (bucket - n)`, with `tps` tokens per sequence
+#   (`permutation` past `bucket * tps` is not read and not graded);
+# - `lora_ranks` and `scalings` (int32 and float32): copied from the given lists **only when
+#   `ownership_changed`** is True; otherwise left as they are, whatever lists are passed;
+# - `weight_indices` is never written; **no buffer is ever replaced**: write into `self.buffers[name]`
+#   in place (through `self.staging[name]` and `copy_(..., non_blocking=True)`, as above; on the CPU
+#   `self._copied` is None, on CUDA wait on it before touching the staging and record it after).
+#
+# The grader replays traces of updates on instances it builds (one and several tokens per sequence,
+# buckets below `max_seqs`, pad slots other than 0, zero sequences), whose buffers start with the
+# constructor's zeros or with finite junk, and checks after every update each buffer's values, that
+# no buffer was replaced (same object, same `data_ptr`), and for a refused update that nothing changed.
+
+# %% exercise="ch08.2" role="answer"
+import torch
+from reference.batch_info import slot_sorted_view
+from reference.cuda_graph import StaticLoRABatch as GivenStaticLoRABatch
+
+
+class StaticLoRABatch(GivenStaticLoRABatch):
+    """The given constructor, batch_info and data_ptrs; update writes one step in place."""
+
+    def update(self, seq_slots, bucket, pad_slot, lora_ranks, scalings, ownership_changed):
+        ### BEGIN SOLUTION
+        n, tps = len(seq_slots), self.tokens_per_seq
+        if not n <= bucket <= self.max_seqs:
+            raise ValueError(f"{n} sequences in a bucket of {bucket} (max_seqs {self.max_seqs})")
+        if len(lora_ranks) != self.num_slots or len(scalings) != self.num_slots:
+            raise ValueError(f"lora_ranks and scalings need {self.num_slots} entries")
+        if any(not 0 <= s < self.num_slots for s in [*seq_slots, pad_slot]):
+            raise ValueError(f"slots must lie in 0..{self.num_slots - 1}")
+        if lora_ranks[pad_slot] != 0:
+            raise ValueError(f"pad slot {pad_slot} has rank {lora_ranks[pad_slot]}, not 0")
+        seqs = list(seq_slots) + [pad_slot] * (bucket - n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies may still read the staging
+        st = self.staging
+        st["token_slots"].fill_(pad_slot)
+        st["token_slots"][:bucket * tps] = torch.tensor(seqs, dtype=torch.int32).repeat_interleave(tps)
+        counts, offsets, order = slot_sorted_view(seqs, self.num_slots, tps)
+        st["seg_lens"].copy_(counts)
+        st["seg_indptr"].copy_(offsets)
+        st["permutation"][:bucket * tps] = order
+        names = ["token_slots", "seg_lens", "seg_indptr", "permutation"]
+        if ownership_changed:
+            st["lora_ranks"].copy_(torch.tensor(list(lora_ranks), dtype=torch.int32))
+            st["scalings"].copy_(torch.tensor(list(scalings), dtype=torch.float32))
+            names += ["lora_ranks", "scalings"]
+        for name in names:
+            self.buffers[name].copy_(st[name], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        ### END SOLUTION
+
+
+# %% exercise="ch08.2" role="test"
+graders.check("ch08.2", StaticLoRABatch)
+
+# %% [markdown]
+# The reference:
+
+# %%
+graders.show_reference("ch08.2")
+
+# %% [markdown]
+# **Several tokens per sequence.** Speculative decoding verifies `tps` draft tokens per sequence in
+# one forward. The graph is still a decode graph (fixed shapes: `bucket * tps` tokens), but a segment
+# now has several tokens, so the layers take **SGMV** over the slot-sorted segments, and `max_len`
+# in the batch info is the bucket's token count, so SGMV's grid covers any segment, however the
+# tokens fall on the slots. With one token per sequence the layers take **BGMV**, which reads only
+# `token_slots` (chapter 07's `uses_token_slots`: at most one token per segment and `token_slots`
+# set). What the layers will run is visible in the batch info itself:
+
+# %%
+for tps in (1, 3):
+    static = cg.StaticLoRABatch(num_slots=4, max_seqs=4, tokens_per_seq=tps)
+    static.update([1, 3, 1], 4, 0, [0, 8, 4, 2], [0.0, 2.0, 0.5, 1.5], ownership_changed=True)
+    info = static.batch_info(4)
+    perm = None if info.permutation is None else info.permutation.tolist()
+    print(f"tokens_per_seq {tps}: max_len {info.max_len}, has_active_lora {info.has_active_lora}, "
+          f"layers use {'BGMV' if uses_token_slots(info) else 'SGMV'}; token_slots {info.token_slots.tolist()}")
+    print(f"   seg_lens {info.seg_lens.tolist()}, seg_indptr {info.seg_indptr.tolist()}, permutation {perm}")
+prefill = batch_info_from_requests(["a", None], [5, 3], {None: 0, "a": 1}, [0, 8], [0.0, 2.0], "cpu")
+print(f"a prefill batch (5 and 3 tokens): max_len {prefill.max_len}, layers use "
+      f"{'BGMV' if uses_token_slots(prefill) else 'SGMV'}")
+
+# %% [markdown]
+# ## 4. Grids sized for capacity
+#
+# A graph captured while the batch had a single adapter must still give every adapter of a later
+# batch its delta. Three things make sure of it. The LoRA graphs are captured with
+# `has_active_lora = True`, so the layers' `if not has_active_lora: return base(x)` took the LoRA
+# branch at capture, whatever the batch was. The kernels' grids depend only on host ints fixed by
+# the bucket (the number of tokens, `max_rank`, `num_slots` segments), never on which adapters are
+# present. And the kernels read each row's slot and that slot's rank from the buffers **at run
+# time**: a row on a rank-0 slot adds nothing, a row on a rank-16 slot uses its 16 ranks, in the
+# same recorded launch. (A kernel that sized its grid by the ranks present at capture, or a layer
+# that skipped modules the first adapter did not target, would silently drop deltas later.)
+#
+# A base-only batch (every sequence on the base model) needs no LoRA launch at all, so the runner
+# also captures a **base-only graph** per bucket, with `has_active_lora = False`. Even then the pool's
+# bookkeeping runs for that step (`prepare_lora_batch`: hits mark the adapters used, the event log
+# advances), or LRU order and the change flag would drift from what the GPU holds.
+#
+# ## 5. The change flag
+#
+# The per-slot tables (`lora_ranks`, `scalings`) change only when a slot changes owner. Copying them
+# every step would be correct but wasteful; TensorRT-LLM's `AdapterSlotManager` keeps a
+# `slots_changed` flag, set when a slot's adapter changes, and its CUDA-graph LoRA parameters
+# (`CudaGraphLoraParams`) rewrite the per-slot pointers and sizes only then. Here the pool's event
+# log (chapter 05) tells: `("load", uid, slot, tier)` and `("evict", uid, slot)` change ownership;
+# `("hit", uid, slot)` (an LRU refresh) and `("cpu_evict", uid)` (a host copy dropped from the CPU
+# cache) do not.
+
+# %%
+def tiny_adapter(uid):
+    return LoRAAdapter(uid, 1, 1.0, {})
+
+
+small_pool = LoRAMemoryPool([ModuleSpec("q_proj", 2, (2,))], 1, 2, 1, adapter_source=tiny_adapter, max_loaded_loras=2)
+for batch in (["A"], ["A"], ["B", None], ["C"]):
+    start = len(small_pool.events)
+    small_pool.prepare_lora_batch(batch)
+    print(f"prepare_lora_batch({batch}): events {small_pool.events[start:]}")
+
+# %% [markdown]
+# ### Exercise ch08.3: `SlotChangeTracker`
+#
+# Write the class `SlotChangeTracker` with `__init__(self, pool)` and `poll(self) -> bool`: `poll()`
+# returns True when `pool.events` gained a `"load"` or an `"evict"` event since the previous poll,
+# else False (a Python bool). The **first** poll looks at every event the pool logged since it was
+# made, before the tracker existed too: a runner started on a warm pool must copy its tables once.
+# Hits and `cpu_evict` events change no owner. Read the events (`event[0]` is the kind); do not
+# change the pool.
+#
+# The grader replays traces on a real `LoRAMemoryPool` (tiny adapters, a CPU cache that drops host
+# copies, the base model loading too) with polls between some calls and several calls between
+# others, two polls in a row, and trackers made on warm pools; the report shows the first poll
+# whose answer differs, with the events since the previous poll.
+
+# %% exercise="ch08.3" role="answer"
+class SlotChangeTracker:
+    """Whether any slot of a pool changed owner since the last poll."""
+
+    def __init__(self, pool):
+        ### BEGIN SOLUTION
+        self.pool = pool
+        self.seen = 0  # events already looked at: 0, so the first poll sees a warm pool's history
+        ### END SOLUTION
+
+    def poll(self):
+        ### BEGIN SOLUTION
+        new = self.pool.events[self.seen:]
+        self.seen = len(self.pool.events)
+        return any(event[0] in ("load", "evict") for event in new)
+        ### END SOLUTION
+
+
+# %% exercise="ch08.3" role="test"
+graders.check("ch08.3", SlotChangeTracker)
+
+# %% [markdown]
+# The reference:
+
+# %%
+graders.show_reference("ch08.3")
+
+# %% [markdown]
+# ## 6. The runner, on a tiny Llama
+#
+# `reference.cuda_graph.DecodeGraphRunner` puts it together over chapter 07's wrapped model and a
+# static-cache Llama forward (`reference.static_llama.StaticKVLlama`: one KV-cache row per sequence,
+# per-token positions, and a scratch row that padding rows write into, so a padded row never touches
+# a real sequence's cache). Per step, `decode(...)`:
+#
+# 1. picks the bucket (`bucket_for`) and runs the pool's bookkeeping (`prepare_lora_batch`, the base
+#    model kept resident: its rank-0 slot is the pad slot);
+# 2. polls the tracker and updates the static batch in place (`StaticLoRABatch.update`);
+# 3. writes token ids, positions and cache rows into the static inputs (padding on the scratch row);
+# 4. replays the bucket's LoRA graph, or its base-only graph when no sequence has an adapter.
+#
+# The judge is as in chapters 06-07: a tiny seeded Llama from a config and PEFT adapters saved to a
+# temporary folder; PEFT's own forward with `adapter_names` gives the expected logits. On a GPU
+# every bucket's graphs are captured (the Triton kernels); **without CUDA the runner runs the same
+# code with "capture" keeping the step function and "replay" calling it**: the same buffers, the
+# same updates, the same bugs, only the launches are not recorded (and the torch ops stand in for
+# the Triton kernels, which the CPU interpreter would run very slowly).
+
+# %%
+import transformers  # noqa: E402
+import peft  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=96, vocab_size=128, max_position_embeddings=64)
+MODULES = (ModuleSpec("qkv_proj", 64, (64, 32, 32)), ModuleSpec("o_proj", 64, (64,)),
+           ModuleSpec("gate_up_proj", 64, (96, 96)), ModuleSpec("down_proj", 96, (64,)))
+ADAPTERS = {"qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "mlp": dict(r=6, lora_alpha=12, target_modules=r".*\.mlp\.(gate|up|down)_proj"),
+            "rs": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+            "k2": dict(r=2, lora_alpha=3, target_modules=["k_proj", "o_proj", "down_proj"])}
+torch.manual_seed(0)
+base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
+workdir = Path(tempfile.mkdtemp(prefix="ch08-adapters-"))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    for seed, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(200 + seed)
+        peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(workdir / name)
+    judge = peft.PeftModel.from_pretrained(copy.deepcopy(base), workdir / "qv", adapter_name="qv")
+    for name in list(ADAPTERS)[1:]:
+        judge.load_adapter(workdir / name, adapter_name=name)
+judge = judge.to(device).eval()
+on_disk = {n: load_peft_adapter(workdir / n, MODULES, CFG["num_hidden_layers"], 8, uid=n) for n in ADAPTERS}
+backend = "triton" if device.type == "cuda" else "torch"
+
+
+def served(num_slots):
+    """A wrapped copy of the base model over a pool of num_slots slots."""
+    pool = LoRAMemoryPool(MODULES, CFG["num_hidden_layers"], num_slots, 8, device=device,
+                          adapter_source=on_disk.__getitem__)
+    context = LoRAContext()
+    return wrap_llama(copy.deepcopy(base).to(device), pool, context, backend), pool, context
+
+
+def prefill(runner, prompts, uids, rows):
+    """Eager prefill of each sequence into its cache row (chapter 07's batch info)."""
+    for prompt, uid, row in zip(prompts, uids, rows):
+        uid_to_slot = runner.pool.prepare_lora_batch([uid], running=[None])
+        runner.context.set_batch(batch_info_from_requests([uid], [len(prompt)], uid_to_slot, runner.pool.lora_ranks_host,
+                                                          runner.pool.scalings_host, device))
+        with torch.inference_mode():
+            runner.llm(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None],
+                       torch.tensor([row], device=device))
+
+
+def peft_next(seq, uid):
+    with torch.inference_mode():
+        return judge(input_ids=torch.tensor([seq], device=device), adapter_names=[uid or "__base__"]).logits[0, -1]
+
+
+def rel_err(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+print("backend:", backend, "| graphs captured:", device.type == "cuda")
+
+# %% [markdown]
+# ### Exercise ch08.4: `write_decode_inputs`
+#
+# Step 3 of `decode` fills the runner's static inputs: `static_ids` and `static_positions`
+# `[max_seqs, tokens_per_seq]` int64, `static_rows [max_seqs]` int64 (each sequence's KV-cache row).
+# Write `write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids,
+# static_positions, static_rows)` for `n = len(input_ids)` sequences (host lists: `input_ids[q]` the
+# `tokens_per_seq` token ids of sequence q, `positions[q]` the position of its first token,
+# `cache_rows[q]` its cache row; `1 <= n <= bucket <= max_seqs`, checked by the caller). Write rows
+# `0 .. bucket-1` of the three tensors **in place**:
+#
+# - real sequences: `static_ids[q] = input_ids[q]`, `static_positions[q, j] = positions[q] + j`,
+#   `static_rows[q] = cache_rows[q]`;
+# - padding sequences `n .. bucket-1`: token 0 at position 0 (every token), and cache row
+#   `scratch_row`, whatever the tensors held before.
+#
+# Rows past the bucket are not read by the bucket's graph and are not graded. The grader's static
+# tensors start as an earlier, larger step left them (real rows, tokens and positions) or in the
+# capture state, and it compares the first `bucket` rows of the tensors it gave you.
+
+# %% exercise="ch08.4" role="answer"
+import torch
+
+
+def write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions,
+                        static_rows):
+    """One decode step's token ids, positions and cache rows, padded to the bucket, written in place."""
+    ### BEGIN SOLUTION
+    n, tps = len(input_ids), static_ids.shape[1]
+    ids = torch.zeros(bucket, tps, dtype=torch.int64)
+    ids[:n] = torch.tensor([list(t) for t in input_ids], dtype=torch.int64).view(n, tps)
+    pos = torch.zeros(bucket, tps, dtype=torch.int64)
+    pos[:n] = torch.tensor(list(positions), dtype=torch.int64).view(n, 1) + torch.arange(tps)
+    rows = torch.full((bucket,), scratch_row, dtype=torch.int64)
+    rows[:n] = torch.tensor(list(cache_rows), dtype=torch.int64)
+    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):
+        dst[:bucket].copy_(src)
+    ### END SOLUTION
+
+
+# %% exercise="ch08.4" role="test"
+graders.check("ch08.4", write_decode_inputs)
+
+# %% [markdown]
+# The runner's version stages the three host tensors in pinned memory on CUDA:
+
+# %%
+graders.show_reference("ch08.4")
+
+# %% [markdown]
+# Why the scratch row: a padding row runs through the whole model, attention included, and writes
+# its keys and values into the cache at its row and position. Pointed at a real sequence's row, it
+# overwrites that sequence's position 0. On a static-cache Llama of 3 rows (row 3 is the scratch row),
+# after a prefill of row 1:
+
+# %%
+from reference.static_llama import StaticKVLlama  # noqa: E402
+
+tiny = StaticKVLlama(copy.deepcopy(base).to(device), max_rows=3, max_len=8)
+with torch.inference_mode():
+    tiny(torch.tensor([[1, 2]], device=device), torch.tensor([[0, 1]], device=device), torch.tensor([1], device=device))
+    kept = tiny.k_cache[:, 1].clone()
+    for row in (tiny.scratch_row, 1):
+        tiny(torch.tensor([[0]], device=device), torch.tensor([[0]], device=device), torch.tensor([row], device=device))
+        print(f"a padding row on cache row {row}: row 1's keys unchanged: {torch.equal(tiny.k_cache[:, 1], kept)}")
+
+# %% [markdown]
+# A trace of decode steps over 4 sequences whose adapters come and go in a pool of 3 slots (the base
+# model resident, so two adapters at a time: evictions and reloads between steps). The batch grows
+# and shrinks across the buckets 1, 2 and 4; the first decode step, where the runner captures, has a
+# single adapter; step 2 has only the base-model sequence. Every logit is compared with PEFT:
+
+# %%
+model, pool, context = served(num_slots=3)
+runner = cg.DecodeGraphRunner(model, pool, context, max_seqs=4, max_len=16, buckets=(1, 2, 4))
+seq_uids = ["qv", "mlp", None, "rs"]
+seqs = [[3, 5, 7], [11, 2, 9, 4], [9, 1], [6, 6, 2]]
+prefill(runner, seqs, seq_uids, range(4))
+steps = [[0], [0, 1, 2], [2], [3, 0, 2], [1, 3]]
+for k, active in enumerate(steps):
+    tokens = [(7 * k + i) % CFG["vocab_size"] for i in active]
+    start, before = len(pool.events), dict(runner.replays)
+    logits = runner.decode([[t] for t in tokens], [len(seqs[i]) for i in active], active, [seq_uids[i] for i in active])
+    for j, i in enumerate(active):
+        seqs[i].append(tokens[j])
+    err = max(rel_err(logits[j, 0], peft_next(seqs[i], seq_uids[i])) for j, i in enumerate(active))
+    graph = next(g for g in runner.replays if runner.replays[g] != before[g])
+    print(f"step {k}: {len(active)} seq(s) {[seq_uids[i] for i in active]} -> bucket "
+          f"{cg.bucket_for(len(active), runner.buckets)}, {graph} graph; max error vs PEFT {err:.1e} of the scale; "
+          f"events {[e[:3] for e in pool.events[start:]]}")
+print("replays:", runner.replays)
+
+# %% [markdown]
+# The base-only step replayed the base-only graph, and the pool still logged its hit. Whenever a
+# step's events include a load or an evict, the tracker reported it and the tables were copied
+# before the replay; the other steps left them as they were.
+#
+# **The stale-adapter bug.** Now the same runner with a tracker that never reports a change (the
+# bug: a flag that is cleared too early, a second code path that loads adapters without setting it,
+# or a tracker that only looks at the last event). A pool of 2 slots: the base model in one, `rs`
+# (rank 8) in the other when the graph is captured; prefilling a sequence on `k2` evicts `rs` and
+# loads `k2` (rank 2) into `rs`'s slot, and the next decode step runs on the tables of the capture:
+
+# %%
+def stale_run(track):
+    model, pool, context = served(num_slots=2)
+    runner = cg.DecodeGraphRunner(model, pool, context, max_seqs=1, max_len=16, buckets=(1,))
+    if not track:
+        runner.tracker.poll = lambda: False  # the bug: ownership changes go unnoticed
+    prefill(runner, [[1, 2, 3]], ["rs"], [0])
+    runner.decode([[4]], [3], [0], ["rs"])  # capture, with "rs" resident
+    slot = pool.uid_to_buffer_id["rs"]
+    prefill(runner, [[1, 2, 3, 4]], ["k2"], [0])  # evicts rs: its slot now holds k2
+    logits = runner.decode([[5]], [4], [0], ["k2"])[0, 0]
+    return logits, pool, runner.static, slot
+
+
+want = peft_next([1, 2, 3, 4, 5], "k2")
+for track in (True, False):
+    logits, pool, static, s = stale_run(track)
+    print(f"tracker {'working' if track else 'missing changes'}: slot {s} held 'rs' at capture and now holds "
+          f"{pool.buffer_id_to_uid[s]!r} (rank {pool.lora_ranks_host[s]}, scaling {pool.scalings_host[s]:.4f}); "
+          f"the graph's tables say rank {static.buffers['lora_ranks'][s].item()}, scaling "
+          f"{static.buffers['scalings'][s].item():.4f}; error vs PEFT {rel_err(logits, want):.1e} of the scale")
+
+# %% [markdown]
+# With the missed flag, the kernels read `k2`'s weights from the slot (the pool wrote them there) but
+# clip them at `rs`'s rank 8 and scale them by `rs`'s scaling: the output is plausible-looking and
+# wrong, with no error anywhere. `tests/test_cuda_graph.py::test_a_missed_change_flag_serves_a_stale_adapter`
+# keeps this reproduction in the book's test suite.
+#
+# ## 7. On a GPU: a real capture and replay
+#
+# On a CUDA device the runner captures two graphs per bucket (LoRA and base-only), largest bucket
+# first into one memory pool, with the Triton kernels; `decode` then replays. The cell below times a
+# decode step both ways on the device it runs on. Without CUDA it says so and runs the same runner
+# with replay = call.
+
+# %%
+model, pool, context = served(num_slots=4)
+graph_runner = cg.DecodeGraphRunner(model, pool, context, max_seqs=4, max_len=32, buckets=(2, 4))
+uids4 = ["qv", "mlp", None, "rs"]
+prefill(graph_runner, [[1, 2], [3, 4, 5], [6], [7, 8]], uids4, range(4))
+positions = [2, 3, 1, 2]
+graph_runner.decode([[9]] * 4, positions, range(4), uids4)  # captures (on CUDA), then replays
+if device.type == "cuda":
+    captured = {k: g is not None for k, (g, _) in graph_runner.graphs.items()}
+    print("captured graphs (bucket, lora):", captured)
+
+    def step_time(runner, steps=20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(steps):
+            runner.decode([[9]] * 4, [p + 1 + s for p in positions], range(4), uids4)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e6
+
+    replayed = step_time(graph_runner)
+    eager_runner = cg.DecodeGraphRunner(model, pool, context, max_seqs=4, max_len=32, buckets=(2, 4), use_graphs=False)
+    eager = step_time(eager_runner)
+    print(f"{torch.cuda.get_device_name()}: decode step {replayed:.0f} us with graph replay, {eager:.0f} us "
+          f"eager (the same runner, use_graphs=False), this tiny model, measured here")
+else:
+    print("no CUDA device: nothing was captured; 'replay' called the step function "
+          f"({graph_runner.replays['lora']} LoRA step(s), {graph_runner.replays['base']} base-only)")
+
+# %% [markdown]
+# ## 8. How production systems do it
+#
+# - **TensorRT-LLM** (PyTorch backend): `tensorrt_llm/_torch/peft/lora/cuda_graph_lora_params.py`
+#   (`CudaGraphLoraParams`: per-slot counts, offsets and sorted token ids in fixed-size buffers, the
+#   per-slot weight pointers and ranks rewritten when slots change) and `adapter_slot_manager.py`
+#   (`AdapterSlotManager`: an LRU of slots and the `slots_changed` flag of section 5).
+# - **SGLang**: `python/sglang/srt/lora/lora_manager.py` (`init_cuda_graph_batch_info`: the LoRA batch
+#   info of CUDA-graph batches preallocated for the largest batch and updated in place before each
+#   replay) and `python/sglang/srt/model_executor/cuda_graph_runner.py` (the bucketed capture and
+#   replay).
+# - **vLLM**: `vllm/lora/punica_wrapper/punica_gpu.py` (the punica wrapper's metadata buffers,
+#   allocated for the maximum number of tokens and overwritten per step, which the captured LoRA
+#   kernels read).
+# - **nano-vllm**: `nanovllm/engine/model_runner.py` (`capture_cudagraph`: the bucket list, capture
+#   largest first into one graph pool, static inputs copied in before `replay`; prefill eager).
+#
+# ## Summary
+#
+# - A CUDA graph freezes pointers, shapes, grid sizes and branches; LoRA metadata therefore lives in
+#   buffers allocated once for the largest bucket and updated in place from pinned staging.
+# - Batches are padded to buckets; padding rows (and every row past the bucket) point at a rank-0
+#   slot; graphs are captured largest first into one pool; prefill runs eagerly; a base-only batch
+#   replays its own graph while the pool's bookkeeping still runs.
+# - Grids are sized for capacity and the LoRA graphs are captured with `has_active_lora = True`, so a
+#   graph captured with one adapter serves any later batch.
+# - Per-slot tables are rewritten only when slot ownership changed; load and evict events set the
+#   flag, hits and host-cache drops do not; a missed flag serves a stale adapter silently.
+# - Several tokens per sequence use the slot-sorted view and SGMV; one token per sequence uses BGMV,
+#   as the batch info says.
+#
+# ## Review questions
+#
+# 1. A graph was captured for bucket 8. A later batch of 5 sequences leaves rows 5..7 of
+#    `token_slots` as they were. What can those rows hold, and what do the kernels then add to the
+#    padding rows' outputs (which the sampler ignores)? Why is it still a bug?
+# 2. Why does `update` copy the per-slot tables only on an ownership change, and what would copying
+#    them every step cost on a GPU?
+# 3. The pool evicts adapter X from slot 2 and loads it back into slot 2 between two polls. Does the
+#    tracker report a change? Does it need to?
+# 4. Why is the LoRA intermediate `t` not a static buffer of its own, although the graph reads and
+#    writes it?
+# 5. Speculative decoding with 4 draft tokens per sequence, bucket 8: what is `max_len` of the batch
+#    info, and why not the longest segment of the current batch?
