@@ -285,6 +285,8 @@ def test_offsets_past_2_31_elements_in_every_kernel_and_argument():
 def test_every_reference_kernel_takes_its_strides_in_int64():
     """A kernel added later is held to the rule the far-layout test checks for the current ones:
     every ``stride_*`` parameter is cast to int64 (``tl.cast``: a stride of 1 is a constexpr)."""
+    import triton.runtime.interpreter  # noqa: F401  (not imported by triton itself on a GPU)
+
     kernels = {}
     for info in pkgutil.walk_packages(reference.__path__, "reference."):
         module = importlib.import_module(info.name)
