@@ -25,8 +25,10 @@ rows (what the bucket's graph reads).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import random
+import re
 from typing import Optional
 
 import torch
@@ -153,6 +155,8 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
     past the bucket).
     """
     static = cls(num_slots, max_seqs, tps, "cpu")
+    events = _CopyEvent(static)
+    static._copied = events  # on the CPU the class has none: a stand-in that records the calls
     original = dict(static.buffers)
     ptrs = {k: v.data_ptr() for k, v in original.items()}
     if poison is not None:
@@ -162,16 +166,23 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
     lines, data = [], []
     for i, step in enumerate(steps, 1):
         before = {k: v.clone() for k, v in static.buffers.items()}
+        args = copy.deepcopy(step)
+        events.start()
         try:
-            static.update(*step)
+            static.update(*args)
             outcome = "returned"
         except Exception as exc:  # the outcome is data: which exception, if any
             outcome = f"raised {type(exc).__name__}"
+        edited = [name for name, a, b in zip(("seq_slots", "bucket", "pad_slot", "lora_ranks", "scalings",
+                                              "ownership_changed"), args, step) if a != b]
         bufs = static.buffers
         replaced = [k for k in BUFFER_ORDER if bufs.get(k) is not original[k]
                     or not isinstance(bufs.get(k), torch.Tensor) or bufs[k].data_ptr() != ptrs[k]]
         shown = {k: (bufs[k] if k not in replaced else original[k]) for k in BUFFER_ORDER}
         line = f"step {i}: {_step_call(step)} -> {outcome}; buffers replaced: {', '.join(replaced) or 'none'}"
+        line += f"; arguments changed by the call: {', '.join(edited) or 'none'}"
+        fence = _fenced(events, outcome)
+        line += f"; copies fenced: {fence}"
         changed = [k for k in BUFFER_ORDER if not (isinstance(shown[k], torch.Tensor) and shown[k].shape == before[k].shape
                                                    and torch.equal(shown[k], before[k]))]
         if outcome == "returned":
@@ -183,8 +194,56 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
         else:
             line += f"; buffers changed: {', '.join(changed) or 'none'}"
         lines.append(line)
-        data.append([outcome, replaced, [] if outcome == "returned" else changed])
+        data.append([outcome, replaced, [] if outcome == "returned" else changed, edited, fence])
     return lines + [data]
+
+
+class _CopyEvent:
+    """Stands in for the CUDA event ``self._copied`` on the CPU and records what update did with it:
+    each call, and whether the staging had already been written when ``synchronize`` came (too
+    late) or the buffers were still written after ``record`` (too early)."""
+
+    def __init__(self, static) -> None:
+        self.static = static
+        self.calls: list[str] = []
+        self._staging = self._buffers = None
+
+    def start(self) -> None:
+        self.calls.clear()
+        self.staging_before = {k: v.clone() for k, v in self.static.staging.items()}
+        self._buffers = None
+
+    def synchronize(self) -> None:
+        late = any(not torch.equal(v, self.staging_before[k]) for k, v in self.static.staging.items()
+                   if k in self.staging_before)
+        self.calls.append("synchronize after writing the staging" if late else "synchronize")
+
+    def record(self, *args, **kwargs) -> None:
+        self.calls.append("record")
+        self._buffers = {k: v.clone() for k, v in self.static.buffers.items() if isinstance(v, torch.Tensor)}
+
+    def written_after_record(self) -> bool:
+        return self._buffers is not None and any(
+            not (isinstance(self.static.buffers.get(k), torch.Tensor) and self.static.buffers[k].shape == v.shape
+                 and torch.equal(self.static.buffers[k], v)) for k, v in self._buffers.items())
+
+    def query(self) -> bool:
+        return True
+
+
+def _fenced(events: _CopyEvent, outcome: str) -> str:
+    """An update that wrote waits on the event before refilling the staging and records it after
+    its last copy; a refused one records nothing (it wrote nothing)."""
+    calls = events.calls
+    if outcome != "returned":
+        return "nothing recorded" if "record" not in calls else "recorded after a refused update"
+    if "synchronize" not in calls:
+        if any(c.startswith("synchronize") for c in calls):
+            return "waited on the event only after refilling the staging"
+        return "never waited on the event before refilling the staging"
+    if not calls or calls[-1] != "record" or events.written_after_record():
+        return "the event was not recorded after the last copy"
+    return "waited, then recorded after the copies"
 
 
 def _static_case(name, num_slots, max_seqs, tps, poison, steps) -> Case:
@@ -242,6 +301,8 @@ def _static_edge() -> list[Case]:
                      [[[1, 2], 2, 0, [0, 4, 4], [0.0, 1.0, 1.0], True], [[1], 2, 3, [0, 4, 4], [0.0, 1.0, 1.0], True]]),
         _static_case("pad_slot_of_rank_4_raises", 3, 4, 1, None,
                      [[[1, 2], 2, 0, [0, 4, 4], [0.0, 1.0, 1.0], True], [[2], 2, 1, [0, 4, 4], [0.0, 1.0, 1.0], True]]),
+        _static_case("pad_slot_of_rank_4_full_bucket_raises", 3, 4, 1, None,  # pads only the rows past the bucket
+                     [[[1, 2], 2, 0, [0, 4, 4], [0.0, 1.0, 1.0], True], [[1, 2], 2, 1, [0, 4, 4], [0.0, 1.0, 1.0], True]]),
         _static_case("pad_slot_of_rank_4_flag_off_raises", 3, 4, 1, None,
                      [[[1, 2], 2, 0, [0, 4, 4], [0.0, 1.0, 1.0], True], [[2], 2, 1, [0, 4, 4], [0.0, 1.0, 1.0], False]]),
         _static_case("short_tables_raise", 3, 4, 1, None,
@@ -367,6 +428,15 @@ def _static_hint(case: Case, expected, got) -> Optional[str]:
     if "buffers replaced: none" in expected[k] and "buffers replaced: none" not in str(got[k]):
         return ("a buffer was replaced (self.buffers[name] = ... or a new tensor): a captured graph keeps reading "
                 "the old one. Write into the existing tensors in place (copy_, fill_, slice assignment)")
+    if e.get("arguments") != g.get("arguments"):
+        return (f"update changed its arguments ({g.get('arguments', '?').replace('changed by the call: ', '')}): "
+                "the caller's lists are the pool's host mirrors and the batch's slots; build new lists (e.g. "
+                "list(seq_slots) + [pad_slot] * (bucket - n)) instead of extending or sorting the given ones")
+    if e["outcome"] == g["outcome"] and e.get("copies") != g.get("copies"):
+        return ("self._copied (a CUDA event on a GPU; the grader gives it a stand-in on the CPU): when it is not "
+                "None, call self._copied.synchronize() before refilling the staging (the last step's non_blocking "
+                "copies may still read it) and self._copied.record() after the last copy; a refused update "
+                f"records nothing. Yours: {g.get('copies', '?').replace('fenced: ', '')}")
     if e["outcome"] != g["outcome"]:
         if e["outcome"] == "returned":
             return f"this update is valid (n={n} <= bucket={bucket} <= max_seqs={max_seqs}, slots in range, pad slot of rank 0)"
@@ -379,6 +449,12 @@ def _static_hint(case: Case, expected, got) -> Optional[str]:
     width = bucket * tps
     if e.get("lora_ranks") != g.get("lora_ranks") or e.get("scalings") != g.get("scalings"):
         if changed:
+            want = [float(v) for v in scal]
+            got_s = g.get("scalings", "")
+            if e.get("lora_ranks") == g.get("lora_ranks") and got_s and all(
+                    float(v) == float(int(w)) for v, w in zip(got_s.strip("[]").split(", "), want)):
+                return ("scalings were copied as integers (0.5 became 0): the scalings buffer is float32, build its "
+                        "staging values as float32 (torch.tensor(scalings, dtype=torch.float32))")
             return "ownership_changed is True: copy lora_ranks and scalings into their buffers"
         return ("ownership_changed is False: the per-slot tables stay as they were (whatever tables are passed); "
                 "they are rewritten only when slot ownership changed")
@@ -472,11 +548,15 @@ def replay_tracker(cls, num_slots: int, max_loaded: int, warm: list, steps: list
         k += 1
         events = pool.events[last:]
         last = len(pool.events)
+        log = list(pool.events)
         try:
             value = tracker.poll()
             shown = repr(value) if isinstance(value, bool) else f"{type(value).__name__} {value!r} (not a bool)"[:80]
         except Exception as exc:  # the outcome is data
             shown = f"raised {type(exc).__name__}: {exc}"[:120]
+        if pool.events != log:
+            shown += "; poll changed pool.events (the tracker only reads the pool)"
+            pool.events[:] = log  # later polls are then judged on the pool's own log
         since = "since the pool was made" if k == 1 else "since the previous poll"
         lines.append(f"poll {k} (events {since}: [{', '.join(_show_event(e) for e in events)}]) -> {shown}")
     return lines
@@ -504,6 +584,9 @@ def _tracker_edge() -> list[Case]:
         _tracker_case("a_load_then_a_hit_in_one_interval", 3, 4, [], [[B, ["A"]], P, [B, ["B"]], [B, ["A"]], P]),
         _tracker_case("load_and_hit_in_one_batch", 3, 4, [], [[B, ["A"]], P, [B, ["A", "B"]], P]),
         _tracker_case("several_batches_between_polls", 2, 2, [], [[B, ["A"]], [B, ["B"]], [B, ["C"]], [B, ["C"]], P, P]),
+        # the slots end as they started (A and B back in their slots): an ownership change all the same
+        _tracker_case("evicted_and_reloaded_into_the_same_slots", 2, 3, [],
+                      [[B, ["A", "B"]], P, [B, ["C"]], [B, ["A", "B"]], P]),
         _tracker_case("host_copy_dropped_alone", 2, 4, [], [[B, ["A"]], [B, ["B"]], [B, ["C"]], P, D, P]),
         _tracker_case("warm_pool_first_poll_reports_earlier_loads", 2, 3, [[B, ["A", None]]], [P, P]),
         _tracker_case("warm_pool_of_hits_only_after_a_load", 2, 3, [[B, ["A"]], [B, ["A"]]], [P, [B, ["A"]], P]),
@@ -551,6 +634,13 @@ def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int) -> tuple
     steps.append(D)  # a host copy dropped alone: no owner changed
     _drop_host_copy(pool)
     steps.append(P)
+    while len(pool.uid_to_buffer_id) < num_slots:  # a full pool, then ...
+        batch(steps, [next(fresh)])
+    full = residents()
+    steps.append(P)
+    batch(steps, [next(fresh)])  # ... an eviction, and the evicted adapter loaded back into its slot:
+    batch(steps, full)  # the slot table ends as it started, owners changed in between
+    steps.append(P)
     for _ in range(rng.randint(2, 5)):
         random_batch(steps)
         if rng.random() < 0.5:
@@ -589,6 +679,12 @@ def _tracker_hint(case: Case, expected, got) -> Optional[str]:
         if k == 0 and warm:
             return ("the first poll reports the events logged before the tracker was made too (a runner started on a "
                     "warm pool must copy its tables once): start from the beginning of pool.events, not its end")
+        evicted = set(re.findall(r"\('evict', ('[^']*'|None|\d+), ", events))
+        reloaded = set(re.findall(r"\('load', ('[^']*'|None|\d+), ", events))
+        if evicted & reloaded:
+            return ("an adapter was evicted and loaded back since the previous poll: the slot table may look as it "
+                    "did then, yet slots changed owner in between (and were rewritten); answer from the load and "
+                    "evict events, not by comparing snapshots of the slots")
         if kinds and kinds[-1] not in ("load", "evict"):
             return "look at every event since the previous poll, not only the last one: a load followed by a hit changed an owner"
         return "a load or an evict event since the previous poll means a slot changed owner: return True"
@@ -631,11 +727,13 @@ def drive_write_inputs(fn, input_ids, positions, cache_rows, bucket, scratch_row
     return static_ids[:bucket].clone(), static_positions[:bucket].clone(), static_rows[:bucket].clone()
 
 
-def _inputs_case(name, rng: random.Random, max_seqs, tps, n, bucket, junk=True) -> Case:
+def _inputs_case(name, rng: random.Random, max_seqs, tps, n, bucket, junk=True, scratch=None) -> Case:
     rows = rng.sample(range(max_seqs), n)  # the batch's sequences, in any order of their cache rows
     ids = [[rng.randrange(1, 128) for _ in range(tps)] for _ in range(n)]
     pos = [rng.randint(0, 40) for _ in range(n)]
-    scratch = max_seqs  # StaticKVLlama's scratch row: one past the last sequence row
+    # StaticKVLlama's scratch row is one past the last sequence row; a cache with more rows than the
+    # runner's max_seqs has it further out
+    scratch = max_seqs if scratch is None else scratch
     if junk:  # an earlier, larger step left real rows, tokens and positions everywhere
         s_ids = torch.tensor([[rng.randrange(1, 128) for _ in range(tps)] for _ in range(max_seqs)])
         s_pos = torch.tensor([[rng.randint(1, 60) for _ in range(tps)] for _ in range(max_seqs)])
@@ -659,6 +757,7 @@ def _inputs_edge() -> list[Case]:
         _inputs_case("two_tokens_per_sequence", r, 5, 2, 3, 4),
         _inputs_case("three_tokens_per_sequence_no_padding", r, 3, 3, 3, 3),
         _inputs_case("four_tokens_one_sequence_bucket_2", r, 4, 4, 1, 2),
+        _inputs_case("scratch_row_past_a_larger_cache", r, 4, 1, 2, 4, scratch=9),
     ]
 
 
@@ -669,7 +768,9 @@ def _inputs_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     for i, tps in enumerate([1, 2, 3, 4, 1]):
         max_seqs = rng.randint(3, 9)
         bucket = rng.randint(2, max_seqs - 1)
-        cases.append(_inputs_case(f"random_{i}", rng, max_seqs, tps, rng.randint(1, bucket - 1), bucket))
+        scratch = max_seqs + (rng.randint(1, 6) if i % 2 else 0)
+        cases.append(_inputs_case(f"random_{i}", rng, max_seqs, tps, rng.randint(1, bucket - 1), bucket,
+                                  scratch=scratch))
     return cases
 
 

@@ -152,7 +152,7 @@ class StaticLoRABatch:
             ownership_changed: :meth:`SlotChangeTracker.poll`'s answer; per-slot tables are copied
                 only then.
         Raises:
-            ValueError: more sequences than max_seqs; a slot outside 0..num_slots-1; a pad slot
+            ValueError: not n <= bucket <= max_seqs; a slot outside 0..num_slots-1; a pad slot
             whose rank is not 0; tables of the wrong length. Nothing is written then.
         """
         n, tps = len(seq_slots), self.tokens_per_seq

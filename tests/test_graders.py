@@ -186,6 +186,8 @@ FAULTS = [
                     raise ValueError("slots")
                 seqs = list(seq_slots) + [pad_slot] * (bucket - n)
                 counts, offsets, order = slot_sorted_view(seqs, self.num_slots, tps)
+                if self._copied is not None:
+                    self._copied.synchronize()
                 b["token_slots"].fill_(pad_slot)  # in place, without staging: right on the CPU
                 b["token_slots"][:bucket * tps] = torch.tensor(seqs, dtype=torch.int32).repeat_interleave(tps)
                 b["seg_lens"][:] = counts
@@ -194,6 +196,8 @@ FAULTS = [
                 if ownership_changed:
                     b["lora_ranks"][:] = torch.tensor(list(lora_ranks), dtype=torch.int32)
                     b["scalings"][:] = torch.tensor(list(scalings), dtype=torch.float32)
+                if self._copied is not None:
+                    self._copied.record()
         """, None),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):

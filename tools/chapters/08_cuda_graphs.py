@@ -234,13 +234,20 @@ print("every buffer at its first address:", demo.data_ptrs() == ptrs,
 # - `lora_ranks` and `scalings` (int32 and float32): copied from the given lists **only when
 #   `ownership_changed`** is True; otherwise left as they are, whatever lists are passed;
 # - `weight_indices` is never written; **no buffer is ever replaced**: write into `self.buffers[name]`
-#   in place (through `self.staging[name]` and `copy_(..., non_blocking=True)`, as above; on the CPU
-#   `self._copied` is None, on CUDA wait on it before touching the staging and record it after).
+#   in place (through `self.staging[name]` and `copy_(..., non_blocking=True)`, as above);
+# - when `self._copied` is not None (a CUDA event on a GPU, None on the CPU), call
+#   `self._copied.synchronize()` before refilling the staging (the previous step's non-blocking copies
+#   may still be reading it) and `self._copied.record()` after the last copy; a refused update
+#   records nothing;
+# - the lists you are given stay as they were (they are the pool's host mirrors and the batch's
+#   slots): build new lists rather than extending or sorting them.
 #
 # The grader replays traces of updates on instances it builds (one and several tokens per sequence,
 # buckets below `max_seqs`, pad slots other than 0, zero sequences), whose buffers start with the
 # constructor's zeros or with finite junk, and checks after every update each buffer's values, that
-# no buffer was replaced (same object, same `data_ptr`), and for a refused update that nothing changed.
+# no buffer was replaced (same object, same `data_ptr`), that the arguments are unchanged, what the
+# update did with `self._copied` (the grader gives it a stand-in that records the calls, so this is
+# checked on the CPU too), and for a refused update that nothing changed.
 
 # %% exercise="ch08.2" role="answer"
 import torch
@@ -489,8 +496,8 @@ print("backend:", backend, "| graphs captured:", device.type == "cuda")
 #
 # - real sequences: `static_ids[q] = input_ids[q]`, `static_positions[q, j] = positions[q] + j`,
 #   `static_rows[q] = cache_rows[q]`;
-# - padding sequences `n .. bucket-1`: token 0 at position 0 (every token), and cache row
-#   `scratch_row`, whatever the tensors held before.
+# - padding sequences `n .. bucket-1`: token id 0 at position 0 for all `tokens_per_seq` tokens, and
+#   cache row `scratch_row`, whatever the tensors held before.
 #
 # Rows past the bucket are not read by the bucket's graph and are not graded. The grader's static
 # tensors start as an earlier, larger step left them (real rows, tokens and positions) or in the
