@@ -1,8 +1,14 @@
 """The main job end to end: nbgrader generate -> the bundled submissions -> autograde -> trusted
-re-grade -> feedback, with the exact score of every learner x exercise (CPU and GPU alike)."""
+re-grade -> feedback, with the exact score of every learner x exercise (CPU and GPU alike).
+
+``LORA_BOOK_DEMO_CHAPTERS=01,02,03`` runs the demo on those chapters only (the assertions follow):
+on a GPU machine the whole demo takes longer than one lent call of 10 minutes, so the H200 run
+covers the chapters over several calls. Unset (CI), every chapter runs.
+"""
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -45,18 +51,28 @@ EXPECTED = {
 }
 
 
+ONLY = [c.strip() for c in os.environ.get("LORA_BOOK_DEMO_CHAPTERS", "").split(",") if c.strip()]
+
+
+def _in_run(name: str) -> bool:
+    """Whether an exercise id (chNN.M) or a chapter folder (NN_topic) is part of this run."""
+    number = name[2:4] if name.startswith("ch") else name[:2]
+    return not ONLY or number in ONLY
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     assert sorted(ORDER) == sorted(POINTS)
     course = tmp_path_factory.mktemp("course")
-    return run_demo(course, secret=DEMO_SECRET), course
+    return run_demo(course, secret=DEMO_SECRET, only_chapters=ONLY or None), course
 
 
 @pytest.mark.slow
 def test_every_score_is_the_expected_one(demo):
     summary, _ = demo
-    got = {s: [summary["scores"][s][ex] for ex in ORDER] for s in EXPECTED}
-    assert got == EXPECTED
+    kept = [i for i, ex in enumerate(ORDER) if _in_run(ex)]
+    got = {s: [summary["scores"][s][ORDER[i]] for i in kept] for s in EXPECTED}
+    assert got == {s: [v[i] for i in kept] for s, v in EXPECTED.items()}
 
 
 @pytest.mark.slow
@@ -66,10 +82,12 @@ def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
     # answer cells pointed at by what their code does (graders.tamper): ch02.6 assigns torch.allclose,
     # ch02.7 imports graders.core and patches it, ch02.8 assigns graders.check at top level; only
     # ch02.8's patch reaches the kernel's later test cells, forging ch02.8-ch02.9 there
-    assert set(findings) == {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
-                             ("LookAtThis", "broken_code", "ch02.8"),
-                             ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
-    assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
+    expected = {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
+                ("LookAtThis", "broken_code", "ch02.8"),
+                ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
+    assert set(findings) == {f for f in expected if _in_run(f[2])}
+    if _in_run("ch02.9"):
+        assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
     with open(course / "grades.csv") as f:
         exported = {(row["student_id"], row["assignment"]): float(row["score"]) for row in csv.DictReader(f)}
     for student, expected in EXPECTED.items():
@@ -78,15 +96,17 @@ def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
                        "05_memory_pool": sum(expected[22:27]), "06_loading_adapters": sum(expected[27:31]),
                        "07_batch_info": sum(expected[31:34]), "08_cuda_graphs": sum(expected[34:38])}
         for chapter, total in per_chapter.items():
-            assert exported[(student, chapter)] == total
+            if _in_run(chapter):
+                assert exported[(student, chapter)] == total
 
 
 @pytest.mark.slow
 def test_feedback_for_every_learner_and_chapter(demo):
     _, course = demo
     for student in EXPECTED:
-        for chapter in chapters(ROOT / "notebooks"):
+        for chapter in filter(_in_run, chapters(ROOT / "notebooks")):
             html = (course / "feedback" / student / chapter / f"{chapter}.html").read_text()
             assert "/ 3 points  (device:" in html  # the grader reports, as printed in the cells
-    ch02 = (course / "feedback" / "plausible_mistakes" / "02_batching_adapters" / "02_batching_adapters.html").read_text()
-    assert "starts with 0" in ch02  # the learner sees what is wrong, in the feedback itself
+    if _in_run("02_batching_adapters"):
+        ch02 = (course / "feedback" / "plausible_mistakes" / "02_batching_adapters" / "02_batching_adapters.html").read_text()
+        assert "starts with 0" in ch02  # the learner sees what is wrong, in the feedback itself
