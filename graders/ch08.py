@@ -218,7 +218,7 @@ class _CopyEvent:
                    if k in self.staging_before)
         self.calls.append("synchronize after writing the staging" if late else "synchronize")
 
-    def record(self, *args, **kwargs) -> None:
+    def record(self, stream=None) -> None:  # torch.cuda.Event.record(stream=None)
         self.calls.append("record")
         self._buffers = {k: v.clone() for k, v in self.static.buffers.items() if isinstance(v, torch.Tensor)}
 
