@@ -210,18 +210,24 @@ def _child_preexec(sandboxed: bool, cuda: bool) -> None:
 def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
     """Run graders.runner on the job in ``workdir``; return (exit code or None, timed out, stderr tail).
 
-    On a CPU-only machine the job goes to this thread's pre-imported fork server
-    (``graders.forkserver``); on a GPU it gets a fresh process. Either way in the sandbox
+    The job goes to a pre-imported fork server of its device's kind (``graders.forkserver``); a
+    fresh process when the servers are switched off, or on a GPU whose driver does not allow a
+    context in a forked child. Either way in the sandbox
     (``graders.sandbox``) when the policy enables it, and never with the instructor's secret in its
     environment.
     """
     from graders import forkserver, sandbox
 
-    if forkserver.usable():
-        return forkserver.run_job(workdir, timeout)
-    command = [sys.executable, "-m", "graders.runner", str(workdir)]
+    device = str(read_json(workdir / "job.json").get("device", "cpu"))
     cuda = _cuda_here()
     cache = _TRITON_CACHE.get() if cuda else None
+    if forkserver.usable(device):
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        try:
+            return forkserver.run_job(workdir, timeout, kind, cache)
+        except forkserver.CudaForkUnsafe:
+            pass  # recorded: this process's CUDA checks spawn a fresh child from now on
+    command = [sys.executable, "-m", "graders.runner", str(workdir)]
     extra = {"PYTHONUNBUFFERED": "1", **({"TRITON_CACHE_DIR": str(cache)} if cache else {})}
     if sandbox.enabled():
         argv, env = sandbox.bwrap_argv(command, writable=[workdir, *([cache] if cache else [])],

@@ -3,8 +3,16 @@
 
 One server per grading process (the learner's kernel, ``graders.course``, a test worker), started on
 first use (``graders.check`` in a notebook starts it when graders is imported). It imports what a
-child needs once, never runs learner code itself and never initialises CUDA (it is used on CPU-only
-machines; on a GPU every check spawns its own child, since a CUDA context does not survive a fork).
+child needs once, never runs learner code itself and never initialises CUDA: a CUDA context does not
+survive a fork, but a process that never created one may fork children that each create their own.
+So there are two kinds of server. A "cpu" server runs the jobs graded on the CPU (on a GPU machine
+with the GPU hidden from it). A "cuda" server (GPU machines) has the device nodes bound and the
+driver untouched (``PYTORCH_NVML_BASED_CUDA_CHECK=1``: even ``torch.cuda.is_available()`` asks NVML,
+not the driver); before it reports ready it forks one probe child that creates a CUDA context, and
+if that fails the client falls back to a fresh process per check (:class:`CudaForkUnsafe`). A cuda
+server's children share one Triton cache: the scope's folder (``graders.core.triton_cache_scope``,
+one per student in the trusted re-grade) or the server's own private one, so servers are pooled by
+(kind, cache) and never shared between two students' caches.
 For each job it forks one child that runs ``graders.runner`` on the job's folder under the time
 budget, kills the child's process group when it ends (and, in the sandbox, every other process
 left in the sandbox's PID namespace), and sends back the files the child wrote.
@@ -41,13 +49,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["ForkServer", "server", "run_job", "usable", "kill_all", "prestart", "hide", "hidden_folders", "pack", "unpack", "MAX_RESULT_BYTES"]
+__all__ = ["ForkServer", "CudaForkUnsafe", "server", "run_job", "usable", "kill_all", "prestart", "hide", "hidden_folders", "pack", "unpack", "MAX_RESULT_BYTES"]
 
 MAX_RESULT_BYTES = 64 * 2**20
 _HEADER = struct.Struct(">Q")
 #: The files of a job folder the comparer reads (graders.core._verdicts and grade_many_under_secrets).
 _RESULT_NAME = re.compile(r"^(s\d+/)?(result_\d+\.json|result_\d+\.safetensors|load\.json|status\.json|stderr\.txt)$")
 IN_SANDBOX_ENV = "LORA_BOOK_IN_SANDBOX"
+KIND_ENV = "LORA_BOOK_FORKSERVER_KIND"
 START_TIMEOUT_S = 120.0
 SERVER_TMP_MB = 1024
 
@@ -157,7 +166,8 @@ def _run(jobdir: Path, timeout: float, stdin_fd: int, sandboxed: bool) -> dict:
             _set_parent_death_signal()
             from graders.sandbox import limit_resources
 
-            limit_resources(cpu_only=True)
+            # CUDA maps far more address space than it uses: no RLIMIT_AS in a cuda server's child
+            limit_resources(cpu_only=os.environ.get(KIND_ENV) != "cuda")
             null = os.open(os.devnull, os.O_RDWR)
             err = os.open(jobdir / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(null, 0)
@@ -187,6 +197,32 @@ def _run(jobdir: Path, timeout: float, stdin_fd: int, sandboxed: bool) -> dict:
     return {"code": code, "timed_out": timed_out}
 
 
+def _cuda_probe() -> Optional[str]:
+    """In a cuda server, before the first job: fork a child that creates a CUDA context and runs
+    one kernel. None when it worked, else what went wrong (the driver was initialised in this
+    process by an import, or the device is unusable)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _set_parent_death_signal()
+            import torch
+
+            code = 0 if float(torch.ones(4, device="cuda").sum()) == 4.0 else 1
+        except BaseException:  # noqa: BLE001 (the exit code is the answer)
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return "a CUDA context cannot be created in a child forked from the server"
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "an import initialised CUDA in the server"
+    return None
+
+
 def serve() -> None:
     """The server's loop: read a job frame, fork a child for it, answer with the results frame."""
     _set_parent_death_signal()
@@ -194,6 +230,11 @@ def serve() -> None:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
+    cuda = os.environ.get(KIND_ENV) == "cuda"
+    base = Path(tempfile.mkdtemp(prefix="lora-book-jobs-"))
+    if cuda and not os.environ.get("TRITON_CACHE_DIR"):
+        # no scope given: a cache of this server's own, shared by its children only
+        os.environ["TRITON_CACHE_DIR"] = str(base / "triton-cache")
     # imported once here, inherited by every child
     import torch  # noqa: F401
     import reference  # noqa: F401
@@ -204,8 +245,11 @@ def serve() -> None:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     sandboxed = os.environ.get(IN_SANDBOX_ENV) == "1"
-    base = Path(tempfile.mkdtemp(prefix="lora-book-jobs-"))
-    _write_all(out_fd, pack({"ready": True, "sandboxed": sandboxed}, {}))
+    problem = _cuda_probe() if cuda else None
+    _write_all(out_fd, pack({"ready": problem is None, "sandboxed": sandboxed, "problem": problem}, {}))
+    if problem is not None:
+        shutil.rmtree(base, ignore_errors=True)
+        return
     n = 0
     while True:
         try:
@@ -228,17 +272,34 @@ def serve() -> None:
 # The client
 
 
-#: ``LORA_BOOK_FORKSERVER=off``: every check spawns a fresh process (for comparison, or debugging).
+#: ``LORA_BOOK_FORKSERVER=off``: every check spawns a fresh process (for comparison, or debugging);
+#: ``=cpu``: only the checks graded on the CPU go through a server.
 SWITCH_ENV = "LORA_BOOK_FORKSERVER"
 
+#: Set when a cuda server's probe failed in this process: its CUDA checks spawn from then on.
+_CUDA_UNSAFE: list[str] = []
 
-def usable() -> bool:
-    """Whether checks go through a fork server here: CPU-only machines (no CUDA device), unless
-    ``LORA_BOOK_FORKSERVER=off``."""
+
+class CudaForkUnsafe(RuntimeError):
+    """A cuda fork server cannot run CUDA jobs here (its probe child could not create a context)."""
+
+
+def usable(device: str = "cpu") -> bool:
+    """Whether a job graded on ``device`` ("cpu", "cuda", "cuda:0") goes through a fork server.
+
+    CPU jobs: unless ``LORA_BOOK_FORKSERVER=off``. CUDA jobs: unless that is ``off`` or ``cpu``, or a
+    cuda server's probe already failed in this process.
+    """
+    switch = os.environ.get(SWITCH_ENV, "on")
+    if switch == "off" or not hasattr(os, "fork"):
+        return False
+    return not str(device).startswith("cuda") or (switch != "cpu" and not _CUDA_UNSAFE)
+
+
+def _gpu_machine() -> bool:
     import torch
 
-    return (os.environ.get(SWITCH_ENV, "on") != "off" and not torch.cuda.is_available()
-            and hasattr(os, "fork"))
+    return torch.cuda.is_available()
 
 
 _SPAWNS = None  # a queue.Queue of spawn requests, once the spawner thread runs
@@ -276,7 +337,12 @@ def _spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
 class ForkServer:
     """A handle on one fork server process (started by :meth:`start`)."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "cpu", cache: Optional[Path] = None):
+        """``kind``: "cpu" or "cuda" (see the module's docstring); ``cache``: a cuda server's Triton
+        cache folder (bound writable in the sandbox), None for one of its own."""
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"kind must be 'cpu' or 'cuda', not {kind!r}")
+        self.kind, self.cache = kind, (Path(cache) if cache is not None and kind == "cuda" else None)
         self.proc: Optional[subprocess.Popen] = None
         self.sandboxed = False
         self.lock = threading.Lock()  # one job at a time per server
@@ -286,20 +352,32 @@ class ForkServer:
 
         Raises:
             graders.sandbox.SandboxUnavailable: the sandbox is required and cannot run.
+            CudaForkUnsafe: a cuda server whose probe failed (recorded: this process's CUDA checks
+                spawn from now on).
             RuntimeError: the server did not start.
         """
         from graders import sandbox
 
         command = [sys.executable, "-m", "graders.forkserver"]
+        extra = {KIND_ENV: self.kind}
+        if self.kind == "cuda":
+            extra["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() must not initialise the driver
+            if self.cache is not None:
+                self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+                extra["TRITON_CACHE_DIR"] = str(self.cache)
+        elif _gpu_machine():
+            extra["CUDA_VISIBLE_DEVICES"] = ""  # a cpu server and its children never see the GPU
         if sandbox.enabled():
             # /tmp holds each job's inputs and results: a mutation batch of 20 kernel answers
             # writes about 110 MiB (tmpfs pages are used only as written)
             argv = sandbox.bwrap_argv(command, hidden=hidden_folders(), tmp_mb=SERVER_TMP_MB,
-                                      env=sandbox.sandbox_env({IN_SANDBOX_ENV: "1"}))
+                                      writable=[self.cache] if self.cache is not None else [],
+                                      gpu=self.kind == "cuda",
+                                      env=sandbox.sandbox_env({IN_SANDBOX_ENV: "1", **extra}))
             env = None
         else:
             argv, env = command, sandbox.sandbox_env({"HOME": os.environ.get("HOME", "/tmp"),
-                                                      "TMPDIR": tempfile.gettempdir()})
+                                                      "TMPDIR": tempfile.gettempdir(), **extra})
         self.proc = _spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                            start_new_session=True, env=env, cwd=tempfile.gettempdir())
         try:
@@ -308,6 +386,10 @@ class ForkServer:
             self.kill()
             raise RuntimeError(f"the grader's fork server did not start: {exc}") from exc
         self.sandboxed = bool(meta.get("sandboxed"))
+        if not meta.get("ready"):
+            self.kill()
+            _CUDA_UNSAFE.append(str(meta.get("problem")))
+            raise CudaForkUnsafe(f"the grader's cuda fork server cannot run CUDA jobs: {meta.get('problem')}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -379,18 +461,25 @@ def hidden_folders() -> list[Path]:
 
 
 _POOL_LOCK = threading.Lock()
-_IDLE: list[ForkServer] = []
+_IDLE: list[ForkServer] = []  # oldest first
 _ALL: list[ForkServer] = []
 
 
-def server() -> ForkServer:
-    """An idle fork server of this process, or a new one (started on its first job). Threads that
-    grade in parallel (``graders.course``) each hold their own while a job runs
-    (:func:`run_job`); servers outlive the threads and are killed at exit."""
+def _max_idle() -> int:
+    return max(2, os.cpu_count() or 1)
+
+
+def server(kind: str = "cpu", cache: Optional[Path] = None) -> ForkServer:
+    """An idle fork server of this process of this ``kind`` and Triton ``cache``, or a new one
+    (started on its first job). Threads that grade in parallel (``graders.course``) each hold their
+    own while a job runs (:func:`run_job`); servers outlive the threads and are killed at exit."""
+    want = (kind, Path(cache) if cache is not None and kind == "cuda" else None)
     with _POOL_LOCK:
-        if _IDLE:
-            return _IDLE.pop()
-        srv = ForkServer()
+        for srv in reversed(_IDLE):
+            if (srv.kind, srv.cache) == want:
+                _IDLE.remove(srv)
+                return srv
+        srv = ForkServer(*want)
         _ALL.append(srv)
         return srv
 
@@ -399,6 +488,14 @@ def _release(srv: ForkServer) -> None:
     with _POOL_LOCK:
         if srv not in _IDLE:
             _IDLE.append(srv)
+        # each server holds torch imported (hundreds of MB): servers of caches no longer in use
+        # (students already graded) go first
+        surplus = _IDLE[:max(0, len(_IDLE) - _max_idle())]
+        for old in surplus:
+            _IDLE.remove(old)
+            _ALL.remove(old)
+    for old in surplus:
+        old.kill()
 
 
 def kill_all() -> None:
@@ -412,18 +509,25 @@ def kill_all() -> None:
 atexit.register(kill_all)
 
 
-def run_job(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]:
-    """:meth:`ForkServer.run` on an idle server of this process (:func:`server`)."""
-    srv = server()
+def run_job(workdir: Path, timeout: float, kind: str = "cpu",
+            cache: Optional[Path] = None) -> tuple[Optional[int], bool, str]:
+    """:meth:`ForkServer.run` on an idle server of this process (:func:`server`).
+
+    Raises:
+        CudaForkUnsafe: see :meth:`ForkServer.start` (the caller spawns the job instead).
+    """
+    srv = server(kind, cache)
     try:
         return srv.run(workdir, timeout)
     finally:
         _release(srv)
 
 
-def prestart() -> None:
-    """Start a server in the background (a notebook's first check is then fast)."""
-    srv = server()
+def prestart(kind: Optional[str] = None) -> None:
+    """Start a server in the background (a notebook's first check is then fast): by default the
+    kind this machine's checks use ("cuda" on a GPU machine)."""
+    kind = kind or ("cuda" if _gpu_machine() and usable("cuda") else "cpu")
+    srv = server(kind)
     _release(srv)  # idle at once: a check that takes it waits on its lock until the start is done
 
     def go():

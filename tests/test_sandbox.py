@@ -105,8 +105,11 @@ def test_the_secret_never_reaches_a_child_even_unsandboxed(monkeypatch):
 _HANGING_CHECK = textwrap.dedent('''
     import sys
     from graders import forkserver
+    import torch
     from graders.core import grade_source
-    srv = forkserver.server()
+    # the kind of server the check below uses (a GPU machine grades ch01.1 on CUDA)
+    cuda = torch.cuda.is_available() and forkserver.usable("cuda")
+    srv = forkserver.server("cuda" if cuda else "cpu")
     srv.start()
     forkserver._release(srv)  # idle again: the check below takes this one
     print(srv.proc.pid, flush=True)
@@ -146,7 +149,8 @@ def _alive(pid: int) -> bool:
 def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process(how, policy, server):
     """JupyterLab's interrupt (SIGINT: KeyboardInterrupt in the kernel) and a restart or shutdown
     (the kernel killed) during a check whose answer loops forever: nothing may keep spinning.
-    ``spawn`` is the GPU's way (a fresh child per check, no fork server), tried on the CPU too."""
+    ``spawn``: a fresh child per check (servers switched off, or a GPU that refuses a CUDA context
+    in a forked child)."""
     env = dict(os.environ, **{sandbox.MODE_ENV: policy})
     if server == "spawn":
         env[forkserver.SWITCH_ENV] = "off"
@@ -154,8 +158,8 @@ def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process
                               stderr=subprocess.DEVNULL, env=env, text=True)
     server = int(kernel.stdout.readline())
     time.sleep(3)  # the answer is spinning now
-    # everything under the kernel: on the CPU the fork server and its job, on a GPU (no fork
-    # server) also the check's own child process
+    # everything under the kernel: the fork server and its job, or (spawn) also the check's own
+    # child process
     spinning = _descendants(kernel.pid)
     assert server in spinning
     assert len(spinning) >= 2, "the check's child never started"
@@ -304,7 +308,7 @@ def test_a_students_checks_share_one_triton_cache_on_a_gpu(tmp_path, monkeypatch
 
     monkeypatch.setenv(sandbox.MODE_ENV, policy)
     monkeypatch.setattr("graders.core._cuda_here", lambda: True)
-    monkeypatch.setattr(forkserver, "usable", lambda: False)
+    monkeypatch.setattr(forkserver, "usable", lambda *a, **k: False)
     answer = textwrap.dedent('''
         import os
         def lora_forward(x, W, A, B, scaling):
@@ -320,3 +324,83 @@ def test_a_students_checks_share_one_triton_cache_on_a_gpu(tmp_path, monkeypatch
                     f"{tmp_path / 'b'} ['compiled.txt']"], seen
     calls = len((tmp_path / "b" / "compiled.txt").read_text())  # one write per case
     assert calls > 0 and len((tmp_path / "a" / "compiled.txt").read_text()) == 2 * calls
+
+
+_REPORT_WHERE = textwrap.dedent('''
+    import os
+    def lora_forward(x, W, A, B, scaling):
+        raise RuntimeError("SEEN " + str(x.device) + " " + os.environ.get("LORA_BOOK_FORKSERVER_KIND", "-")
+                           + " " + os.environ.get("TRITON_CACHE_DIR", "-") + " END")
+''')
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork servers need fork")
+def test_fork_servers_are_pooled_by_kind_and_triton_cache(tmp_path):
+    """A cuda server of one student's cache is never handed to another student's check; a cpu
+    server has no cache; the idle pool stays bounded (each server holds torch imported)."""
+    forkserver.kill_all()
+    a, b = forkserver.server("cuda", tmp_path / "a"), forkserver.server("cuda", tmp_path / "b")
+    cpu = forkserver.server("cpu", tmp_path / "a")
+    assert len({id(a), id(b), id(cpu)}) == 3 and cpu.cache is None and a.cache == tmp_path / "a"
+    forkserver._release(a)
+    forkserver._release(b)  # at most two idle at once here: the pool keeps at least two
+    assert forkserver.server("cuda", tmp_path / "b") is b
+    assert forkserver.server("cuda", tmp_path / "a") is a
+    forkserver._release(cpu)
+    assert forkserver.server("cpu") is cpu
+    with pytest.raises(ValueError, match="kind"):
+        forkserver.ForkServer("gpu")
+    for k in range(forkserver._max_idle() + 3):
+        forkserver._release(forkserver.server("cuda", tmp_path / f"s{k}"))
+    assert len(forkserver._IDLE) == forkserver._max_idle()
+    assert {s.cache for s in forkserver._IDLE} == {tmp_path / f"s{k}" for k in range(3, forkserver._max_idle() + 3)}
+    forkserver.kill_all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork servers need fork")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a GPU")
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_a_cuda_server_that_cannot_create_a_context_falls_back_to_spawning(monkeypatch, policy):
+    """Here (no GPU) a cuda server's probe child cannot create a CUDA context: the server says so
+    before its first job, the client records it, and this process's CUDA checks spawn instead."""
+    monkeypatch.setenv(sandbox.MODE_ENV, policy)
+    monkeypatch.setattr(forkserver, "_CUDA_UNSAFE", [])
+    forkserver.kill_all()
+    assert forkserver.usable("cuda") and forkserver.usable("cpu")
+    srv = forkserver.server("cuda")
+    with pytest.raises(forkserver.CudaForkUnsafe, match="CUDA context"):
+        srv.start()
+    assert not srv.alive() and not forkserver.usable("cuda") and forkserver.usable("cpu")
+    forkserver._release(srv)
+    forkserver.kill_all()
+
+
+def test_the_switch_decides_which_jobs_use_a_server(monkeypatch):
+    monkeypatch.setattr(forkserver, "_CUDA_UNSAFE", [])
+    for switch, cpu, cuda in (("on", True, True), ("cpu", True, False), ("off", False, False)):
+        monkeypatch.setenv(forkserver.SWITCH_ENV, switch)
+        assert (forkserver.usable("cpu"), forkserver.usable("cuda:0")) == (cpu, cuda), switch
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a GPU")
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_on_a_gpu_cuda_checks_go_through_a_cuda_server_with_the_students_cache(tmp_path, monkeypatch, policy):
+    """On a GPU machine a check graded on CUDA runs in a child of a cuda fork server (no fresh
+    process importing torch per check) that sees the device and the student's Triton cache; a
+    check graded on the CPU (ch08's) runs in a cpu server's child, which sees no GPU."""
+    from graders.core import triton_cache_scope
+
+    monkeypatch.setenv(sandbox.MODE_ENV, policy)
+    forkserver.kill_all()
+    with triton_cache_scope(tmp_path / "a"):
+        report = grade_source("ch01.1", _REPORT_WHERE).report
+    assert f"SEEN cuda:0 cuda {tmp_path / 'a'} END" in report, report
+    assert not forkserver._CUDA_UNSAFE
+    assert [s.cache for s in forkserver._ALL if s.kind == "cuda" and s.alive()] == [tmp_path / "a"]
+    cpu_answer = textwrap.dedent('''
+        import torch
+        def bucket_for(n, buckets):
+            raise RuntimeError("SEEN cuda " + str(torch.cuda.is_available()) + " END")
+    ''')
+    assert "SEEN cuda False END" in grade_source("ch08.1", cpu_answer).report
+    forkserver.kill_all()
