@@ -75,7 +75,37 @@ def timer(device: torch.device):
     return wall
 
 
-def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, device: torch.device) -> list[dict]:
+def kernel_breakdown(runner, n: int, top: int = 15) -> dict:
+    """CUDA time per kernel name (torch.profiler) of one eager base step and one eager LoRA step of
+    ``n`` sequences: where a decode step's time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    for lora in (False, True):
+        with torch.inference_mode():
+            runner._step(n, lora)
+            sync()
+            with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                runner._step(n, lora)
+                sync()
+        time_of = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        events = sorted(prof.key_averages(), key=lambda e: -time_of(e))
+        rows = [dict(kernel=e.key[:90], us=round(time_of(e), 1), calls=e.count) for e in events[:top]]
+        total = sum(time_of(e) for e in events)
+        out["lora" if lora else "base"] = dict(total_kernel_us=round(total, 1), top=rows)
+        print(f"  {'LoRA' if lora else 'base'} eager step, {n} seqs: {total:.0f} us of kernels; top:")
+        for r in rows[:8]:
+            print(f"    {r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    return out
+
+
+PROFILES: dict = {}
+
+
+def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, device: torch.device,
+        profile: int | None = None, profiles: dict = PROFILES) -> list[dict]:
     import transformers
 
     config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=context + 8, **cfg)
@@ -107,9 +137,16 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
                 lora = D > 0
                 graph, _ = runner.graphs[(n, lora)]
                 graph_us = timeit(graph.replay) if graph is not None else float("nan")
-                eager_us = timeit(lambda: runner._step(n, lora))
+                with torch.inference_mode():  # as decode() runs it (outside, autograd would chain
+                    eager_us = timeit(lambda: runner._step(n, lora))  # every step through the KV cache)
                 base_graph, _ = runner.graphs[(n, False)]
-                base_us = timeit(base_graph.replay) if base_graph is not None else timeit(lambda: runner._step(n, False))
+                if base_graph is not None:
+                    base_us = timeit(base_graph.replay)
+                else:
+                    with torch.inference_mode():
+                        base_us = timeit(lambda: runner._step(n, False))
+                if profile is not None and n == profile and D == min(8, n):
+                    profiles[f"seqs {n} adapters {D} rank {rank}"] = kernel_breakdown(runner, n)
                 row = dict(seqs=n, adapters=D, rank=rank, graph_us=round(graph_us, 2), eager_us=round(eager_us, 2),
                            base_graph_us=round(base_us, 2),
                            graph_speedup=round(eager_us / graph_us, 3) if graph is not None else None,
@@ -151,15 +188,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--smoke", action="store_true", help="tiny model and batches (any machine)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32, 64])
+    ap.add_argument("--profile", type=int, default=None, help="also profile the eager steps at this many sequences")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:
-        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device)
+        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device, args.profile)
     else:
-        rows = run(args.layers, args.context, [1, 16, 64, 256], [0, 1, 8, 32, 64], [16, 64], FULL, device)
+        rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, FULL, device, args.profile)
     met = targets(rows)
     for t in met:
         print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
@@ -167,10 +208,10 @@ def main() -> None:
     import transformers
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+    result = dict(device=name, ranks=args.ranks, torch=torch.__version__, triton=triton.__version__,
                   transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
                   context=args.context if not args.smoke else 8, smoke=args.smoke,
-                  model=FULL if not args.smoke else SMOKE, rows=rows, targets=met,
+                  model=FULL if not args.smoke else SMOKE, rows=rows, targets=met, kernel_profiles=PROFILES,
                   method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
     out = args.out or (ROOT / "benchmarks" / "results" /
                        ("decode_step_smoke.json" if args.smoke else "decode_step_h200.json"))

@@ -71,21 +71,21 @@ def copy_bandwidth() -> float:
     return max(copy_bandwidths().values())
 
 
-def problem(n_req: int, tokens: int, n_adapters: int, d_in: int, d_out: int, rank: int):
-    g = torch.Generator(device="cuda").manual_seed(0)
+def problem(n_req: int, tokens: int, n_adapters: int, d_in: int, d_out: int, rank: int, device: str = "cuda", dtype: torch.dtype = DT):
+    g = torch.Generator(device=device).manual_seed(0)
     slots = n_adapters + 1
-    A = (torch.randn(slots, rank, d_in, generator=g, device="cuda") * d_in**-0.5).to(DT)
-    B = (torch.randn(slots, d_out, rank, generator=g, device="cuda") * rank**-0.5).to(DT)
+    A = (torch.randn(slots, rank, d_in, generator=g, device=device) * d_in**-0.5).to(dtype)
+    B = (torch.randn(slots, d_out, rank, generator=g, device=device) * rank**-0.5).to(dtype)
     ranks = [0] + [rank] * n_adapters
     info = build_batch_info([tokens] * n_req, [1 + i % n_adapters for i in range(n_req)], ranks,
-                            [0.0] + [1.0] * n_adapters, "cuda")
+                            [0.0] + [1.0] * n_adapters, device)
     n = n_req * tokens
     uids = [1 + i % n_adapters for i in range(n_req)]
     info_sorted = batch_info_from_requests(uids, [tokens] * n_req, {u: u for u in range(slots)}, ranks,
-                                           [0.0] + [1.0] * n_adapters, "cuda", sort_by_slot=True)
-    x = torch.randn(n, d_in, generator=g, device="cuda").to(DT)
-    return dict(A=A, B=B, info=info, info_sorted=info_sorted, x=x, t=torch.zeros(n, rank, dtype=DT, device="cuda"),
-                out=torch.randn(n, d_out, generator=g, device="cuda").to(DT), n=n, D=min(n_adapters, n_req),
+                                           [0.0] + [1.0] * n_adapters, device, sort_by_slot=True)
+    x = torch.randn(n, d_in, generator=g, device=device).to(dtype)
+    return dict(A=A, B=B, info=info, info_sorted=info_sorted, x=x, t=torch.zeros(n, rank, dtype=dtype, device=device),
+                out=torch.randn(n, d_out, generator=g, device=device).to(dtype), n=n, D=min(n_adapters, n_req),
                 d_in=d_in, d_out=d_out, rank=rank)
 
 
@@ -122,6 +122,7 @@ def ops_for(p, kind: str, cfg: dict):
 
 CASES = (
     [("decode", n, 1, D, 4096, 4096, 16) for n in (16, 64, 256) for D in (1, 8, 32) if not (n == 16 and D == 32)]
+    + [("decode", n, 1, D, 4096, 4096, 64) for n, D in ((16, 8), (64, 8), (256, 32))]
     + [("prefill", 4, 2048, 4, 4096, 4096, 16), ("prefill", 4, 2048, 4, 4096, 4096, 64),
        ("prefill", 4, 2048, 4, 4096, 14336, 16), ("prefill", 4, 2048, 4, 4096, 14336, 64)]
 )

@@ -121,6 +121,32 @@ def test_fused_decode_slot_schedule_over_several_token_blocks():
     _close(got, torch_ref.fused_decode(x, A, B, info, base.clone()), torch.float32)
 
 
+@pytest.mark.parametrize("tokens,max_rank,num_slots,schedule", [
+    (16, 16, 3, "token"), (72, 32, 3, "token"), (64, 64, 3, "slot"), (64, 64, 33, "token"), (16, 64, 3, "token"),
+])
+def test_fused_decode_defaults_by_rank_tokens_and_pool_size(tokens, max_rank, num_slots, schedule):
+    """Each branch of the per-rank defaults (decode_rank_sweep_h200.json) picks its schedule and
+    gives the reference's result; bgmv_expand's per-rank block_n too."""
+    from reference.ops.fused_decode import default_config
+
+    cfg = default_config(tokens, max_rank, num_slots)
+    assert cfg["schedule"] == schedule
+    assert default_config(tokens, max_rank, num_slots, "slot")["schedule"] == "slot"
+    if (tokens, max_rank) == (72, 32):
+        assert (cfg["block_k"], cfg["num_warps"]) == (512, 8)
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(tokens + max_rank + num_slots)
+    ranks = [0] + [max_rank - s % 3 for s in range(1, num_slots)]
+    A, B = _pool(g, ranks, max_rank, 24, 40, torch.float32, device)
+    info = _batch([1] * tokens, [(7 * i) % num_slots for i in range(tokens)], ranks, device)
+    x = torch.randn(tokens, 24, generator=g).to(device)
+    base = torch.randn(tokens, 40, generator=g).to(device)
+    _close(fused_decode(x, A, B, info, base.clone()), torch_ref.fused_decode(x, A, B, info, base.clone()),
+           torch.float32)
+    t = torch_ref.bgmv_shrink(x, A, info, torch.zeros(tokens, max_rank, device=device))
+    _close(bgmv_expand(t, B, info, base.clone()), torch_ref.bgmv_expand(t, B, info, base.clone()), torch.float32)
+
+
 @pytest.mark.parametrize("expand_op", [sgmv_expand, bgmv_expand], ids=["sgmv", "bgmv"])
 def test_stacked_qkv_slices_with_gqa_widths(expand_op):
     device = TRITON_DEVICE

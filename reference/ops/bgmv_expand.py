@@ -77,10 +77,15 @@ def bgmv_expand(
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out_total], updated in place
     slice_offsets: Optional[Sequence[int]] = None,
-    block_n: int = 256,
+    block_n: Optional[int] = None,
     num_warps: int = 2,
 ) -> torch.Tensor:
     """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
+
+    ``block_n`` (output columns per program) defaults by the pool's max rank, from a sweep on an
+    H200 (hidden 4096, bf16, 16-256 tokens; ``benchmarks/results/decode_rank_sweep_h200.json``):
+    256 up to rank 16, 128 up to 32, 64 beyond (each program's B tile is block_n x rank: wider
+    ranks want narrower tiles and more programs; rank 64 at 256 tokens 52.8 -> 46.4 us).
 
     Raises:
         ValueError: mismatched shapes or devices, bad ``slice_offsets``, or no ``token_slots``.
@@ -94,6 +99,8 @@ def bgmv_expand(
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
     if t.shape[0] == 0:
         return out
+    if block_n is None:
+        block_n = 256 if B_stack.shape[2] <= 16 else 128 if B_stack.shape[2] <= 32 else 64
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     grid = (t.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
     _bgmv_expand_kernel[grid](

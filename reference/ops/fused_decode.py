@@ -31,7 +31,7 @@ import triton.language as tl
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 
-__all__ = ["fused_decode"]
+__all__ = ["fused_decode", "default_config"]
 
 
 @triton.jit
@@ -161,6 +161,32 @@ def _fused_decode_by_slot_kernel(
             tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def default_config(tokens: int, max_rank: int, num_slots: int, schedule: Optional[str] = None) -> dict:
+    """The launch config :func:`fused_decode` uses when none is given: schedule, num_splits,
+    block_k, block_n, num_warps (``schedule`` given: that schedule's defaults).
+
+    From sweeps on an H200 (hidden 4096 -> 4096, bf16, CUDA graph replay):
+    ``benchmarks/results/fused_decode_sweep_h200.json`` (rank 16: few tokens need more programs
+    per token to fill the GPU, many tokens fill it alone and gain from doing each shrink once) and
+    ``benchmarks/results/decode_rank_sweep_h200.json`` (ranks 32 and 64). At rank 32 and 256 tokens
+    smaller K tiles with 8 warps win (57.5 -> 42.7 us). At rank 64 the token schedule streams each
+    token's 512 KiB of A alone; with 64+ tokens over a pool of at most 16 slots the slot schedule,
+    which reads each slot's A once for all its tokens, wins (64 tokens / 8 adapters 36.4 -> 27.2 us,
+    256 / 8 97.9 -> 79.7 us). It scans every token once per slot, so over a large pool (32 adapters:
+    282 us at 256 tokens) the token schedule stays.
+    """
+    block_r = next_pow2_at_least(max_rank, floor=16)
+    if schedule is None:
+        schedule = "slot" if block_r >= 64 and tokens >= 64 and num_slots <= 16 else "token"
+    if schedule == "slot":
+        return dict(schedule="slot", num_splits=16, block_k=128, block_n=128, num_warps=8)
+    cfg = dict(schedule="token", num_splits=8 if tokens <= 16 else 2 if tokens <= 64 else 1,
+               block_k=2048 if tokens <= 64 else 1024, block_n=512, num_warps=16)
+    if block_r == 32 and tokens > 64:
+        cfg.update(block_k=512, num_warps=8)
+    return cfg
+
+
 def fused_decode(
     x: torch.Tensor,  # [num_tokens, in]
     A_stack: torch.Tensor,  # [num_slots, max_rank, in]
@@ -169,19 +195,18 @@ def fused_decode(
     out: torch.Tensor,  # [num_tokens, out], updated in place
     num_splits: Optional[int] = None,
     block_k: Optional[int] = None,
-    block_n: int = 512,
-    schedule: str = "token",
+    block_n: Optional[int] = None,
+    schedule: Optional[str] = None,
     block_t: int = 64,
-    num_warps: int = 16,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the fused decode kernel (see the module docstring). Returns ``out``.
 
     ``num_splits`` programs share one token's (or slot's) output columns; each recomputes the
     (small) shrink, which trades re-reading A from L2 for more programs in flight. ``schedule`` is
-    ``"token"`` or ``"slot"``; ``block_t`` is the token block of the slot schedule. By default
-    ``num_splits`` and ``block_k`` follow the batch size, from a sweep on an H200 (hidden 4096, rank
-    16, bf16; ``benchmarks/results/fused_decode_sweep_h200.json``): few tokens need more programs
-    per token to fill the GPU, many tokens already fill it and gain from doing each shrink once.
+    ``"token"`` or ``"slot"``; ``block_t`` is the token block of the slot schedule. Every argument
+    left None follows the batch size, the pool's max rank and its number of slots
+    (:func:`default_config`, from sweeps on an H200).
 
     Raises:
         ValueError: mismatched shapes or devices, or no ``token_slots``.
@@ -195,11 +220,10 @@ def fused_decode(
     if x.shape[0] == 0:
         return out
     n = out.shape[1]
-    tokens = x.shape[0]
-    if num_splits is None:
-        num_splits = 8 if tokens <= 16 else 2 if tokens <= 64 else 1
-    if block_k is None:
-        block_k = 2048 if tokens <= 64 else 1024
+    given = dict(schedule=schedule, num_splits=num_splits, block_k=block_k, block_n=block_n, num_warps=num_warps)
+    cfg = {**default_config(x.shape[0], A_stack.shape[1], A_stack.shape[0], schedule),
+           **{k: v for k, v in given.items() if v is not None}}
+    schedule, num_splits, block_k, block_n, num_warps = (cfg[k] for k in given)
     splits = max(1, min(num_splits, triton.cdiv(n, block_n)))
     n_per_split = triton.cdiv(n, splits)
     if schedule == "slot":
