@@ -53,6 +53,10 @@ POINTS: dict[str, dict[str, float]] = {
     "ch08.2": dict(_STANDARD),
     "ch08.3": dict(_STANDARD),
     "ch08.4": dict(_STANDARD),
+    "ch09.1": dict(_STANDARD),
+    "ch09.2": dict(_STANDARD),
+    "ch09.3": dict(_STANDARD),
+    "ch09.4": dict(_STANDARD),
 }
 
 

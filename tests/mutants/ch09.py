@@ -1,0 +1,96 @@
+"""Wrong answers for chapter 09 (virtual experts, the aligned block layout, the MoE LoRA op, EP ids),
+each the solution cell with one realistic edit (graders.mutation.Mutant).
+
+Not in the catalogue, because the contract's tolerance cannot tell it apart from the solution: a
+MoE LoRA op that keeps the shrink in fp32 instead of rounding it to x.dtype (the difference is one
+bf16 rounding of an intermediate, well inside the bf16 tolerance row)."""
+from graders.mutation import Mutant
+
+_VIRTUAL = "    virtual = token_slots.long().view(-1, 1) * num_experts + ids\n"
+_PAD = "            sorted_ids += chunk + [num_pairs] * (block_size - len(chunk))\n"
+_ROW = "            row = (x[p] if rows_per_pair else x[t]).float()\n"
+
+MUTANTS = [
+    # ch09.1 virtual_expert_ids
+    Mutant("ch09.1", "expert-major-numbering",
+           ((_VIRTUAL, "    virtual = ids * num_experts + token_slots.long().view(-1, 1)\n"),),
+           "not expert * num_experts + slot", "layout", plausible=True),
+    Mutant("ch09.1", "minus-one-not-kept",
+           (("    return torch.where(ids < 0, torch.full_like(virtual, -1), virtual)", "    return virtual"),),
+           "stays -1", "clause"),
+    Mutant("ch09.1", "dtype-of-the-input",
+           (("    ids = topk_ids.long()\n", "    ids = topk_ids\n"),
+            (_VIRTUAL, "    virtual = token_slots.view(-1, 1).to(ids.dtype) * num_experts + ids\n")),
+           "int64", "dtype"),
+    Mutant("ch09.1", "no-range-check",
+           (("    if ids.numel() and int(ids.max()) >= num_experts:\n"
+             "        raise ValueError(f\"expert id {int(ids.max())} >= num_experts {num_experts}\")\n", ""),),
+           "expert_id_past_the_experts_raises_value_error", "error"),
+    Mutant("ch09.1", "no-shape-check",
+           (("    if topk_ids.dim() != 2 or token_slots.shape != (topk_ids.shape[0],):\n"
+             "        raise ValueError(\"topk_ids [num_tokens, top_k] and token_slots [num_tokens]\")\n", ""),),
+           "token_slots_of_another_length_raises_value_error", "error"),
+
+    # ch09.2 moe_align_block_size
+    Mutant("ch09.2", "pads-with-minus-one",
+           ((_PAD, "            sorted_ids += chunk + [-1] * (block_size - len(chunk))\n"),),
+           "padding entries hold num_pairs", "clause", plausible=True),
+    Mutant("ch09.2", "group-in-reverse-order",
+           (("        group = torch.nonzero(flat == v).view(-1).tolist()  # in pair order: stable\n",
+             "        group = torch.nonzero(flat == v).view(-1).tolist()[::-1]\n"),),
+           "keep their order", "layout"),
+    Mutant("ch09.2", "ignores-skip",
+           (("        if skip is not None and bool(skip[v]):\n            continue\n", ""),),
+           "set in skip gets no blocks", "clause"),
+    Mutant("ch09.2", "counts-only-kept-pairs",
+           (("    num_pairs = flat.numel()\n", "    num_pairs = int((flat >= 0).sum())\n"),),
+           "num_pairs counts every pair", "math"),
+    Mutant("ch09.2", "no-id-range-check",
+           (("    if num_pairs and int(flat.max()) >= num_ids:\n"
+             "        raise ValueError(f\"id {int(flat.max())} >= num_ids {num_ids}\")\n", ""),),
+           "id_past_num_ids_raises_value_error", "error"),
+    Mutant("ch09.2", "int64-layout",
+           (("    return (torch.tensor(sorted_ids, dtype=torch.int32, device=ids.device),\n"
+             "            torch.tensor(block_ids, dtype=torch.int32, device=ids.device), num_pairs)",
+             "    return (torch.tensor(sorted_ids, dtype=torch.int64, device=ids.device),\n"
+             "            torch.tensor(block_ids, dtype=torch.int64, device=ids.device), num_pairs)"),),
+           "are int32", "dtype"),
+
+    # ch09.3 fused_moe_lora
+    Mutant("ch09.3", "down-reads-token-rows", ((_ROW, "            row = x[t].float()\n"),),
+           "rows_per_pair=True", "layout", plausible=True),
+    Mutant("ch09.3", "ignores-routing-weights",
+           (("(float(topk_weights[t, j]) if topk_weights is not None else 1.0)", "1.0"),),
+           "topk_weights given", "clause"),
+    Mutant("ch09.3", "slices-at-max-rank-offsets",
+           (("                h = (A[s, e, i * r:(i + 1) * r].float() @ row).to(x.dtype).float()\n",
+             "                h = (A[s, e, i * B.shape[3]:i * B.shape[3] + r].float() @ row).to(x.dtype).float()\n"),),
+           "rows [i*r, (i+1)*r)", "poison"),
+    Mutant("ch09.3", "rank-of-the-slot",
+           (("            r = int(lora_ranks[s, e])\n", "            r = int(lora_ranks[s].max())\n"),),
+           "rank 0", "poison"),
+    Mutant("ch09.3", "no-scaling",
+           (("            scale = float(scalings[s]) * ", "            scale = "),),
+           "scalings[slot]", "math"),
+    Mutant("ch09.3", "minus-one-not-skipped",
+           (("            if e < 0:\n                continue\n", ""),),
+           "bit for bit", "clause"),
+
+    # ch09.4 to_local_expert_ids
+    Mutant("ch09.4", "returns-global-ids",
+           (("    return torch.where(mine, local, torch.full_like(local, -1))",
+             "    return torch.where(mine, topk_ids.long(), torch.full_like(local, -1))"),),
+           "minus the rank's first expert", "math", plausible=True),
+    Mutant("ch09.4", "strided-experts",
+           (("    local = topk_ids.long() - ep_rank * per_rank\n", "    local = topk_ids.long() // ep_size\n"),
+            ("    mine = (topk_ids >= 0) & (local >= 0) & (local < per_rank)\n",
+             "    mine = (topk_ids >= 0) & (topk_ids.long() % ep_size == ep_rank)\n")),
+           "contiguous blocks", "layout"),
+    Mutant("ch09.4", "other-ranks-kept",
+           (("    return torch.where(mine, local, torch.full_like(local, -1))", "    return local"),),
+           "becomes -1", "clause"),
+    Mutant("ch09.4", "no-divisibility-check",
+           (("num_experts % ep_size != 0 or ", ""),), "ep_size_not_dividing_raises_value_error", "error"),
+    Mutant("ch09.4", "no-upper-bound-on-rank",
+           (("not 0 <= ep_rank < ep_size", "not 0 <= ep_rank"),), "ep_rank_past_ep_size_raises_value_error", "error"),
+]

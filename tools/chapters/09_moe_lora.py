@@ -1,0 +1,385 @@
+# %% [markdown]
+# # 09 · MoE LoRA with virtual experts
+#
+# In a mixture-of-experts (MoE) layer every token is routed to a few of many expert MLPs. An adapter
+# fine-tuned on such a model has LoRA weights **per expert**, so the delta a token gets depends on
+# two things at once: its adapter (as in every chapter so far) and the experts the router chose for
+# it. This chapter builds multi-LoRA for MoE layers the way SGLang does: index every
+# (adapter slot, expert) pair as one **virtual expert**, and let the routed MoE's own scheduling
+# machinery (sort the (token, expert) pairs, pad each expert's group to whole blocks) schedule the
+# LoRA as well.
+#
+# **What you will learn**
+# - What an adapter on a MoE model holds: 4-D buffers with an expert axis, per-expert ranks, and
+#   how big that gets for real MoE models.
+# - Virtual experts (`slot * num_experts + expert`) and the aligned block layout of vLLM's and
+#   SGLang's `moe_align_block_size`.
+# - The MoE LoRA op: which rows it reads (the token for gate_up, the pair's activation for down),
+#   where the routing weight goes, and one table that says where gate and up live.
+# - The edge cases that break real servers: experts or layers an adapter lacks (rank 0, explicitly),
+#   shared experts, base-model tokens.
+# - A Triton kernel over the sorted blocks, and the whole thing judged against PEFT on tiny Mixtral
+#   and Qwen2-MoE models.
+# - Expert parallelism: local against global expert ids, and what the wrong pairing does.
+#
+# **Exercises**: ch09.1 `virtual_expert_ids`, ch09.2 `moe_align_block_size`, ch09.3 `fused_moe_lora`,
+# ch09.4 `to_local_expert_ids`.
+
+# %%
+import json
+from pathlib import Path
+
+import reference  # first: device choice
+import torch
+
+import graders
+from reference import moe_lora
+from reference.device import default_device
+
+device = default_device()
+print("device:", device)
+
+# %% [markdown]
+# ## 1. Per-expert LoRA buffers
+#
+# A dense projection's LoRA lives in the slot buffers of chapter 05: `A_buffer [slots, stack * r, in]`,
+# `B_buffer [slots, out, r]`. A MoE layer has `E` experts, each with its own `gate_up_proj` and
+# `down_proj`, and an adapter trained on the experts has separate LoRA weights for each. The buffers
+# gain an expert axis (SGLang's 4-D MoE buffers; TensorRT-LLM offsets both pointers by
+# `expert_index * dim * rank`):
+#
+#     A [num_slots, num_experts, stack_num * max_rank, in]     B [num_slots, num_experts, out_total, max_rank]
+#     lora_ranks [num_slots, num_experts]
+#
+# The ranks are per (slot, expert): an adapter that covers only some experts, or none of a layer's,
+# carries **rank 0 there, explicitly**. A grouped kernel scheduled over those (slot, expert) groups
+# would otherwise read weights that were never written (garbage in a reused slot, or a null pointer in
+# a server that allocates per adapter); with rank 0 it never schedules them at all.
+#
+# A (token, choice) **pair** `p = token * top_k + j` runs expert `e = topk_ids[token, j]` under the
+# token's slot `s = token_slots[token]`. Every pair of one (slot, expert) reads the same A and B: the
+# (slot, expert) pair *is* the unit of work, exactly as an expert is in the base MoE layer. Name it
+# **virtual expert** `slot * num_experts + expert`, and the LoRA becomes an ordinary routed MoE over
+# `num_slots * num_experts` experts. The numbering puts one slot's experts next to each other, so
+# `A.view(num_slots * num_experts, ...)[v]` is `A[v // num_experts, v % num_experts]`.
+
+# %%
+topk_ids = torch.tensor([[1, 3], [0, 2], [3, 1]])  # 3 tokens, top_k 2, 4 experts
+token_slots = torch.tensor([0, 2, 1])  # token 0 on slot 0 (the base model here), tokens 1, 2 on adapters
+print(moe_lora.virtual_expert_ids(topk_ids, token_slots, num_experts=4))
+
+# %% [markdown]
+# ### Exercise ch09.1: `virtual_expert_ids`
+#
+# Write `virtual_expert_ids(topk_ids, token_slots, num_experts)`: for `topk_ids [num_tokens, top_k]`
+# (integers) and `token_slots [num_tokens]`, return `[num_tokens, top_k]` **int64** ids
+# `token_slots[t] * num_experts + topk_ids[t, j]`. An id of **-1** (an expert another expert-parallel
+# rank holds, section 6) stays -1. Raise `ValueError` when `token_slots` does not have one entry per
+# token, or when an expert id is `>= num_experts`. The example above gives
+# `[[1, 3], [8, 10], [7, 5]]`.
+
+# %% exercise="ch09.1" role="answer"
+def virtual_expert_ids(topk_ids, token_slots, num_experts):
+    """[num_tokens, top_k] int64: slot * num_experts + expert; -1 stays -1."""
+    ### BEGIN SOLUTION
+    if topk_ids.dim() != 2 or token_slots.shape != (topk_ids.shape[0],):
+        raise ValueError("topk_ids [num_tokens, top_k] and token_slots [num_tokens]")
+    ids = topk_ids.long()
+    if ids.numel() and int(ids.max()) >= num_experts:
+        raise ValueError(f"expert id {int(ids.max())} >= num_experts {num_experts}")
+    virtual = token_slots.long().view(-1, 1) * num_experts + ids
+    return torch.where(ids < 0, torch.full_like(virtual, -1), virtual)
+    ### END SOLUTION
+
+
+# %% exercise="ch09.1" role="test"
+graders.check("ch09.1", virtual_expert_ids)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch09.1")
+
+# %% [markdown]
+# ## 2. The aligned block layout
+#
+# A routed MoE kernel (vLLM's `fused_moe`, SGLang's) does not loop over experts. It sorts the pairs by
+# expert, pads each expert's group to a whole number of blocks of `BLOCK_M` pairs, and launches one
+# program per block: every real pair of a block shares one expert and so one weight matrix. The
+# layout comes from `moe_align_block_size`:
+#
+# - `sorted_pair_ids [num_blocks * block_size]` (int32): pair indices in id order, **stable** inside
+#   a group (pairs of one id keep their order); the padding of each group holds `num_pairs`, an index
+#   past the last pair, which the kernel masks (`pair < num_pairs`);
+# - `block_ids [num_blocks]` (int32): the id of block b's pairs;
+# - `num_pairs = num_tokens * top_k`.
+#
+# Ids with no pairs get no blocks. Pairs with id -1 (not on this rank) are left out. Fed virtual
+# expert ids, the same function schedules the LoRA: one block = one (slot, expert) = one A and one B.
+# One more input matters for LoRA: `skip [num_ids]` (bool) marks groups that must get no blocks
+# even when they have pairs, namely the (slot, expert) groups of rank 0. A base-model token, or
+# an adapter without weights for that expert, then costs no program and reads nothing.
+
+# %%
+ids = torch.tensor([[2, 0], [1, 2], [0, 2]])  # pairs 0..5 have ids 2, 0, 1, 2, 0, 2
+aligned = moe_lora.moe_align_block_size(ids, block_size=2, num_ids=3)
+print("sorted_pair_ids", aligned.sorted_pair_ids.view(-1, 2).tolist(), " (rows = blocks; 6 = padding)")
+print("block_ids      ", aligned.block_ids.tolist())
+skipped = moe_lora.moe_align_block_size(ids, 2, 3, skip=torch.tensor([False, True, False]))
+print("with id 1 skipped:", skipped.sorted_pair_ids.view(-1, 2).tolist(), skipped.block_ids.tolist())
+
+# %% [markdown]
+# Padding costs compute: a group of `c` pairs takes `ceil(c / block_size)` blocks. With virtual
+# experts the groups are smaller than the base MoE's (a base expert's pairs are split over the
+# adapters present), so more of each block is padding. The count for one decode batch (64 tokens,
+# top-2 of 8 experts, tokens spread over 8 adapters, blocks of 16 pairs):
+
+# %%
+g = torch.Generator().manual_seed(0)
+tok = 64
+experts = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tok)])
+adapter = torch.arange(tok) % 8 + 1
+for name, id_tensor, n in (("base experts", experts, 8),
+                           ("virtual experts", moe_lora.virtual_expert_ids(experts, adapter, 8), 9 * 8)):
+    a = moe_lora.moe_align_block_size(id_tensor, 16, n)
+    print(f"{name:16s}: {a.block_ids.numel():3d} blocks, {a.sorted_pair_ids.numel()} rows for {a.num_pairs} pairs "
+          f"({1 - a.num_pairs / a.sorted_pair_ids.numel():.0%} padding)")
+
+# %% [markdown]
+# ### Exercise ch09.2: `moe_align_block_size`
+#
+# Write `moe_align_block_size(ids, block_size, num_ids, skip=None)` returning the tuple
+# `(sorted_pair_ids, block_ids, num_pairs)` described above: `ids` is `[num_tokens, top_k]` integer ids
+# in `[0, num_ids)` or -1; pair `p` is `ids.reshape(-1)[p]`. Groups in increasing id order, pairs
+# stable inside a group, each group padded on its own to a multiple of `block_size` with the value
+# `num_pairs`; no blocks for ids without pairs, for -1 pairs, or for ids set in `skip`. Both tensors
+# are int32 on the device of `ids`. Raise `ValueError` for `block_size < 1` or an id `>= num_ids`.
+
+# %% exercise="ch09.2" role="answer"
+def moe_align_block_size(ids, block_size, num_ids, skip=None):
+    """(sorted_pair_ids int32, block_ids int32, num_pairs): pairs sorted by id, groups padded to blocks."""
+    ### BEGIN SOLUTION
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    flat = ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    if num_pairs and int(flat.max()) >= num_ids:
+        raise ValueError(f"id {int(flat.max())} >= num_ids {num_ids}")
+    sorted_ids, block_ids = [], []
+    for v in range(num_ids):
+        if skip is not None and bool(skip[v]):
+            continue
+        group = torch.nonzero(flat == v).view(-1).tolist()  # in pair order: stable
+        while group:
+            chunk, group = group[:block_size], group[block_size:]
+            sorted_ids += chunk + [num_pairs] * (block_size - len(chunk))
+            block_ids.append(v)
+    return (torch.tensor(sorted_ids, dtype=torch.int32, device=ids.device),
+            torch.tensor(block_ids, dtype=torch.int32, device=ids.device), num_pairs)
+    ### END SOLUTION
+
+
+# %% exercise="ch09.2" role="test"
+graders.check("ch09.2", moe_align_block_size)
+
+# %% [markdown]
+# The reference (shown once your check passed) does the same without a Python loop over ids:
+
+# %%
+graders.show_reference("ch09.2")
+
+# %% [markdown]
+# ## 3. The MoE LoRA op
+#
+# transformers' Mixtral and Qwen2-MoE experts compute, for each pair (token t, choice j, expert e):
+#
+#     gate, up = (x[t] @ gate_up_proj[e].T).chunk(2)        # [2 * I]: gate first, then up
+#     y = (silu(gate) * up) @ down_proj[e].T                 # [H]
+#     out[t] += topk_weights[t, j] * y
+#
+# LoRA adds a delta to each of the two projections **before** what follows them: to gate_up's output
+# before the activation, to down's output before the routing weight multiplies it. So the op runs
+# twice per layer, with different rows:
+#
+# - gate_up: the rows are **tokens** (`x [num_tokens, H]`, read as `x[p // top_k]`), two output slices
+#   (gate | up), the delta added into the pair's `[num_pairs, 2 * I]` intermediate;
+# - down: the rows are **pairs** (`x [num_pairs, I]`, the pair's own activation), one slice.
+#
+# The routing weight: a model layer that multiplies `y` (base + delta) by `topk_weights` itself, as
+# transformers does, passes `topk_weights=None`; a fused kernel that writes the weighted sum in its
+# epilogue (vLLM's second GEMM) passes the weights and the op multiplies the delta by them. Either
+# way the weight multiplies the delta exactly once.
+#
+# **Where gate and up live.** One table, `moe_lora.GATE_UP_HALVES`, says which half of the fused
+# output each one is. The pool, the loader and the kernels all read it. A gate LoRA added to the up
+# half gives numbers of the right size and wrong meaning, and no shape check can catch it
+# (TensorRT-LLM keeps the same single source of truth for its fused MoE LoRA modules):
+
+# %%
+print(moe_lora.GATE_UP_HALVES, "-> for intermediate 14336: gate", moe_lora.gate_up_half("gate", 14336),
+      "up", moe_lora.gate_up_half("up", 14336))
+
+# %% [markdown]
+# ### Exercise ch09.3: `fused_moe_lora`
+#
+# Write `fused_moe_lora(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k, rows_per_pair,
+# slice_offsets=None, topk_weights=None)`, updating `out [num_pairs, out_total]` in place and
+# returning it. For every pair `p = t * top_k + j` with `e = topk_ids[t, j] >= 0`, `s = token_slots[t]`
+# and `r = lora_ranks[s, e] > 0`:
+#
+#     row = x[p] if rows_per_pair else x[t]
+#     for slice i, output columns [o_i, o_{i+1}) (slice_offsets; None = one slice, all of out):
+#         h = row @ A[s, e, i*r:(i+1)*r].T
+#         out[p, o_i:o_{i+1}] += scalings[s] * (topk_weights[t, j] if given else 1) * (h @ B[s, e, o_i:o_{i+1}, :r].T)
+#
+# Read nothing else of A and B (rows past `stack * r` and columns past `r` are padding; a group of rank
+# 0 may hold anything). Pairs with rank 0 or expert -1 come back **bit for bit** unchanged. Accumulate
+# in fp32 (bf16 inputs), round `h` to `x.dtype` as a two-kernel path does, and write `out.dtype`.
+
+# %% exercise="ch09.3" role="answer"
+def fused_moe_lora(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k, rows_per_pair,
+                   slice_offsets=None, topk_weights=None):
+    """out[pair] += the (slot, expert) LoRA delta of every pair; returns out."""
+    ### BEGIN SOLUTION
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, out.shape[1]]
+    num_tokens = topk_ids.shape[0]
+    for t in range(num_tokens):
+        s = int(token_slots[t])
+        for j in range(top_k):
+            e = int(topk_ids[t, j])
+            if e < 0:
+                continue
+            r = int(lora_ranks[s, e])
+            if r == 0:
+                continue
+            p = t * top_k + j
+            row = (x[p] if rows_per_pair else x[t]).float()
+            scale = float(scalings[s]) * (float(topk_weights[t, j]) if topk_weights is not None else 1.0)
+            for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+                h = (A[s, e, i * r:(i + 1) * r].float() @ row).to(x.dtype).float()
+                delta = B[s, e, lo:hi, :r].float() @ h
+                out[p, lo:hi] = (out[p, lo:hi].float() + scale * delta).to(out.dtype)
+    return out
+    ### END SOLUTION
+
+
+# %% exercise="ch09.3" role="test"
+graders.check("ch09.3", fused_moe_lora)
+
+# %% [markdown]
+# The reference (shown once your check passed) works one (slot, expert) group at a time, which is
+# the loop the Triton kernel parallelizes:
+
+# %%
+graders.show_reference("ch09.3")
+
+# %% [markdown]
+# ## 4. Expert parallelism: local or global expert ids
+#
+# With expert parallelism (EP) the experts are split over ranks; rank q of `ep_size` holds the
+# contiguous block `[q * E / ep_size, (q + 1) * E / ep_size)`. Each rank computes the pairs routed to
+# its experts, and the outputs are summed across ranks. Dispatchers differ in one detail that decides
+# how the LoRA buffers are laid out: some remap global expert ids to **local** ones before the MoE
+# kernel (SGLang's `moe_use_local_expert_ids`), so the buffers have `E / ep_size` experts; others keep
+# **global** ids, with buffers indexed by the global id (the rank's own experts filled, the rest never
+# read). Either works; mixing them (local ids into global buffers) silently reads another expert's
+# weights.
+#
+# ### Exercise ch09.4: `to_local_expert_ids`
+#
+# Write `to_local_expert_ids(topk_ids, ep_rank, ep_size, num_experts)`: the local id
+# `global - ep_rank * (num_experts // ep_size)` for the experts rank `ep_rank` holds, -1 for every other
+# expert (and for -1 inputs), as an int64 tensor shaped like `topk_ids`. Raise `ValueError` unless
+# `ep_size >= 1` divides `num_experts` and `0 <= ep_rank < ep_size`.
+
+# %% exercise="ch09.4" role="answer"
+def to_local_expert_ids(topk_ids, ep_rank, ep_size, num_experts):
+    """Global expert ids -> this EP rank's local ids; -1 for experts of other ranks."""
+    ### BEGIN SOLUTION
+    if ep_size < 1 or num_experts % ep_size != 0 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide {num_experts} experts, 0 <= ep_rank < ep_size")
+    per_rank = num_experts // ep_size
+    local = topk_ids.long() - ep_rank * per_rank
+    mine = (topk_ids >= 0) & (local >= 0) & (local < per_rank)
+    return torch.where(mine, local, torch.full_like(local, -1))
+    ### END SOLUTION
+
+
+# %% exercise="ch09.4" role="test"
+graders.check("ch09.4", to_local_expert_ids)
+
+# %% [markdown]
+# Both conventions on two simulated EP ranks, with the op of section 3 (the reference's). Each rank
+# holds half of the experts' LoRA weights; the sum over ranks must equal one rank holding all of
+# them:
+
+# %%
+g = torch.Generator().manual_seed(3)
+T, E, k, S, r, H, O = 6, 4, 2, 3, 4, 16, 12
+A = torch.randn(S, E, r, H, generator=g)
+B = torch.randn(S, E, O, r, generator=g)
+ranks = torch.full((S, E), r, dtype=torch.int32)
+ranks[0] = 0  # slot 0: the base model
+sc = torch.tensor([0.0, 1.0, 0.5])
+xt = torch.randn(T, H, generator=g)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+slots = torch.tensor([1, 2, 0, 1, 2, 1])
+
+
+def run(A_, B_, ranks_, ids_):
+    return moe_lora.fused_moe_lora_torch(xt, A_, B_, torch.zeros(T * k, O), ids_, slots, ranks_, sc, k, False)
+
+
+full = run(A, B, ranks, ids)
+half = E // 2
+local_sum = sum(run(A[:, q * half:(q + 1) * half], B[:, q * half:(q + 1) * half], ranks[:, q * half:(q + 1) * half],
+                    moe_lora.to_local_expert_ids(ids, q, 2, E)) for q in range(2))
+global_sum = torch.zeros_like(full)
+for q in range(2):
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[q * half:(q + 1) * half] = True
+    global_ids = torch.where(mask[ids], ids, torch.full_like(ids, -1))
+    global_sum += run(A * mask.view(1, E, 1, 1), B * mask.view(1, E, 1, 1), ranks * mask, global_ids)
+wrong = torch.zeros_like(full)
+for q in range(2):  # local ids fed to rank q's global buffers: local 0..1 name global experts 0..1
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[q * half:(q + 1) * half] = True
+    wrong += run(A * mask.view(1, E, 1, 1), B * mask.view(1, E, 1, 1), ranks * mask,
+                 moe_lora.to_local_expert_ids(ids, q, 2, E))
+print("local ids, E/2 buffers   == one rank:", torch.allclose(local_sum, full, atol=1e-5))
+print("global ids, E buffers    == one rank:", torch.allclose(global_sum, full, atol=1e-5))
+print("local ids, global buffers == one rank:", torch.allclose(wrong, full, atol=1e-5),
+      f"(max error {(wrong - full).abs().max():.3f})")
+
+# %% [markdown]
+# ## Sources
+#
+# - **SGLang**: `python/sglang/srt/lora/` (virtual experts: the (adapter, expert) pair indexed as one
+#   expert; 4-D MoE LoRA buffers; `moe_use_local_expert_ids`).
+# - **vLLM**: `vllm/model_executor/layers/fused_moe/` (`moe_align_block_size`, the fused MoE kernel
+#   and its two GEMMs) and its MoE LoRA ops under `vllm/lora/`.
+# - **TensorRT-LLM**: MoE LoRA (per-expert pointer offsets, `expert_index * dim * rank`; one table of
+#   where each fused module's parts live).
+# - **transformers**: `models/mixtral/modeling_mixtral.py` and `models/qwen2_moe/modeling_qwen2_moe.py`
+#   (3-D expert parameters, gate first in `gate_up_proj`, the routing weight applied after down).
+#
+# ## Summary
+#
+# - An adapter on a MoE layer holds LoRA per expert: buffers with an expert axis and ranks per
+#   (slot, expert); an expert or layer the adapter lacks has rank 0, explicitly.
+# - Virtual experts (`slot * E + expert`) turn multi-LoRA MoE into a routed MoE over `S * E` experts,
+#   scheduled by the aligned block layout; rank-0 groups get no blocks.
+# - gate_up reads token rows, down reads pair rows; the routing weight multiplies the delta once;
+#   one table says where gate and up live.
+# - Under EP, local ids go with local buffers and global ids with global buffers.
+#
+# ## Review questions
+#
+# 1. A decode batch of 64 tokens on 8 adapters, top-2 of 8 experts: how many (slot, expert) groups can
+#    there be at most, and why does the padding fraction grow compared with the base MoE layer?
+# 2. Why must the rank be per (slot, expert) rather than per slot?
+# 3. The down projection's LoRA reads `x[p]`, gate_up's reads `x[p // top_k]`. What goes wrong, and
+#    would any shape check notice, if down read `x[p // top_k]` of the activation tensor?
+# 4. A server applies the routing weight in the second GEMM's epilogue and also in the model layer.
+#    What does the LoRA delta of a pair with weight 0.3 come out as?
