@@ -44,7 +44,8 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch07.3": ("graders.ch07", "ReferenceLoRALinear"),
                   "ch08.2": ("reference.cuda_graph", "StaticLoRABatch"),
                   "ch08.3": ("reference.cuda_graph", "SlotChangeTracker"),
-                  "ch08.4": ("graders.ch08", "write_decode_inputs")}
+                  "ch08.4": ("graders.ch08", "write_decode_inputs"),
+                  "ch09.3": ("reference.moe_lora", "fused_moe_lora_torch")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
