@@ -45,4 +45,8 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch08.2": ("reference.cuda_graph:StaticLoRABatch.update",),
     "ch08.3": ("reference.cuda_graph:SlotChangeTracker",),
     "ch08.4": ("reference.cuda_graph:DecodeGraphRunner._write_inputs",),
+    "ch09.1": ("reference.moe_lora:virtual_expert_ids",),
+    "ch09.2": ("reference.moe_lora:moe_align_block_size",),
+    "ch09.3": ("reference.moe_lora:fused_moe_lora_torch",),
+    "ch09.4": ("reference.moe_lora:to_local_expert_ids",),
 }
