@@ -134,7 +134,15 @@ def main() -> None:
 
     info = machine()
     print(f"machine: {info}")
+    kind = "gpu" if info["gpu"] else f"cpu{info['cpus']}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"grading_{kind}{'_quick' if args.quick else ''}.json"
+    result: dict = {"machine": info, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def save(**parts) -> None:  # after every stage: a run stopped by a time limit keeps what it measured
+        result.update(parts)
+        out.write_text(json.dumps(result, indent=1) + "\n")
     checks = per_check(args.repeats)
+    save(per_check=checks)
     print("\nper-check cost (ch01.2, median of", args.repeats, "checks after the first)")
     print(f"{'':36}{'median s':>10}{'first s':>10}")
     for name, row in checks.items():
@@ -143,6 +151,7 @@ def main() -> None:
     print("\nsubmission of one learner (all answers correct):")
     sub = submission(names)
     total = sum(r["autograde_s"] + r["regrade_s"] for r in sub.values())
+    save(submission=sub, submission_total_s=total, chapters=names)
     print(f"\n{'chapter':24}{'autograde s':>12}{'re-grade s':>12}")
     for ch, r in sub.items():
         print(f"{ch:24}{r['autograde_s']:>12.1f}{r['regrade_s']:>12.1f}")
@@ -153,12 +162,7 @@ def main() -> None:
     per_hour = 3600 / (total * many / one)
     print(f"speed-up with {list(par)[-1]}: {one / many:.2f}x; whole submissions graded per hour on this "
           f"machine, estimated: {per_hour:.0f}")
-    result = {"machine": info, "per_check": checks, "submission": sub, "submission_total_s": total,
-              "parallel": par, "speedup": one / many, "submissions_per_hour_estimate": per_hour,
-              "chapters": names, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    kind = "gpu" if info["gpu"] else f"cpu{info['cpus']}"
-    out = args.out or ROOT / "benchmarks" / "results" / f"grading_{kind}{'_quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save(parallel=par, speedup=one / many, submissions_per_hour_estimate=per_hour)
     print(f"\nwrote {out}")
 
 
