@@ -237,3 +237,172 @@ def _greedy_decode(s, ours, context, pool, out, ids, mask, steps=3):
                 ref = model(input_ids=token[rs, None], attention_mask=mask[rs], position_ids=step_pos[rs],
                             past_key_values=caches[name], use_cache=True)
             caches[name], ref_logits[rs] = ref.past_key_values, ref.logits[:, -1]
+
+
+# ---- evictions: fewer slots than adapters, a later batch reloads -------------------------------------
+def test_evictions_between_batches_match_peft(setup):
+    """3 slots for 4 uids over three batches: r8 is evicted by r16, then reloaded over r16's slot."""
+    s = setup
+    pool = _pool(s, num_slots=3, max_loaded_loras=3)
+    ours, context = _ours(s, pool)
+    batches = [(["r4", "__base__", "r8"], [4, 6, 3]), (["r16", "r4", "r16"], [5, 2, 4]),
+               (["r8", "__base__", "r8"], [3, 5, 6])]
+    for i, (names, lens) in enumerate(batches):
+        ids, mask, pos = _prompts(lens, 20 + i)
+        uid_to_slot = _set_batch(context, pool, names, [ids.shape[1]] * len(names))
+        got = _run_ours(ours, input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = _reference(s, names, dict(input_ids=ids, attention_mask=mask, position_ids=pos))
+        ok, msg = _close(got[mask.bool()], want[mask.bool()], f"{s['kind']} batch {i}")
+        assert ok, msg
+    evicted = [e for e in pool.events if e[0] == "evict"]
+    assert ("evict", "r8", 2) in evicted and ("evict", "r16", 2) in evicted, pool.events
+    assert pool.events[-1][:3] == ("load", "r8", 2)
+    slot = uid_to_slot["r8"]  # held r16 before: nothing past r8's rank survives
+    for name, spec in {m.name: m for m in s["experts"]}.items():
+        for layer in range(LAYERS):
+            assert not pool.moe_A_buffer[name][layer][slot, :, spec.stack_num * 8:].any()
+            assert not pool.moe_B_buffer[name][layer][slot, :, :, 8:].any()
+            assert pool.moe_lora_ranks[name][layer][slot].tolist() == [8] * spec.num_experts
+
+
+# ---- missing layers and experts contribute exactly nothing ------------------------------------------
+def _capture(module):
+    seen = []
+    handle = module.register_forward_hook(lambda m, args, out: seen.append((args, out)))
+    return seen, handle
+
+
+def test_missing_layer_is_rank_zero_and_bit_exact(setup):
+    """nolayer1 has no experts in layer 1: rank 0 and zeros there, and its tokens get the base experts'
+    output bit for bit (same inputs); in layer 0 its experts do change the output."""
+    s = setup
+    pool = _pool(s, num_slots=len(ADAPTERS) + 1)
+    ours, context = _ours(s, pool)
+    ids, mask, pos = _prompts(LENS, 7)
+    uid_to_slot = _set_batch(context, pool, NAMES, [ids.shape[1]] * len(NAMES))
+    slot, pad = uid_to_slot["nolayer1"], ids.shape[1]
+    for name in pool.expert_modules:
+        assert not pool.moe_lora_ranks[name][1][slot].any() and pool.moe_lora_ranks[name][0][slot].all()
+        assert not pool.moe_A_buffer[name][1][slot].any() and not pool.moe_B_buffer[name][1][slot].any()
+    hooks = [_capture(ours.model.layers[i].mlp.experts) for i in range(LAYERS)]
+    _run_ours(ours, input_ids=ids, attention_mask=mask, position_ids=pos)
+    b = NAMES.index("nolayer1")
+    rows, base_rows = slice(b * pad, (b + 1) * pad), slice(pad, 2 * pad)  # request b; request 1 is the base
+    for layer, (seen, handle) in enumerate(hooks):
+        handle.remove()
+        (args, out), = seen
+        with torch.no_grad():
+            plain = ours.model.layers[layer].mlp.experts.base(*args)  # transformers' own eager experts
+        assert torch.equal(out[base_rows], plain[base_rows]), f"layer {layer}: the base request"
+        if layer == 1:
+            assert torch.equal(out[rows], plain[rows]), "a layer the adapter lacks must add exactly nothing"
+        else:
+            assert (out[rows] - plain[rows]).abs().max() > 1e-4
+
+
+def test_missing_experts_are_rank_zero_and_bit_exact(setup):
+    """An adapter without experts 0 and 1 in layer 0: tokens routed only to them get the base output bit
+    for bit; a token with one covered expert does not; base-slot tokens never do."""
+    s = setup
+    full = s["adapters"]["r8"]
+    part = MoELoRAAdapter(uid="part", rank=full.rank, scaling=full.scaling, weights=full.weights,
+                          expert_weights={k: v for k, v in full.expert_weights.items() if k[0] != 0 or k[2] >= 2})
+    pool = _pool(s, num_slots=2, adapters={"part": part})
+    pool.prepare_lora_batch(["part", None])
+    slot = pool.uid_to_buffer_id["part"]
+    E = pool.expert_modules["down_proj"].num_experts
+    assert pool.moe_lora_ranks["down_proj"][0][slot].tolist() == [0, 0] + [8] * (E - 2)
+    assert not pool.moe_A_buffer["gate_up_proj"][0][slot, :2].any()
+    context = LoRAContext()
+    base_experts = s["base"].model.layers[0].mlp.experts
+    layer = LoRAExperts(base_experts, pool, 0, context)
+    uids = ["part"] * 6 + [None] * 2
+    context.set_batch(batch_info_from_requests(uids, [1] * 8, pool.uid_to_buffer_id, pool.lora_ranks_host,
+                                               pool.scalings_host, "cpu"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=g)
+    idx = torch.tensor([[0, 1], [1, 0], [0, 1], [0, 2], [3, 1], [2, 3], [2, 3], [0, 1]])
+    w = torch.rand(8, 2, generator=g)
+    with torch.no_grad():
+        got, want = layer(x, idx, w), base_experts(x, idx, w)
+    assert torch.equal(got[:3], want[:3]) and torch.equal(got[6:], want[6:])
+    assert all((got[t] - want[t]).abs().max() > 1e-4 for t in (3, 4, 5))
+
+
+# ---- a malformed adapter: a clear error, the pool exactly as it was -----------------------------------
+def test_malformed_adapter_file_is_refused(setup, tmp_path):
+    """An expert LoRA for another expert count (3 experts' rows in a 4+-expert model) is named in the error."""
+    s = setup
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    tensors = load_file(str(s["dirs"]["r4"] / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"  # down_proj (the outer wrapper)
+    tensors[key], keyB = tensors[key][:-4], key.replace("lora_A", "lora_B")
+    tensors[keyB] = tensors[keyB][:, :-4].contiguous()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text((s["dirs"]["r4"] / "adapter_config.json").read_text())
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.down_proj.*another expert count"):
+        load_moe_peft_adapter(folder, s["dense"], s["experts"], LAYERS, MAX_RANK, uid="bad")
+
+
+@pytest.mark.parametrize("defect", ["expert_out_of_range", "wrong_shape", "three_part_key"])
+def test_malformed_adapter_leaves_pool_unchanged(setup, defect):
+    s = setup
+    good = s["adapters"]["r16"]
+    experts = dict(good.expert_weights)  # valid entries first: a write-as-you-check pool would write them
+    A, B = experts[(1, "down_proj", 0)]
+    E = s["experts"][0].num_experts
+    bad_entry = {"expert_out_of_range": ((1, "down_proj", E), (A, B)),
+                 "wrong_shape": ((1, "down_proj", 1), (A[:, :-1], B)),
+                 "three_part_key": ((1, "down_proj"), (A, B))}[defect]
+    experts[bad_entry[0]] = bad_entry[1]
+    bad = MoELoRAAdapter(uid="bad", rank=good.rank, scaling=good.scaling, weights=good.weights, expert_weights=experts)
+    pool = _pool(s, num_slots=3, adapters={**s["adapters"], "bad": bad})
+    pool.prepare_lora_batch(["r4", "r8", None])
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="adapter 'bad'"):
+        pool.prepare_lora_batch(["bad", None])
+    assert snapshot_diff(before, pool.snapshot()) == []
+    with pytest.raises(ValueError, match="adapter 'bad'"):
+        pool.load_to_slot(bad, pool.uid_to_buffer_id["r4"])
+    assert snapshot_diff(before, pool.snapshot()) == []
+
+
+# ---- the gate/up halves: a swapped table makes PEFT disagree ------------------------------------------
+def test_swapped_gate_up_halves_disagree_with_peft(setup, monkeypatch):
+    s = setup
+    dense, experts = s["dense"], s["experts"]
+    with monkeypatch.context() as m:  # a loader that puts the gate's delta on up
+        m.setattr(moe_lora, "GATE_UP_HALVES", {"gate": 1, "up": 0})
+        swapped = load_moe_peft_adapter(s["dirs"]["r4"], dense, experts, LAYERS, MAX_RANK, uid="r4")
+    names, lens = ["r4", "r4"], [5, 3]
+    ids, mask, pos = _prompts(lens, 31)
+    want = _reference(s, names, dict(input_ids=ids, attention_mask=mask, position_ids=pos))
+    results = {}
+    for label, adapter in {"right": s["adapters"]["r4"], "swapped": swapped}.items():
+        pool = _pool(s, num_slots=2, adapters={"r4": adapter})
+        ours, context = _ours(s, pool)
+        _set_batch(context, pool, names, [ids.shape[1]] * 2)
+        got = _run_ours(ours, input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        results[label] = _close(got[mask.bool()], want[mask.bool()], label)
+    assert results["right"][0], results["right"][1]
+    assert not results["swapped"][0], "swapping the gate/up halves must break the comparison with PEFT"
+
+
+# ---- the op is chosen by name; the wrap is undone -----------------------------------------------------
+def test_moe_op_registry_and_unwrap(setup):
+    s = setup
+    assert get_moe_op("torch") is moe_lora.fused_moe_lora_torch
+    with pytest.raises(ValueError, match="unknown MoE LoRA backend"):
+        get_moe_op("cuda")
+    if MOE_LORA_OPS["triton"] is None:
+        with pytest.raises(ValueError, match="not available"):
+            get_moe_op("triton")
+    pool = _pool(s, num_slots=2)
+    model = copy.deepcopy(s["base"])
+    originals = {p: m for p, m in model.named_modules() if p.endswith("mlp.experts") or p.endswith("q_proj")}
+    wrap_moe_model(model, pool, LoRAContext())
+    with pytest.raises(ValueError, match="already wrapped"):
+        wrap_moe_model(model, pool, LoRAContext())
+    unwrap_moe_model(model)
+    assert all(model.get_submodule(p) is m for p, m in originals.items())
