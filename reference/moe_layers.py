@@ -103,8 +103,9 @@ def _expert_groups(top_k_index: torch.Tensor, num_experts: int) -> list[tuple[in
     """(expert, pairs, tokens) in transformers' eager order: experts ascending, then (choice, token).
 
     Ids outside [0, num_experts) (transformers' expert-parallel sentinel ``num_experts``, or -1) are
-    left out. Example, top_k_index [[1, 0], [0, 2]] (k=2) -> [(0, [1, 2], [0, 1]), (1, [0], [0]),
-    (2, [3], [1])].
+    left out. Example, top_k_index [[1, 0], [0, 2]] (k=2; pair = token*2 + choice) ->
+    [(0, pairs [2, 1], tokens [1, 0]), (1, [0], [0]), (2, [3], [1])]: expert 0 is choice 0 of token 1,
+    then choice 1 of token 0.
     """
     k = top_k_index.shape[1]
     groups = []
