@@ -53,6 +53,7 @@ __all__ = [
     "LLAMA_MODULE_PATHS",
     "AdapterConfig",
     "LoRAKey",
+    "read_peft_files",
     "read_peft_adapter",
     "parse_lora_key",
     "layer_index",
@@ -62,6 +63,7 @@ __all__ = [
     "module_rank_alpha",
     "projection_map",
     "load_peft_adapter",
+    "convert_peft_adapter",
 ]
 
 CONFIG_NAME = "adapter_config.json"
@@ -85,7 +87,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _REFUSED = {  # config field -> why the book's kernels cannot serve it
     "use_dora": "DoRA adds a magnitude vector and a per-row norm that the shrink/expand kernels lack",
     "lora_bias": "a bias on lora_B is not part of the shrink/expand contract",
-    "target_parameters": "LoRA on raw parameters (MoE experts) needs the chapter 10 layout",
+    "target_parameters": "LoRA on raw parameters (MoE experts) needs chapter 09's loader "
+                         "(reference.moe_layers.load_moe_peft_adapter)",
     "layer_replication": "layer replication changes the layer indices",
     "modules_to_save": "full copies of modules (modules_to_save) are not low-rank weights",
 }
@@ -154,14 +157,15 @@ def _targets(v) -> Union[str, tuple[str, ...]]:
     raise ValueError(f"target_modules must be a string or a non-empty list of names, got {v!r}")
 
 
-def read_peft_adapter(path: Union[str, Path]) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
-    """Read a PEFT adapter directory: its config and its tensors (on the CPU, dtype as saved).
+def read_peft_files(path: Union[str, Path]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a PEFT adapter directory without interpreting its config: (the parsed JSON, its tensors).
 
+    The file-level half of :func:`read_peft_adapter`, for loaders that interpret more of the config
+    than :class:`AdapterConfig` does (chapter 09's MoE loader reads ``target_parameters``).
     Raises:
         FileNotFoundError: the directory, ``adapter_config.json`` or ``adapter_model.safetensors``
         is missing (the message names the file).
-        ValueError: malformed JSON, a bad config (see :meth:`AdapterConfig.from_dict`), or a file
-        that safetensors cannot read.
+        ValueError: malformed JSON, or a file that safetensors cannot read.
     """
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
@@ -172,12 +176,24 @@ def read_peft_adapter(path: Union[str, Path]) -> tuple[AdapterConfig, dict[str, 
         raw = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_file}: malformed JSON: {err}") from err
-    config = AdapterConfig.from_dict(raw, str(config_file))
     try:
         tensors = load_file(str(weights_file), device="cpu")
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{weights_file}: not a readable safetensors file: {err}") from err
-    return config, tensors
+    return raw, tensors
+
+
+def read_peft_adapter(path: Union[str, Path]) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
+    """Read a PEFT adapter directory: its config and its tensors (on the CPU, dtype as saved).
+
+    Raises:
+        FileNotFoundError: the directory, ``adapter_config.json`` or ``adapter_model.safetensors``
+        is missing (the message names the file).
+        ValueError: malformed JSON, a bad config (see :meth:`AdapterConfig.from_dict`), or a file
+        that safetensors cannot read.
+    """
+    raw, tensors = read_peft_files(path)
+    return AdapterConfig.from_dict(raw, str(Path(path) / CONFIG_NAME)), tensors
 
 
 class LoRAKey(NamedTuple):
@@ -431,7 +447,25 @@ def load_peft_adapter(
     if uid is None:
         raise ValueError("uid None is reserved for the base model; give the adapter a real uid")
     config, tensors = read_peft_adapter(path)
-    source = str(Path(path))
+    return convert_peft_adapter(config, tensors, modules, num_layers, max_lora_rank, strict=strict, uid=uid,
+                                source=str(Path(path)))
+
+
+def convert_peft_adapter(
+    config: AdapterConfig,
+    tensors: Mapping[str, torch.Tensor],
+    modules: Sequence[ModuleSpec],
+    num_layers: int,
+    max_lora_rank: int,
+    *,
+    strict: bool = True,
+    uid: Hashable,
+    source: str,
+) -> LoRAAdapter:
+    """The conversion half of :func:`load_peft_adapter` (same semantics and errors), on a config and
+    tensors already read; ``source`` names the adapter in every error."""
+    if uid is None:
+        raise ValueError("uid None is reserved for the base model; give the adapter a real uid")
     served = projection_map(modules)
     pairs = _drop_unserved(_pair_tensors(config, tensors, source), served, strict, source)
     if not pairs:
