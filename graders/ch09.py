@@ -23,6 +23,10 @@ of several slots, a token choosing one expert under two slots' adapters in one b
 
 ch09.4 ``to_local_expert_ids``: every rank of ep_size 2 and 4, ids at the edges of a rank's block,
 -1 ids, int32 ids, ep_size 1 (every id local), and each error.
+
+ch09.5 ``split_expert_lora``: E = 1 (both orders agree), E = 2 and 4 at ranks 1, 2, 3 (so blocks and
+strides differ, and r = 1 makes B's two orders coincide while A's still matter), in != out, bf16,
+and each error (rows not a multiple of E, A and B of different E*r, no rows).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from graders.core import Case, Exercise
+from reference.moe_adapters import split_expert_lora
 from reference.moe_lora import fused_moe_lora_torch, moe_align_block_size, to_local_expert_ids, virtual_expert_ids
 
 __all__ = ["EXERCISES"]
@@ -427,6 +432,63 @@ def _local_hint(case: Case, expected, got) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# ch09.5 split_expert_lora
+
+
+def _split_case(name, E, r, d_in, d_out, gen, dtype=torch.float32, a_rows=None, b_cols=None) -> Case:
+    rows = E * r if a_rows is None else a_rows
+    A = torch.randn(rows, d_in, generator=gen).to(dtype)
+    B = torch.randn(d_out, rows if b_cols is None else b_cols, generator=gen).to(dtype)
+    return Case(name, [A, B, E], f"lora_A {list(A.shape)}, lora_B {list(B.shape)}, num_experts {E} "
+                f"({str(dtype)[6:]}; PEFT's layout of a 3-D expert parameter's LoRA)", op="exact")
+
+
+def _split_edge() -> list[Case]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        _split_case("docstring_example_E2_r2", 2, 2, 3, 4, g),
+        _split_case("one_expert", 1, 4, 6, 5, g),
+        _split_case("E4_r3_gate_up_shaped", 4, 3, 8, 12, g),
+        _split_case("rank_1", 3, 1, 5, 7, g),
+        _split_case("E8_r2_down_shaped", 8, 2, 12, 8, g),
+        _split_case("bf16", 2, 4, 6, 6, g, torch.bfloat16),
+        _split_case("rows_not_a_multiple_of_E_raises_value_error", 4, 1, 6, 6, g, a_rows=6, b_cols=6),
+        _split_case("A_and_B_of_different_ranks_raises_value_error", 2, 2, 6, 6, g, b_cols=6),
+        _split_case("no_rows_raises_value_error", 2, 0, 6, 6, g),
+    ]
+
+
+def _split_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    return [_split_case(f"random_{i}", rng.choice([2, 3, 4, 8]), rng.choice([2, 3, 4, 8]), rng.choice([5, 8, 16]),
+                        rng.choice([6, 12, 24]), gen, torch.bfloat16 if i == 2 else torch.float32)
+            for i in range(4)]
+
+
+def _split_hint(case: Case, expected, got) -> Optional[str]:
+    if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+        return (f"return a list of num_experts ({len(expected)}) pairs (A_e [r, in], B_e [out, r])"
+                if isinstance(expected, (list, tuple)) else None)
+    A, B, E = case.args
+    r = A.shape[0] // E
+    try:
+        blocks_b = [B[:, e * r:(e + 1) * r] for e in range(E)]
+        strided_a = [A[e::E] for e in range(E)]
+        got_a = [g[0].cpu() for g in got]
+        got_b = [g[1].cpu() for g in got]
+    except (TypeError, IndexError):
+        return None
+    if all(torch.equal(a, e[0].cpu()) for a, e in zip(got_a, expected)) and all(
+            b.shape == x.shape and torch.equal(b, x) for b, x in zip(got_b, blocks_b)):
+        return ("lora_B's columns are rank-major: column k * E + e is expert e's k-th column, so B_e = lora_B[:, e::E]; "
+                "only lora_A is expert-major (one block of r rows per expert)")
+    if all(a.shape == x.shape and torch.equal(a, x) for a, x in zip(got_a, strided_a)):
+        return "lora_A is expert-major: expert e's rows are lora_A[e*r:(e+1)*r], one block (only B is strided)"
+    if any(tuple(b.shape) == (r, B.shape[0]) for b in got_b):
+        return "B_e is [out, r] (lora_B's rows are the output features), not transposed"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def _align_ref(ids, block_size, num_ids, skip=None):
@@ -444,4 +506,6 @@ EXERCISES = [
              fused_moe_lora_torch, _moe_edge, _moe_random, _moe_hint),
     Exercise("ch09.4", "to_local_expert_ids", ("topk_ids", "ep_rank", "ep_size", "num_experts"), to_local_expert_ids,
              _local_edge, _local_random, _local_hint),
+    Exercise("ch09.5", "split_expert_lora", ("lora_A", "lora_B", "num_experts"), split_expert_lora,
+             _split_edge, _split_random, _split_hint, fresh_result=False),
 ]

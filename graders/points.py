@@ -57,6 +57,7 @@ POINTS: dict[str, dict[str, float]] = {
     "ch09.2": dict(_STANDARD),
     "ch09.3": dict(_STANDARD),
     "ch09.4": dict(_STANDARD),
+    "ch09.5": dict(_STANDARD),
 }
 
 

@@ -49,4 +49,5 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch09.2": ("reference.moe_lora:moe_align_block_size",),
     "ch09.3": ("reference.moe_lora:fused_moe_lora_torch",),
     "ch09.4": ("reference.moe_lora:to_local_expert_ids",),
+    "ch09.5": ("reference.moe_adapters:split_expert_lora",),
 }
