@@ -19,7 +19,7 @@ import triton
 import reference
 
 from reference.batch_info import build_batch_info, stable_sort_by_slot
-from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
+from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, fused_moe_lora, sgmv_expand, sgmv_shrink, torch_ref
 from reference.ops.sgmv_expand import slice_bounds
 
 NAN = float("nan")
@@ -262,13 +262,44 @@ def _far_cases():
                   lambda x_, A_, B_, o: fused_decode(x_, A_, B_, dec, o, schedule="slot", block_k=bk, block_t=16,
                                                      block_n=16),
                   (x, A, B, base), ("x", "A_stack", "B_stack", "out"), shrink_k))
+    return cases + _far_moe_cases(bk)
+
+
+def _far_moe_cases(bk: int):
+    """The MoE LoRA op (chapter 09) in both roles: gate_up (token rows, two slices) and down (pair
+    rows), with routing weights; every dimension of every tensor argument has at least 3 entries."""
+    device, dtype = TRITON_DEVICE, torch.float16
+    g = torch.Generator().manual_seed(6)
+    ranks = torch.tensor([[0, 0, 0], [4, 3, 0], [2, 4, 1]], dtype=torch.int32)
+    tokens, top_k, d_in, width, max_rank = 4, 3, bk + 2, 40, 4
+    ids = torch.tensor([[0, 1, 2], [2, 1, -1], [1, 0, 2], [0, 2, 1]])
+    meta = dict(topk_ids=ids.to(device), token_slots=torch.tensor([1, 2, 0, 1], dtype=torch.int32).to(device),
+                lora_ranks=ranks.to(device), scalings=torch.tensor([0.0, 0.5, 2.0]).to(device), top_k=top_k)
+    weights = torch.rand(tokens, top_k, generator=g).to(dtype).to(device)
+    cases = []
+    for role, stack, rows in [("gate_up", 2, tokens), ("down", 1, tokens * top_k)]:
+        A = (torch.randn(3, 3, stack * max_rank, d_in, generator=g) * d_in ** -0.5).to(dtype).to(device)
+        B = (torch.randn(3, 3, stack * width, max_rank, generator=g) * 0.5).to(dtype).to(device)
+        x = torch.randn(rows, d_in, generator=g).to(dtype).to(device)
+        base = torch.randn(tokens * top_k, stack * width, generator=g).to(dtype).to(device)
+        offsets = (0, width, 2 * width) if stack == 2 else None
+
+        def run(x_, A_, B_, o, w, offsets=offsets, per_pair=role == "down"):
+            return fused_moe_lora(x_, A_, B_, o, rows_per_pair=per_pair, slice_offsets=offsets, topk_weights=w,
+                                  block_m=16, block_k=bk, block_n=16, **meta)
+
+        cases.append((f"fused_moe_lora/{role}", run, (x, A, B, base, weights),
+                      ("x", "A", "B", "out", "topk_weights"), {(0, 1): bk, (1, 3): bk}))
     return cases
 
 
-def _run_far_checks() -> None:
-    """Run every op with each argument in turn laid out far along each dimension; print one line per
-    check (``run`` before the launch, then ``ok`` or ``bad``), so a crash names its check."""
+def _run_far_checks(prefix: str = "") -> None:
+    """Run every op (whose name starts with ``prefix``) with each argument in turn laid out far along
+    each dimension; print one line per check (``run`` before the launch, then ``ok`` or ``bad``), so
+    a crash names its check."""
     for name, run, args, arg_names, reach in _far_cases():
+        if not name.startswith(prefix):
+            continue
         expected = run(*[a.clone() for a in args])
         for i, arg in enumerate(args):
             for dim in range(arg.dim()):

@@ -1,17 +1,24 @@
 """The book's LoRA ops.
 
 ``reference.ops.torch_ref`` holds the plain-PyTorch references; the Triton ops live one per file
-(``sgmv_shrink``, ``sgmv_expand``, ``bgmv_shrink``, ``bgmv_expand``, ``fused_decode``) and are
-exported here under the contract's names, so any implementation can be timed beside them::
+(``sgmv_shrink``, ``sgmv_expand``, ``bgmv_shrink``, ``bgmv_expand``, ``fused_decode``,
+``fused_moe_lora``) and are exported here under the contract's names, so any implementation can be
+timed beside them::
 
     shrink(x, A_stack, batch_info, out, stack_num=1)            # SGMV (prefill)
     expand(t, B_stack, batch_info, out, slice_offsets=None)     # SGMV (prefill)
     fused_decode(x, A_stack, B_stack, batch_info, out)          # BGMV shrink+expand, one launch
+    fused_moe_lora(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k,
+                   rows_per_pair, slice_offsets=None, topk_weights=None)   # MoE LoRA (chapter 09)
+
+The MoE op's contract and torch reference live in ``reference.moe_lora`` (4-D per-expert buffers,
+per-expert ranks, virtual experts); ``torch_ref.fused_moe_lora`` is that reference.
 """
 from reference.ops import torch_ref
 from reference.ops.bgmv_expand import bgmv_expand
 from reference.ops.bgmv_shrink import bgmv_shrink
 from reference.ops.fused_decode import fused_decode
+from reference.ops.fused_moe_lora import fused_moe_lora
 from reference.ops.sgmv_expand import sgmv_expand
 from reference.ops.sgmv_shrink import sgmv_shrink
 
@@ -19,4 +26,4 @@ shrink = sgmv_shrink
 expand = sgmv_expand
 
 __all__ = ["torch_ref", "shrink", "expand", "fused_decode", "sgmv_shrink", "sgmv_expand", "bgmv_shrink",
-           "bgmv_expand"]
+           "bgmv_expand", "fused_moe_lora"]
