@@ -170,6 +170,9 @@ def check_moe_lora_args(x, A, B, out, topk_ids, token_slots, lora_ranks, scaling
                          f"{list(lora_ranks.shape)} and {list(scalings.shape)}")
     if topk_weights is not None and topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must be shaped like topk_ids {list(topk_ids.shape)}")
+    if token_slots.numel() and (int(token_slots.min()) < 0 or int(token_slots.max()) >= num_slots):
+        raise ValueError(f"token_slots must lie in [0, {num_slots}), got {int(token_slots.min())}.."
+                         f"{int(token_slots.max())}")
     return list(zip(offsets[:-1], offsets[1:]))
 
 

@@ -266,6 +266,8 @@ def test_fused_moe_lora_rejects_bad_arguments():
         dict(scalings=args["scalings"][:2]),
         dict(topk_ids=torch.full_like(args["topk_ids"], 4)),  # expert id past the buffers' 4 experts
         dict(A=args["A"].double()),  # A of another dtype than x
+        dict(token_slots=torch.full_like(args["token_slots"], args["A"].shape[0])),  # a slot past the buffers
+        dict(token_slots=torch.full_like(args["token_slots"], -1)),
         dict(block_m=8),
         dict(block_n=24),
     ]
