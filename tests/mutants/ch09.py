@@ -94,3 +94,21 @@ MUTANTS = [
     Mutant("ch09.4", "no-upper-bound-on-rank",
            (("not 0 <= ep_rank < ep_size", "not 0 <= ep_rank"),), "ep_rank_past_ep_size_raises_value_error", "error"),
 ]
+
+MUTANTS += [
+    # ch09.5 split_expert_lora
+    Mutant("ch09.5", "B-in-blocks-like-A",
+           (("lora_B[:, e::num_experts]", "lora_B[:, e * r:(e + 1) * r]"),),
+           "rank-major", "layout", plausible=True),
+    Mutant("ch09.5", "A-strided-like-B",
+           (("(lora_A[e * r:(e + 1) * r], ", "(lora_A[e::num_experts], "),),
+           "expert-major", "layout"),
+    Mutant("ch09.5", "B-transposed",
+           (("lora_B[:, e::num_experts])", "lora_B[:, e::num_experts].T)"),),
+           "not transposed", "layout"),
+    Mutant("ch09.5", "no-shape-check",
+           (("    if rows == 0 or rows % num_experts != 0 or lora_B.shape[1] != rows:\n", "    if rows == 0:\n"),),
+           "rows_not_a_multiple_of_E_raises_value_error", "error"),
+    Mutant("ch09.5", "B-columns-unchecked",
+           ((" or lora_B.shape[1] != rows:", ":"),), "A_and_B_of_different_ranks_raises_value_error", "error"),
+]

@@ -23,17 +23,18 @@
 # - Expert parallelism: local against global expert ids, and what the wrong pairing does.
 #
 # **Exercises**: ch09.1 `virtual_expert_ids`, ch09.2 `moe_align_block_size`, ch09.3 `fused_moe_lora`,
-# ch09.4 `to_local_expert_ids`.
+# ch09.4 `to_local_expert_ids`, ch09.5 `split_expert_lora`.
 
 # %%
 import json
+import tempfile
 from pathlib import Path
 
 import reference  # first: device choice
 import torch
 
 import graders
-from reference import moe_lora
+from reference import moe_lora, moe_sizes
 from reference.device import default_device
 
 device = default_device()
@@ -55,6 +56,28 @@ print("device:", device)
 # carries **rank 0 there, explicitly**. A grouped kernel scheduled over those (slot, expert) groups
 # would otherwise read weights that were never written (garbage in a reused slot, or a null pointer in
 # a server that allocates per adapter); with rank 0 it never schedules them at all.
+#
+# How big that gets: an adapter's bytes for three published MoE configs (`reference.moe_sizes` holds
+# the fields of their config.json files), at rank 16 in bf16, on attention only and on attention plus
+# every MLP (routed experts, shared experts, dense layers). Each expert's gate, up and down count as
+# separate LoRA targets, as PEFT's `target_modules` names them:
+
+# %%
+mlp = ["gate_proj", "up_proj", "down_proj"]
+for name, config in (("Mixtral-8x7B", moe_sizes.MIXTRAL_8X7B), ("Qwen3-30B-A3B", moe_sizes.QWEN3_30B_A3B),
+                     ("DeepSeek-V3", moe_sizes.DEEPSEEK_V3)):
+    attention = sorted(moe_sizes.attention_shapes(config))  # DeepSeek-V3: latent attention's projections
+    attn_only = moe_sizes.moe_adapter_bytes(config, 16, attention)
+    everything = moe_sizes.moe_adapter_bytes(config, 16, attention + mlp)
+    print(f"{name:14s}: attention only {attn_only['total'] / 2**20:7.1f} MiB; with every MLP "
+          f"{everything['total'] / 2**20:8.1f} MiB ({everything['routed_experts'] / everything['total']:.0%} in "
+          f"routed experts; {config.get('num_local_experts') or config.get('num_experts') or config.get('n_routed_experts')}"
+          f" experts per layer)")
+
+# %% [markdown]
+# The routed experts dominate as soon as an adapter targets the MLP, and they grow with the number of
+# experts, not with the active ones: a pool slot must hold every expert's weights, even though a token
+# uses `top_k` of them.
 #
 # A (token, choice) **pair** `p = token * top_k + j` runs expert `e = topk_ids[token, j]` under the
 # token's slot `s = token_slots[token]`. Every pair of one (slot, expert) reads the same A and B: the
@@ -351,6 +374,221 @@ print("local ids, E/2 buffers   == one rank:", torch.allclose(local_sum, full, a
 print("global ids, E buffers    == one rank:", torch.allclose(global_sum, full, atol=1e-5))
 print("local ids, global buffers == one rank:", torch.allclose(wrong, full, atol=1e-5),
       f"(max error {(wrong - full).abs().max():.3f})")
+
+# %% [markdown]
+# ## 5. Loading PEFT adapters on experts
+#
+# PEFT puts LoRA on transformers' 3-D expert parameters with
+# `LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ...)`, beside
+# ordinary `target_modules` such as the attention projections. Mixtral's `experts.gate_up_proj` is
+# `[E, 2I, H]` and `experts.down_proj` `[E, H, I]`. For each targeted parameter the saved file holds one
+# pair for all experts: `lora_A [E * r, in]` and `lora_B [out, E * r]`. The two `E * r` axes are **not**
+# ordered the same way (found by experiment against PEFT's own `get_delta_weight`, transformers 5.24 /
+# peft 0.21; `reference/moe_adapters.py` records how):
+#
+#     A_e = lora_A[e*r:(e+1)*r]      expert-major: one block of r rows per expert
+#     B_e = lora_B[:, e::E]          rank-major: column k*E + e is expert e's k-th column
+#
+# Reading B in blocks like A gives every expert a delta of the right shape and size, built from other
+# experts' columns. The check below builds a tiny Mixtral with one PEFT adapter on its experts and
+# compares both readings with PEFT's delta for every expert:
+
+# %%
+import copy
+import warnings
+
+import peft
+import transformers
+
+from reference.moe_adapters import split_expert_lora
+
+torch.manual_seed(0)
+MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+           num_local_experts=4, num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64,
+           experts_implementation="eager")
+tiny = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MOE)).eval()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    probe = peft.get_peft_model(copy.deepcopy(tiny), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.down_proj"]))
+wrapper = probe.base_model.model.model.layers[0].mlp.experts  # PEFT's ParamWrapper around down_proj
+lora_A, lora_B = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+print("lora_A", list(lora_A.shape), " lora_B", list(lora_B.shape), " (E = 4, r = 4)")
+with torch.no_grad():
+    peft_delta = wrapper.get_delta_weight("default")  # [E, H, I]: scaling * B_e @ A_e
+    scaling = wrapper.scaling["default"]
+    for label, pairs in (("B_e = lora_B[:, e::E]        ", split_expert_lora(lora_A, lora_B, 4)),
+                         ("B_e = lora_B[:, e*r:(e+1)*r] ", [(lora_A[e * 4:(e + 1) * 4], lora_B[:, e * 4:(e + 1) * 4])
+                                                            for e in range(4)])):
+        ok = [torch.allclose(scaling * B_e @ A_e, peft_delta[e].reshape(B_e.shape[0], -1), atol=1e-6)
+              for e, (A_e, B_e) in enumerate(pairs)]
+        print(label, "matches PEFT for experts", [e for e, good in enumerate(ok) if good])
+
+# %% [markdown]
+# ### Exercise ch09.5: `split_expert_lora`
+#
+# Write `split_expert_lora(lora_A, lora_B, num_experts)`: for PEFT's `lora_A [E * r, in]` and
+# `lora_B [out, E * r]`, return a list of `num_experts` pairs `(A_e [r, in], B_e [out, r])` with the
+# orders above. Raise `ValueError` when `lora_A`'s rows are not a non-zero multiple of `num_experts`
+# or when `lora_B` does not have as many columns as `lora_A` has rows.
+
+# %% exercise="ch09.5" role="answer"
+def split_expert_lora(lora_A, lora_B, num_experts):
+    """PEFT's [E*r, in] / [out, E*r] expert LoRA -> [(A_e [r, in], B_e [out, r])] per expert."""
+    ### BEGIN SOLUTION
+    rows = lora_A.shape[0]
+    if rows == 0 or rows % num_experts != 0 or lora_B.shape[1] != rows:
+        raise ValueError(f"lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)} do not split into "
+                         f"{num_experts} experts")
+    r = rows // num_experts
+    return [(lora_A[e * r:(e + 1) * r], lora_B[:, e::num_experts]) for e in range(num_experts)]
+    ### END SOLUTION
+
+
+# %% exercise="ch09.5" role="test"
+graders.check("ch09.5", split_expert_lora)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch09.5")
+
+# %% [markdown]
+# PEFT's gate_up LoRA is **one** pair over all `2I` output rows (the gate's rows first). The pool
+# stores gate_up as two slices, each with its own A rows (section 3's layout, which also serves
+# adapters trained with separate gate and up LoRAs), so a PEFT adapter's A goes into both slices and
+# B's gate rows and up rows go where `GATE_UP_HALVES` says: one extra shrink per pair, traded for one
+# layout.
+#
+# ## 6. A whole MoE model against PEFT
+#
+# `reference.moe_pool.MoELoRAMemoryPool` is chapter 05's pool with expert buffers: the same slots,
+# eviction, pinning and `prepare_lora_batch`, and for every MoE layer the 4-D buffers and the
+# `[slots, experts]` ranks, written by the same `load_to_slot` (validated before any write).
+# `reference.moe_layers.wrap_moe_model` wraps attention with chapter 07's LoRA layers and replaces each
+# routed experts module with `LoRAExperts`, which runs the base experts per pair and adds the op of
+# section 3 twice (gate_up on token rows, down on pair rows) before the routing weight.
+#
+# PEFT cannot mix these adapters in one batch (`adapter_names=` refuses its `ParamWrapper` layers), so
+# the judge runs PEFT once per adapter (`set_adapter`) on that adapter's requests and compares row by
+# row with **one** mixed batch of ours: two adapters of ranks 4 and 8 (on attention and the experts),
+# the second missing its layer-1 experts, and the base model, in one prefill.
+
+# %%
+from safetensors.torch import load_file, save_file
+
+from reference.batch_info import batch_info_from_requests
+from reference.layers import LoRAContext
+from reference.moe_adapters import load_moe_peft_adapter
+from reference.moe_layers import moe_module_specs, wrap_moe_model
+from reference.moe_pool import MoELoRAMemoryPool
+
+work = Path(tempfile.mkdtemp(prefix="ch09-"))
+experts_targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+for seed, (name, r, targets) in enumerate((("r4", 4, ["q_proj", "v_proj"]), ("r8", 8, ["q_proj", "o_proj"]))):
+    torch.manual_seed(10 + seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.get_peft_model(copy.deepcopy(tiny), peft.LoraConfig(
+            r=r, lora_alpha=2 * r, init_lora_weights=False, target_modules=targets,
+            target_parameters=experts_targets)).save_pretrained(work / name)
+# adapter r8 without its layer-1 experts (PEFT then builds that layer's expert LoRA with B = 0)
+kept = {k: v for k, v in load_file(str(work / "r8" / "adapter_model.safetensors")).items()
+        if "layers.1.mlp.experts." not in k}
+save_file(kept, str(work / "r8" / "adapter_model.safetensors"))
+config = json.loads((work / "r8" / "adapter_config.json").read_text())
+(work / "r8" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": True}))
+
+dense, expert_specs = moe_module_specs(tiny.config)
+ours = {n: load_moe_peft_adapter(work / n, dense, expert_specs, 2, 8, uid=n) for n in ("r4", "r8")}
+pool = MoELoRAMemoryPool(dense, 2, 3, 8, expert_modules=expert_specs, adapter_source=ours.__getitem__)
+print("layer-1 expert ranks of r8 in its slot:",
+      pool.moe_lora_ranks["down_proj"][1][pool.prepare_lora_batch(["r8"])["r8"]].tolist())
+
+context = LoRAContext()
+model = wrap_moe_model(copy.deepcopy(tiny), pool, context)
+names, lens = ["r4", None, "r8", "r4"], [5, 3, 6, 4]
+g = torch.Generator().manual_seed(1)
+pad = max(lens)  # one request per row, right-padded (chapter 07's prefill layout): every row has pad tokens
+ids = torch.randint(0, 128, (len(lens), pad), generator=g)
+mask = (torch.arange(pad)[None, :] < torch.tensor(lens)[:, None]).long()
+uid_to_slot = pool.prepare_lora_batch(names)
+context.set_batch(batch_info_from_requests(names, [pad] * len(lens), uid_to_slot, pool.lora_ranks_host,
+                                           pool.scalings_host, "cpu"))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    reference_model = peft.PeftModel.from_pretrained(copy.deepcopy(tiny), work / "r4", adapter_name="r4")
+    reference_model.load_adapter(work / "r8", adapter_name="r8")
+reference_model.eval()
+with torch.no_grad():
+    mine = model(input_ids=ids, attention_mask=mask).logits
+    for i, name in enumerate(names):
+        if name is None:
+            want = tiny(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits
+        else:
+            reference_model.set_adapter(name)
+            want = reference_model(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits
+        n = lens[i]
+        err = (mine[i, :n] - want[0, :n]).abs().max().item()
+        print(f"request {i} ({name or 'base'}): max |ours - PEFT| over its {n} tokens = {err:.2e} "
+              f"(logits up to {want[0, :n].abs().max().item():.2f})")
+
+# %% [markdown]
+# The judge in `tests/test_moe_model.py` does this for a tiny Mixtral and a tiny Qwen2-MoE (whose
+# `shared_expert`, applied to every token, is an ordinary MLP: its LoRA is chapter 07's dense LoRA,
+# stored and computed apart from the routed experts), with greedy decode steps, evictions and reloads
+# between batches, malformed adapters (the pool stays exactly as it was), and a swapped gate/up table
+# (PEFT then disagrees). One difference from chapter 07 shows there: a base-model request is equal to
+# the base model only within the tolerance, not bit for bit, because the other requests change how
+# many rows each expert's matrix product runs on. At the layer, on identical inputs, a token routed
+# only to experts its adapter lacks does get exactly the base output.
+#
+# ## 7. The Triton kernel
+#
+# `reference.ops.fused_moe_lora` implements the op of section 3 with the layout of section 2:
+# virtual expert ids, `moe_align_block_size` with the rank-0 groups skipped, then two launches over
+# the sorted blocks. The shrink runs one program per (block of `BLOCK_M` pairs, slice): it gathers the
+# block's rows (`x[pair]` or `x[pair // top_k]`, padding entries masked), loads the one A of the
+# block's (slot, expert) and writes the intermediate. The expand runs one program per (block, column
+# tile, slice) and adds `scaling * weight * h @ B.T` into `out`. It runs here through Triton's
+# interpreter (on a GPU, compiled) and agrees with the torch reference:
+
+# %%
+from reference.ops import fused_moe_lora as fused_moe_lora_triton
+
+g = torch.Generator().manual_seed(7)
+T, E, k, S, r, H, I = 12, 4, 2, 3, 8, 32, 24
+A = torch.randn(S, E, 2 * r, H, generator=g) * H ** -0.5
+B = torch.randn(S, E, 2 * I, r, generator=g) * r ** -0.5
+ranks = torch.tensor([[0] * E, [8, 8, 0, 8], [4, 4, 4, 4]], dtype=torch.int32)
+sc = torch.tensor([0.0, 2.0, 1.0])
+x = torch.randn(T, H, generator=g)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+slots = torch.arange(T, dtype=torch.int32) % S
+base_out = torch.randn(T * k, 2 * I, generator=g)
+args = (ids, slots, ranks, sc, k, False, (0, I, 2 * I))
+want = moe_lora.fused_moe_lora_torch(x, A, B, base_out.clone(), *args)
+got = fused_moe_lora_triton(x.to(device), A.to(device), B.to(device), base_out.clone().to(device),
+                            *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+print("Triton vs torch reference: max abs difference", f"{(got.cpu() - want).abs().max().item():.2e}")
+
+# %% [markdown]
+# Two details matter for serving. The alignment reads the device (`nonzero`, a block count), so it
+# cannot run inside a CUDA graph (chapter 08); the op accepts a precomputed alignment (`aligned=`, from
+# `reference.ops.fused_moe_lora.align_moe_lora`), computed once per layer for both of its calls
+# (gate_up and down route the same pairs), leaving two capturable launches. And the grid follows the
+# number of blocks, which changes with the batch's routing; a captured version sizes it for the
+# largest possible block count, as vLLM's kernel does.
+#
+# ## 8. Measuring it
+#
+# `benchmarks/benchmark_moe_lora.py` times the op at Mixtral-8x7B and Qwen3-30B-A3B sizes (decode of
+# 16-256 tokens, prefill of 4 x 2048, 1-32 adapters of rank 16) against the base MoE layer measured in
+# the same run, and writes a results JSON naming the device. No GPU results are committed yet, so this
+# chapter states no timing; the target it will be held to is LoRA adding at most 30% to the MoE
+# layer at prefill.
 
 # %% [markdown]
 # ## Sources
