@@ -333,6 +333,12 @@ def to_local_expert_ids(topk_ids, ep_rank, ep_size, num_experts):
 graders.check("ch09.4", to_local_expert_ids)
 
 # %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch09.4")
+
+# %% [markdown]
 # Both conventions on two simulated EP ranks, with the op of section 3 (the reference's). Each rank
 # holds half of the experts' LoRA weights; the sum over ranks must equal one rank holding all of
 # them:
