@@ -323,6 +323,56 @@ print(f"a prefill batch (5 and 3 tokens): max_len {prefill.max_len}, layers use 
       f"{'BGMV' if uses_token_slots(prefill) else 'SGMV'}")
 
 # %% [markdown]
+# Which decode kernel is fastest is a measurement, not a rule. The book's LoRA benchmark
+# (`benchmarks/benchmark_lora_ops.py`, committed results) times every path a layer could take for one
+# projection (4096 -> 4096) at decode batches: BGMV shrink + expand (what the layers take for one token
+# per sequence), the fused one-launch kernel of chapter 03, SGMV over one-token per-request segments
+# (the layers' path before this chapter) and SGMV over the slot-sorted segments (the view above). The
+# table sums shrink and expand per path and marks the fastest:
+
+# %%
+paths = {"BGMV": ("shrink", "expand"), "fused": ("fused",),
+         "SGMV per request": ("sgmv_per_request:shrink", "sgmv_per_request:expand"),
+         "SGMV slot-sorted": ("sgmv_slot_sorted:shrink", "sgmv_slot_sorted:expand")}
+print(f"device: {bench['device']}; microseconds per projection (shrink + expand, CUDA graph replay)")
+print(f"{'tokens':>6} {'adapters':>8} {'rank':>4}  " + "".join(f"{name:>18}" for name in paths))
+cases = sorted({(r["n_req"], r["adapters"], r["rank"]) for r in bench["rows"] if r["kind"] == "decode"},
+               key=lambda c: (c[2], c[0], c[1]))
+for n, D, r in cases:
+    us = {op: row["us"] for row in bench["rows"] if (row["kind"], row["n_req"], row["adapters"], row["rank"]) ==
+          ("decode", n, D, r) for op in [row["op"]]}
+    totals = {name: sum(us[op] for op in ops) for name, ops in paths.items()}
+    best = min(totals, key=totals.get)
+    print(f"{n:6d} {D:8d} {r:4d}  " + "".join(f"{totals[k]:17.1f}{'*' if k == best else ' '}" for k in paths))
+
+# %% [markdown]
+# That table was measured with block sizes tuned at rank 16. A later sweep per rank
+# (`benchmarks/sweep_decode_ranks.py`) chose the current defaults for ranks 32 and 64; what it
+# measured for the fused kernel and BGMV's expand, old defaults against the best config:
+
+# %%
+sweep = json.loads(Path(reference.__file__).resolve().parents[1].joinpath(
+    "benchmarks", "results", "decode_rank_sweep_h200.json").read_text())
+print(f"device: {sweep['device']}; {sweep['method']}")
+for g in sweep["best"]:
+    if g["kind"] == "decode" and g["rank"] == 64 and g["op"] in ("fused_decode", "bgmv_expand"):
+        schedule = g["best"].get("schedule", "") if g["best"] else ""
+        print(f"  {g['n_req']:4d} tokens {g['adapters']:3d} adapters rank 64 {g['op']:13s}: old defaults "
+              f"{g['default_us']:6.1f} us, best {g['best_us']:6.1f} us {schedule}")
+
+# %% [markdown]
+# Per-request SGMV is never the fastest: its tiles of many rows hold one token each. At rank 16 the
+# fused kernel wins or ties; at rank 64 with many tokens per adapter the slot-sorted SGMV wins,
+# because each of its programs reads one adapter's A and B once for all that adapter's tokens, while
+# BGMV and the fused kernel's token schedule read them once per token. The fused kernel's slot
+# schedule, which reads each slot's A once, is now the rank-64 default over small pools; at 64 tokens
+# on 8 adapters the sweep timed it below the slot-sorted SGMV's time in the table (two runs of the same
+# method on the same H200, so a comparison to confirm in one run). Over 32 adapters at 256 tokens, a
+# pool too large for that schedule, the slot-sorted SGMV still wins clearly. The layers choose from the batch info (one token
+# per segment: BGMV), so a layer that should pick by rank and batch size has the information it needs;
+# doing so, and closing the remaining gap, is the subject of the book's performance work.
+#
+# %% [markdown]
 # ## 4. Grids sized for capacity
 #
 # A graph captured while the batch had a single adapter must still give every adapter of a later
