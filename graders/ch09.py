@@ -19,7 +19,8 @@ pair (down), topk_weights given and None, per-expert ranks below max_rank with A
 past each group's rank set to NaN, (slot, expert) groups of rank 0 and a whole base slot poisoned
 with NaN (those pairs' rows must come back bit for bit), expert ids -1 (another EP rank's: also bit
 for bit), fp32 and bf16, top_k 1, 2 and 4, scalings other than 1, an expert chosen by several tokens
-of several slots, a token choosing one expert under two slots' adapters in one batch; and errors.
+of several slots, a token choosing one expert under two slots' adapters in one batch, slices of
+unequal widths in the random cases too.
 
 ch09.4 ``to_local_expert_ids``: every rank of ep_size 2 and 4, ids at the edges of a rank's block,
 -1 ids, int32 ids, ep_size 1 (every id local), and each error.
@@ -52,9 +53,10 @@ def _ids(rows, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype).reshape(len(rows), -1) if rows else torch.zeros(0, 2, dtype=dtype)
 
 
-def _virtual_case(name, topk, slots, num_experts, dtype=torch.int64, slot_dtype=torch.int32) -> Case:
+def _virtual_case(name, topk, slots, num_experts, dtype=torch.int64, slot_dtype=torch.int32, column=False) -> Case:
     ids = _ids(topk, dtype)
     ts = torch.tensor(slots, dtype=slot_dtype)
+    ts = ts.view(-1, 1) if column else ts
     return Case(name, [ids, ts, num_experts],
                 f"topk_ids {ids.tolist()} ({str(dtype)[6:]}), token_slots {slots}, num_experts {num_experts}",
                 op="exact")
@@ -71,9 +73,12 @@ def _virtual_edge() -> list[Case]:
         _virtual_case("int32_ids_give_int64", [[1, 2], [0, 3]], [1, 2], 4, torch.int32),
         _virtual_case("top_k_1", [[3], [0], [2]], [1, 1, 0], 4),
         _virtual_case("top_k_8_of_128_experts", [[127, 5, 64, 0, 1, 99, 32, 7]], [3], 128),
+        _virtual_case("ids_past_2_31_int32_inputs", [[5, 2**30 - 1]], [3], 2**30, torch.int32),
         _virtual_case("no_tokens", [], [], 4),
         _virtual_case("expert_id_past_the_experts_raises_value_error", [[1, 4]], [0], 4),
         _virtual_case("token_slots_of_another_length_raises_value_error", [[1, 2], [0, 1]], [0, 1, 2], 4),
+        _virtual_case("any_negative_id_gives_minus_one", [[-2, 1], [3, -5]], [2, 1], 4),
+        _virtual_case("token_slots_as_a_column_raises_value_error", [[1, 2], [0, 1]], [1, 2], 4, column=True),
     ]
 
 
@@ -103,7 +108,8 @@ def _virtual_hint(case: Case, expected, got) -> Optional[str]:
         return ("slot * num_experts + expert, not expert * num_experts + slot: the experts of one slot are "
                 "consecutive, so virtual id v is A.view(-1, ...)[v] = A[v // num_experts, v % num_experts]")
     if not torch.equal(g[ids < 0], e[ids < 0]):
-        return "an id of -1 (an expert of another EP rank) stays -1: it has no slot's weights on this rank"
+        return ("a negative id (-1: an expert of another EP rank) gives -1: it has no slot's weights on this rank "
+                "(test ids < 0, not == -1)")
     if torch.equal(g, ids.long()) or torch.equal(g[ids >= 0], ids.long()[ids >= 0]):
         return "the virtual id includes the token's slot: slot * num_experts + expert"
     return None
@@ -129,6 +135,7 @@ def _align_edge() -> list[Case]:
         _align_case("minus_one_left_out", [[1, -1], [-1, 1], [0, 1]], 2, 2),
         _align_case("all_minus_one", [[-1, -1]], 2, 3),
         _align_case("stable_order_in_a_group", [[2, 2], [2, 0], [2, 2]], 8, 3),
+        _align_case("stable_order_over_many_pairs", [[(7 * t + j) % 3 for j in range(4)] for t in range(24)], 64, 3),
         _align_case("block_size_1", [[1, 0], [0, 1], [2, 0]], 1, 3),
         _align_case("block_larger_than_every_group", [[0, 1], [2, 3]], 16, 4),
         _align_case("three_blocks_in_one_group", [[0], [0], [0], [0], [0], [1], [0]], 2, 2),
@@ -138,6 +145,7 @@ def _align_edge() -> list[Case]:
         _align_case("no_pairs", [], 4, 3),
         _align_case("int32_ids", [[1, 0], [0, 0]], 2, 2, dtype=torch.int32),
         _align_case("block_size_0_raises_value_error", [[0, 1]], 0, 2),
+        _align_case("negative_block_size_raises_value_error", [[0, 1]], -2, 2),
         _align_case("id_past_num_ids_raises_value_error", [[0, 3]], 2, 3),
     ]
 
@@ -177,6 +185,16 @@ def _align_hint(case: Case, expected, got) -> Optional[str]:
     flat = ids.reshape(-1).long()
     if bool((flat < 0).any()) and bool(torch.isin(torch.nonzero(flat < 0).view(-1), real).any()):
         return "pairs with id -1 are left out: no block, no entry"
+    if torch.equal(real, e_real) and not torch.equal(gs, es):
+        return ("the real pairs are right but the padding is misplaced: each group takes ceil(count / block_size) "
+                "blocks of its own, its real pairs first and its padding after them (at the end of its last block)")
+    top_k = ids.shape[1] if ids.dim() == 2 else 1
+    T = flat.numel() // top_k if top_k else 0
+    if T and block and gs.numel() == es.numel() and real.numel() == e_real.numel() and not torch.equal(gs, es):
+        # the learner's entries read as choice * num_tokens + token: the same pairs in every block?
+        as_p = torch.where(is_real, (gs % T) * top_k + gs // T, gs)
+        if torch.equal(torch.sort(as_p.view(-1, block), dim=1).values, torch.sort(es.view(-1, block), dim=1).values):
+            return "pair p is ids.reshape(-1)[p], i.e. p = token * top_k + choice (not choice * num_tokens + token)"
     if skip is not None and real.numel() > e_real.numel():
         return "a group whose id is set in skip gets no blocks at all (no program reads its absent weights)"
     if gs.numel() < es.numel() and real.numel() == e_real.numel():
@@ -303,17 +321,18 @@ def _moe_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
                              for _ in range(S - 1)]
         ranks[1][rng.randrange(E)] = max_rank
         two = i % 2 == 0
-        width = rng.choice([8, 12, 20])
+        width, other = rng.choice([8, 12, 20]), rng.choice([4, 10, 16])
         cases.append(_moe_case(f"random_{i}", gen, tokens=rng.randint(4, 12), top_k=k, num_experts=E, slots=S,
                                ranks=ranks, max_rank=max_rank, d_in=rng.choice([16, 24, 40]),
-                               slices=(width, width) if two else (width,), rows_per_pair=not two,
+                               slices=(width, other if i == 2 else width) if two else (width,), rows_per_pair=not two,
                                weights=i in (1, 2), dtype=dtype, minus_one=0.15 if i == 3 else 0.0, rng=rng,
                                scalings=[rng.choice([0.5, 1.0, 2.0, 0.125]) for _ in range(S)]))
     return cases
 
 
 def _moe_variant(case: Case, *, per_token_rows=None, ignore_weights=False, max_rank_offsets=False,
-                 slot_ranks=False, ignore_scaling=False) -> torch.Tensor:
+                 slot_ranks=False, ignore_scaling=False, scale_power=1, weight_power=1, assign=False,
+                 skip_slot_0=False) -> torch.Tensor:
     """The result of one specific mistake, for the hints (computed on the CPU in fp64)."""
     x, A, B, out, ids, ts, ranks, sc, k, rpp, offs, w = case.args
     pairs = ids.shape[0] * k
@@ -326,15 +345,17 @@ def _moe_variant(case: Case, *, per_token_rows=None, ignore_weights=False, max_r
         if e < 0:
             continue
         r = int(ranks[s].max()) if slot_ranks else int(ranks[s, e])
-        if r == 0:
+        if r == 0 or (skip_slot_0 and s == 0):
             continue
         use_pair = rpp if per_token_rows is None else not per_token_rows
         row = x[min(p if use_pair else t, x.shape[0] - 1)].double()
-        scale = (1.0 if ignore_scaling else float(sc[s])) * (float(w[t, j]) if w is not None and not ignore_weights else 1.0)
+        scale = ((1.0 if ignore_scaling else float(sc[s])) ** scale_power
+                 * (float(w[t, j]) ** weight_power if w is not None and not ignore_weights else 1.0))
         for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
             base = i * (max_rank if max_rank_offsets else r)
             h = A[s, e, base:base + r].double() @ row
-            res[p, lo:hi] += scale * (B[s, e, lo:hi, :r].double() @ h)
+            delta = scale * (B[s, e, lo:hi, :r].double() @ h)
+            res[p, lo:hi] = delta if assign else res[p, lo:hi] + delta
     return res
 
 
@@ -364,6 +385,15 @@ def _moe_hint(case: Case, expected, got) -> Optional[str]:
     if offs is not None and near(_moe_variant(case, max_rank_offsets=True)):
         return ("slice i of a group of rank r is rows [i*r, (i+1)*r) of A[slot, expert] (the adapter's rank), "
                 "not [i*max_rank, ...)")
+    if near(_moe_variant(case, assign=True)):
+        return "add the delta to out (out[pair] += delta): out holds the base output, which must stay in the sum"
+    if near(_moe_variant(case, scale_power=2)):
+        return "the slot's scaling multiplies each delta once (scalings[slot]), not twice"
+    if w is not None and near(_moe_variant(case, weight_power=2)):
+        return "the routing weight multiplies each delta once (topk_weights[token, choice]), not twice"
+    if near(_moe_variant(case, skip_slot_0=True)):
+        return ("slot 0 is a slot like any other: whether a pair gets a delta is decided by lora_ranks[slot, expert] "
+                "alone (the base model is rank 0 wherever it sits)")
     if near(_moe_variant(case, ignore_scaling=True)):
         return "multiply each delta by the token's slot's scaling, scalings[slot] (alpha / r, or rsLoRA's)"
     if near(_moe_variant(case, slot_ranks=True)):
@@ -396,6 +426,7 @@ def _local_edge() -> list[Case]:
         _local_case("int32_ids", ids, 1, 2, 8, torch.int32),
         _local_case("no_tokens", [], 1, 2, 8),
         _local_case("ep_size_not_dividing_raises_value_error", ids, 0, 3, 8),
+        _local_case("ep_size_0_raises_value_error", ids, 0, 0, 8),
         _local_case("ep_rank_past_ep_size_raises_value_error", ids, 2, 2, 8),
         _local_case("negative_ep_rank_raises_value_error", ids, -1, 2, 8),
     ]
@@ -427,7 +458,7 @@ def _local_hint(case: Case, expected, got) -> Optional[str]:
     if bool(((g >= 0) & (e < 0)).any()):
         return "an expert another rank holds becomes -1 (this rank has no weights for it)"
     if got.dtype != torch.int64 and got.dtype != ids.dtype:
-        return "return the ids as integers of topk_ids' dtype or int64"
+        return "return the local ids as int64 (.long()), whatever the dtype of topk_ids"
     return None
 
 

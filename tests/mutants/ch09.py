@@ -17,7 +17,7 @@ MUTANTS = [
            "not expert * num_experts + slot", "layout", plausible=True),
     Mutant("ch09.1", "minus-one-not-kept",
            (("    return torch.where(ids < 0, torch.full_like(virtual, -1), virtual)", "    return virtual"),),
-           "stays -1", "clause"),
+           "gives -1", "clause"),
     Mutant("ch09.1", "dtype-of-the-input",
            (("    ids = topk_ids.long()\n", "    ids = topk_ids\n"),
             (_VIRTUAL, "    virtual = token_slots.view(-1, 1).to(ids.dtype) * num_experts + ids\n")),
@@ -111,4 +111,39 @@ MUTANTS += [
            "rows_not_a_multiple_of_E_raises_value_error", "error"),
     Mutant("ch09.5", "B-columns-unchecked",
            ((" or lora_B.shape[1] != rows:", ":"),), "A_and_B_of_different_ranks_raises_value_error", "error"),
+]
+
+# found by a learner trial (full marks before the cases and hints they prompted)
+MUTANTS += [
+    Mutant("ch09.1", "only-minus-one-passes",
+           (("    return torch.where(ids < 0, torch.full_like(virtual, -1), virtual)",
+             "    return torch.where(ids == -1, torch.full_like(virtual, -1), virtual)"),),
+           "test ids < 0, not == -1", "clause"),
+    Mutant("ch09.1", "counts-token-slots-only",
+           (("token_slots.shape != (topk_ids.shape[0],)", "token_slots.numel() != topk_ids.shape[0]"),),
+           "token_slots_as_a_column_raises_value_error", "error"),
+    Mutant("ch09.2", "padding-before-the-pairs",
+           ((_PAD, "            sorted_ids += [num_pairs] * (block_size - len(chunk)) + chunk\n"),),
+           "its real pairs first and its padding after them", "layout"),
+    Mutant("ch09.2", "choice-major-pair-numbers",
+           (("    flat = ids.reshape(-1).long()\n", "    flat = ids.T.reshape(-1).long()\n"),),
+           "p = token * top_k + choice", "layout"),
+    Mutant("ch09.3", "assigns-the-delta",
+           (("                out[p, lo:hi] = (out[p, lo:hi].float() + scale * delta).to(out.dtype)\n",
+             "                out[p, lo:hi] = (scale * delta).to(out.dtype)\n"),),
+           "add the delta to out", "math"),
+    Mutant("ch09.3", "skips-slot-0-as-the-base",
+           (("        s = int(token_slots[t])\n", "        s = int(token_slots[t])\n        if s == 0:\n            continue\n"),),
+           "slot 0 is a slot like any other", "clause"),
+    Mutant("ch09.3", "scaling-twice",
+           (("            scale = float(scalings[s]) * ", "            scale = float(scalings[s]) ** 2 * "),),
+           "not twice", "math"),
+    Mutant("ch09.4", "ep-size-0-divides",
+           (("    if ep_size < 1 or num_experts", "    if num_experts"),), "ep_size_0_raises_value_error", "error"),
+]
+
+MUTANTS += [
+    Mutant("ch09.1", "int32-arithmetic",
+           ((_VIRTUAL, "    virtual = (token_slots.int().view(-1, 1) * num_experts + topk_ids.int()).long()\n"),),
+           "ids_past_2_31_int32_inputs", "dtype"),
 ]
