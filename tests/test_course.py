@@ -23,9 +23,9 @@ ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
          "ch03.1", "ch03.2", "ch03.3", "ch04.1", "ch04.2", "ch04.3", "ch04.4",
          "ch05.1", "ch05.2", "ch05.3", "ch05.4", "ch05.5",
          "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3", "ch08.1", "ch08.2", "ch08.3",
-         "ch08.4"]
+         "ch08.4", "ch09.1", "ch09.2", "ch09.3", "ch09.4", "ch09.5"]
 EXPECTED = {
-    "all_correct":        [3] * 38,
+    "all_correct":        [3] * 43,
     # plausible_mistakes is built from the mutant catalogue (one `plausible=True` mutant per exercise,
     # tests/mutants/chNN.py); every exercise now has one, and the case design rule (every clause, both
     # sides of every error, every layout, tile-crossing sizes in every draw) makes each lose all three
@@ -36,7 +36,9 @@ EXPECTED = {
     # order (every group has unsorted bucket lists), padding on slot 0 (every group has pad slots
     # other than 0), a tracker that starts at the end of the log (every group has a warm pool), only
     # the real rows of the static inputs written (every group pads inside the bucket over stale rows).
-    "plausible_mistakes": [0] * 38,
+    # ch09: expert-major virtual ids, padding with -1, down reading token rows, global ids kept, B read
+    # in blocks like A.
+    "plausible_mistakes": [0] * 43,
     # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
     # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel;
     # Triton: a kernel that writes nothing; a launch with an argument missing; ch03.3 left as the stub;
@@ -45,9 +47,10 @@ EXPECTED = {
     # ch06: the layer as a str; a re.Match for a bool; the stub; KeyError on a missing part;
     # ch07: a dict; host lists; forward returns nothing;
     # ch08: a str for the bucket; buffers replaced by fresh tensors; poll returns the events (a list);
-    # a loop over the bucket that indexes past the batch (IndexError)
+    # a loop over the bucket that indexes past the batch (IndexError);
+    # ch09: a nested list; a 2-tuple; a wrong tensor returned without touching out; raises; a generator
     "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           0, 0, 0, 0],
+                           0, 0, 0, 0, 0, 0, 0, 0, 0],
 }
 
 
@@ -91,10 +94,8 @@ def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
     with open(course / "grades.csv") as f:
         exported = {(row["student_id"], row["assignment"]): float(row["score"]) for row in csv.DictReader(f)}
     for student, expected in EXPECTED.items():
-        per_chapter = {"01_lora_basics": sum(expected[:6]), "02_batching_adapters": sum(expected[6:15]),
-                       "03_triton_sgmv": sum(expected[15:18]), "04_packed_and_chunked": sum(expected[18:22]),
-                       "05_memory_pool": sum(expected[22:27]), "06_loading_adapters": sum(expected[27:31]),
-                       "07_batch_info": sum(expected[31:34]), "08_cuda_graphs": sum(expected[34:38])}
+        per_chapter = {chapter: sum(points for exercise, points in zip(ORDER, expected) if exercise[2:4] == chapter[:2])
+                       for chapter in chapters(ROOT / "notebooks")}
         for chapter, total in per_chapter.items():
             if _in_run(chapter):
                 assert exported[(student, chapter)] == total
