@@ -466,6 +466,13 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     if case.out_index is not None:
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,
                        ex.arg_names[case.out_index])
+        if not msg and result.get("returned_out") is False:
+            desc = result["returned"] if isinstance(result["returned"], dict) else {}
+            got = ("a different tensor (a copy, or a new result)" if "tensor" in desc else
+                   "None" if desc.get("kind") == "NoneType" else desc.get("kind") or "something else")
+            name = ex.arg_names[case.out_index]
+            msg = (f"{name} is right, but the function returned {got}: the contract returns {name} itself, the "
+                   f"tensor it updated in place (callers chain it: y = op(..., {name}))")
     else:
         msg = _compare_returned(ex, case, expected, result["returned"], tensors, device)
     msg = msg or _unchanged_inputs(ex, case, result, tensors)
@@ -582,7 +589,7 @@ def _grading_device(ex: Exercise, device: Optional[torch.device]) -> torch.devic
 
 def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.device, extra: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)]}
+    job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)], "out_index": c.out_index}
                  for i, c in enumerate(cases)]
     save_tensors(tensors, workdir / "inputs.safetensors")
     driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None

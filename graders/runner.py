@@ -286,6 +286,13 @@ def run_one(job: dict, inputs: dict, workdir: Path) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             result = {"returned": encode(returned, "returned", tensors)}
+            if case.get("out_index") is not None:  # the contract returns out itself (its in-place result)
+                out = args[case["out_index"]]
+                result["returned_out"] = bool(returned is out or (
+                    isinstance(returned, torch.Tensor) and isinstance(out, torch.Tensor) and returned.shape == out.shape
+                    and returned.numel() > 0 and returned.data_ptr() == out.data_ptr()) or (
+                    isinstance(returned, torch.Tensor) and isinstance(out, torch.Tensor) and out.numel() == 0
+                    and returned.shape == out.shape))
         except Exception as exc:
             result = {"error": _error_text(exc)}
         if reads:

@@ -169,3 +169,9 @@ MUTANTS = [
            (("max_rank = max(ranks, default=0)", "max_rank = max((r for n, r in zip(seg_lens, ranks) if n > 0), default=0)"),),
            "largest_rank_on_an_empty_request", "clause"),
 ]
+
+MUTANTS += [
+    # out= ops return out (the contract, so a caller can chain it): a None return loses the case
+    Mutant("ch02.4", "returns-nothing", (("    return out\n", "    return None\n"),),
+           "the contract returns out itself", "clause"),
+]

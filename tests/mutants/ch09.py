@@ -147,3 +147,8 @@ MUTANTS += [
            ((_VIRTUAL, "    virtual = (token_slots.int().view(-1, 1) * num_experts + topk_ids.int()).long()\n"),),
            "ids_past_2_31_int32_inputs", "dtype"),
 ]
+
+MUTANTS += [
+    Mutant("ch09.3", "returns-nothing", (("    return out\n", "    return None\n"),),
+           "the contract returns out itself", "clause"),
+]
