@@ -24,8 +24,11 @@ to the base layer's own communication, for T tokens, a pool of max rank R, stack
                              rank adds its partial delta (x_j A_j^T) B^T      the base layer's all-reduce
                              into its partial base output before the base     of T x out)
                              layer's all-reduce.
-The row variants trade bytes for FLOPs: "reduce_with_base" expands a rank-R partial on every rank
-(tp times the expand work of "reduce_shrink" in total) but sends nothing extra.
+The two row variants do the same work per rank (each rank expands a [T, stack*R] shrink output with
+the whole B over all ``out`` columns); they differ in when the delta is added: "reduce_shrink" pays
+one more collective, small but latency-bound (a separate launch and synchronization per layer), and
+leaves the base layer untouched; "reduce_with_base" sends nothing extra but must add the delta
+before the base layer's all-reduce, so the LoRA path sits inside the base layer's forward.
 
 Packed projections (qkv, gate_up) are split per part: each rank takes its heads of q, of k and of v
 (``column_part_ranges``), so a rank's B is [q_j; k_j; v_j] and its slice offsets are the local widths.
@@ -412,16 +415,17 @@ def lora_comm_bytes(config: TPModelConfig, rank: int, num_tokens: int, dtype_byt
         "down_proj":    {"reduce_shrink": T*r*b, "reduce_with_base": 0}
         "base":         {"o_proj": T*hidden*b, "down_proj": T*hidden*b}   (the base all-reduces)
     LoRA's part never depends on hidden or heads: only on tokens x rank. With tp_size 1 everything
-    is 0 (no collective runs). The head counts are checked for a valid split (q and kv heads
-    divisible by tp, or tp by the kv heads).
+    is 0 (no collective runs). The sizes are checked for a valid split (q heads, hidden and
+    intermediate divisible by tp; kv heads divisible by tp, or tp by the kv heads: replication).
     Raises:
-        ValueError: a size below 1, or heads that cannot be split over tp_size.
+        ValueError: a size below 1, or heads / widths that cannot be split over tp_size.
     """
     sizes = (config.hidden, config.intermediate, config.num_heads, config.num_kv_heads, rank, dtype_bytes, tp_size)
     if min(sizes) < 1 or num_tokens < 0:
         raise ValueError(f"sizes must be >= 1 (tokens >= 0), got {config}, rank {rank}, tokens {num_tokens}, "
                          f"dtype_bytes {dtype_bytes}, tp {tp_size}")
     column_part_ranges((config.num_heads, config.num_kv_heads), (config.num_heads, config.num_kv_heads), 0, tp_size)
+    row_in_range(config.hidden, 0, tp_size), row_in_range(config.intermediate, 0, tp_size)  # o / down inputs
     on = 0 if tp_size == 1 else 1
     per_col = num_tokens * rank * dtype_bytes * on
     return {

@@ -221,6 +221,25 @@ def test_gqa_replicated_kv_head_is_held_by_both_ranks():
     assert _layout("qkv_proj").part_ranges(1) == ((8, 16), (20, 24), (28, 32))
 
 
+def test_gqa_kv_heads_replicated_over_groups_of_ranks():
+    """tp 4, 2 kv heads: ranks 0-1 share kv head 0, ranks 2-3 kv head 1 (vLLM's num_kv_head_replicas)."""
+    ranges = [column_part_ranges((16, 8, 8), (4, 2, 2), j, 4) for j in range(4)]
+    assert [r[1] for r in ranges] == [(16, 20), (16, 20), (20, 24), (20, 24)]
+    assert [r[0] for r in ranges] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_fully_sharded_never_moves_padding_junk():
+    """Junk past a slot's rank (a pool that broke its zero-fill invariant) never reaches a shard:
+    A copies only rows below r, B's columns [r, R) are zeroed (the fully sharded expand reads all R)."""
+    layout = _layout("q_proj")
+    A, B = torch.full((2, MAX_RANK, H), float("nan")), torch.full((2, H, MAX_RANK), float("nan"))
+    A[1, :4], B[1, :, :4] = 1.0, 1.0
+    for j in range(TP):
+        shard = shard_pool_buffers(A, B, [0, 4], layout, "fully_sharded", j)
+        assert not torch.isnan(shard.A).any() and not torch.isnan(shard.B).any()
+        assert shard.A[1].sum() == (4 * H if j == 0 else 0) and shard.B[1].sum() == 4 * 8
+
+
 def _lora_bytes(collectives: list, base_bytes: int, row: bool) -> tuple[int, int]:
     """(LoRA's bytes, the base all-reduce's bytes) of one forward's logged collectives."""
     total = sum(n for _, n in collectives)
