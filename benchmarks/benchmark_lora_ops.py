@@ -33,8 +33,9 @@ DT = torch.bfloat16
 EL = 2  # bytes per bf16 element
 
 
-def graph_time(fn) -> float:
-    """Median microseconds of one replay of ``fn`` captured in a CUDA graph."""
+def graph_time(fn, warmup: float = 25, rep: float = 100) -> float:
+    """Median microseconds of one replay of ``fn`` captured in a CUDA graph (``warmup`` / ``rep``:
+    do_bench's milliseconds)."""
     fn()  # compile and warm up outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -44,7 +45,7 @@ def graph_time(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return 1e3 * do_bench(lambda: graph.replay(), return_mode="median")
+    return 1e3 * do_bench(lambda: graph.replay(), warmup=warmup, rep=rep, return_mode="median")
 
 
 def eager_time(fn) -> float:

@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmark_lora_ops import problem  # noqa: E402
+from benchmark_lora_ops import graph_time, problem  # noqa: E402
 from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref  # noqa: E402
 
 RANKS = (64, 32, 16)
@@ -62,16 +61,7 @@ def graph_us(fn) -> float:
         start = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - start)
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    return graph_time(fn, warmup=10, rep=40)
 
 
 def calls(p: dict, kind: str):

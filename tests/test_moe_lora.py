@@ -9,10 +9,6 @@ Padding past every group's rank (and the whole of a rank-0 group) is NaN, so rea
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -311,23 +307,8 @@ def test_expert_parallel_local_and_global_conventions_sum_to_the_single_rank_res
     assert (wrong_sum - single).abs().max() > 1e-2  # the wrong pairing gives another result
 
 
-# ---- offsets past 2^31 elements (the far layouts of test_triton_ops) ------------------------------
-def test_fused_moe_lora_offsets_past_2_31_elements():
-    """Every tensor argument of both MoE variants laid out far along each dimension (see
-    test_triton_ops._far); runs in a child process, as the far test of the other ops does."""
-    here = Path(__file__).resolve().parent
-    path = [str(here.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    code = (f"import reference, sys; sys.path.insert(0, {str(here)!r}); import test_triton_ops as t; "
-            "t._run_far_checks(prefix='fused_moe_lora')")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = proc.stdout.splitlines()
-    started = [line[4:] for line in lines if line.startswith("run ")]
-    bad = [line[4:] for line in lines if line.startswith("bad ")]
-    assert started, f"no check ran (rc {proc.returncode}): {proc.stderr[-2000:]}"
-    assert not bad, "wrong results:\n" + "\n".join(bad)
-    assert proc.returncode == 0, f"crashed (rc {proc.returncode}) during: {started[-1]}\n{proc.stderr[-2000:]}"
-    assert len([line for line in lines if line.startswith("ok ")]) == len(started) == 2 * (2 + 4 + 4 + 2 + 2)
+# Offsets past 2^31 elements: tests/test_triton_ops.py::test_offsets_past_2_31_elements_in_every_kernel_and_argument
+# lays out every tensor argument of the MoE op (both roles) far along each dimension, with the other ops.
 
 
 # ---- adapter sizes ---------------------------------------------------------------------------------
