@@ -58,6 +58,10 @@ POINTS: dict[str, dict[str, float]] = {
     "ch09.3": dict(_STANDARD),
     "ch09.4": dict(_STANDARD),
     "ch09.5": dict(_STANDARD),
+    "ch10.1": dict(_STANDARD),
+    "ch10.2": dict(_STANDARD),
+    "ch10.3": dict(_STANDARD),
+    "ch10.4": dict(_STANDARD),
 }
 
 

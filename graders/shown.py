@@ -50,4 +50,8 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch09.3": ("reference.moe_lora:fused_moe_lora_torch",),
     "ch09.4": ("reference.moe_lora:to_local_expert_ids",),
     "ch09.5": ("reference.moe_adapters:split_expert_lora",),
+    "ch10.1": ("reference.tp_lora:column_part_ranges",),
+    "ch10.2": ("reference.tp_lora:fully_sharded_A", "reference.tp_lora:_fully_sharded_A"),
+    "ch10.3": ("reference.tp_lora:row_parallel_lora", "reference.tp_lora:_per_token", "reference.tp_lora:_expand_rows"),
+    "ch10.4": ("reference.tp_lora:fully_sharded_column_lora",),
 }

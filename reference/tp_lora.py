@@ -71,6 +71,7 @@ __all__ = [
     "TPLayout",
     "LoRAShard",
     "TPModelConfig",
+    "CollectiveLog",
     "column_part_ranges",
     "row_in_range",
     "take_rows",
@@ -85,6 +86,9 @@ __all__ = [
     "tp_unavailable_reason",
     "tp_device",
     "spawn_ranks",
+    "fully_sharded_A",
+    "row_parallel_lora",
+    "fully_sharded_column_lora",
 ]
 
 #: The variants of each parallel kind (see the module docstring for what each communicates).
@@ -390,6 +394,35 @@ def _add_lora(x, y, shard: LoRAShard, info: LoRABatchInfo, group, backend: LoRAB
 
 
 # ---- communication volume -------------------------------------------------------------------------
+class CollectiveLog:
+    """Wraps ``torch.distributed.all_reduce`` / ``all_gather`` for the duration of a ``with`` block
+    and logs ``(op, bytes)`` per call: what a layer really communicates, to set beside
+    :func:`lora_comm_bytes`. Sizes as that function counts them: the tensor each collective produces
+    on a rank (for an all-gather, the sum of its outputs). Used inside one rank's process.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def __enter__(self) -> "CollectiveLog":
+        self._saved = dist.all_reduce, dist.all_gather
+        reduce_, gather = self._saved
+
+        def all_reduce(t, *a, **k):
+            self.log.append(("all_reduce", t.numel() * t.element_size()))
+            return reduce_(t, *a, **k)
+
+        def all_gather(outs, t, *a, **k):
+            self.log.append(("all_gather", sum(o.numel() * o.element_size() for o in outs)))
+            return gather(outs, t, *a, **k)
+
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce, dist.all_gather = self._saved
+
+
 @dataclass(frozen=True)
 class TPModelConfig:
     """The sizes of one decoder layer (Llama-style: fused qkv and gate_up, o and down)."""
@@ -549,3 +582,116 @@ def spawn_ranks(fn: Callable, world_size: int = 2, backend: str = "gloo", args: 
                                     nprocs=world_size, join=True)
         return [torch.load(os.path.join(folder, f"rank{j}.pt"), map_location="cpu", weights_only=True)
                 for j in range(world_size)]
+
+
+# ---- chapter 10's exercises: the same rules with plain per-token tensors -------------------------
+def fully_sharded_A(A_buffer: torch.Tensor, lora_ranks: Sequence[int], stack_num: int, tp_rank: int,
+                    tp_size: int) -> torch.Tensor:
+    """One rank's A of every slot in the fully sharded variant (vLLM ``fully_sharded_loras``, S-LoRA).
+
+    A_buffer [num_slots, stack_num * R, in] holds slot s's parts packed at its own rank r = lora_ranks[s]
+    (part i in rows [i*r, (i+1)*r), rows past stack_num*r unspecified: chapter 05). The split is of
+    the PADDED max rank R = A_buffer.shape[1] // stack_num, the same for every slot, so every rank's
+    pieces line up with the same columns of B on every rank. Semantics (w = R / tp_size):
+        out = zeros(num_slots, stack_num * w, in)
+        out[s, i*w + k] = A_buffer[s, i*r + tp_rank*w + k]   for every part i and 0 <= k < w with
+                                                            tp_rank*w + k < r (zeros past r)
+    Returns a new tensor of A_buffer's dtype and device.
+    Raises:
+        ValueError: R not divisible by tp_size; A_buffer's rows not a multiple of stack_num; one
+        rank per slot not given, or a rank outside 0..R; tp_rank outside 0..tp_size-1.
+    """
+    _check_rank(tp_rank, tp_size)
+    if A_buffer.dim() != 3 or stack_num < 1 or A_buffer.shape[1] % stack_num:
+        raise ValueError(f"A_buffer {list(A_buffer.shape)}: expected [num_slots, stack_num * R, in], stack_num {stack_num}")
+    R = A_buffer.shape[1] // stack_num
+    if R % tp_size:
+        raise ValueError(f"the padded max rank {R} is not divisible by tp_size {tp_size}")
+    if len(lora_ranks) != A_buffer.shape[0] or any(not 0 <= int(r) <= R for r in lora_ranks):
+        raise ValueError(f"lora_ranks {list(lora_ranks)}: one per slot, each in 0..{R}")
+    return _fully_sharded_A(A_buffer, [int(r) for r in lora_ranks], stack_num, R, tp_rank, tp_size)
+
+
+def _per_token(token_slots: torch.Tensor, lora_ranks: torch.Tensor, scalings: torch.Tensor, width: int):
+    """(slot per token int64, mask [T, width] of the columns below each token's rank, scaling per token)."""
+    slots = token_slots.long()
+    keep = torch.arange(width, device=slots.device) < lora_ranks.to(slots.device).long()[slots].unsqueeze(1)
+    return slots, keep, scalings.to(slots.device)[slots]
+
+
+def _expand_rows(t: torch.Tensor, B_rows: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale * t[:, :r] @ B_rows[:, :, :r]^T per token, columns past r read as 0 (they may hold junk)."""
+    t = torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+    B_rows = torch.where(keep.unsqueeze(1), B_rows, torch.zeros((), dtype=B_rows.dtype, device=B_rows.device))
+    return scale.unsqueeze(1).to(t.dtype) * torch.einsum("tr,tor->to", t, B_rows)
+
+
+def row_parallel_lora(x_local: torch.Tensor, W_local: torch.Tensor, A_local: torch.Tensor, B: torch.Tensor,
+                      token_slots: torch.Tensor, lora_ranks: torch.Tensor, scalings: torch.Tensor, variant: str,
+                      group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """One rank's forward of a row-parallel LoRA layer (o, down), with its collectives; exercise ch10.3.
+
+    Shapes: x_local [T, in/tp] (this rank's input columns), W_local [out, in/tp], A_local
+    [num_slots, R, in/tp] (A's matching columns), B [num_slots, out, R] (whole), token_slots [T] int,
+    lora_ranks [num_slots] int, scalings [num_slots] float. Columns of A_local's rows past a slot's
+    rank and of B past it are unspecified (junk, even NaN): only the first r are read.
+    Semantics (t_j = x_local A_local[slot]^T, [T, R]; delta(t) = scalings[slot] * t[:, :r] B[slot, :, :r]^T):
+        "reduce_shrink":     y = all_reduce(x_local W_local^T) + delta(all_reduce(t_j))
+        "reduce_with_base":  y = all_reduce(x_local W_local^T + delta(t_j))
+    (by linearity sum_j delta(t_j) = delta(sum_j t_j): the same y up to rounding). Returns y [T, out],
+    the full output, equal on every rank; tokens of rank-0 slots get exactly the reduced base.
+    Raises:
+        ValueError: an unknown variant (on every rank, before any collective).
+    Source: S-LoRA section 6; vLLM ``RowParallelLinearWithLoRA`` (reduce_with_base) and
+    ``fully_sharded_loras`` (reduce_shrink).
+    """
+    if variant not in VARIANTS["row"]:
+        raise ValueError(f"variant must be one of {VARIANTS['row']}, got {variant!r}")
+    y = x_local @ W_local.T
+    slots, keep, scale = _per_token(token_slots, lora_ranks, scalings, B.shape[2])
+    t = torch.einsum("ti,tri->tr", x_local, A_local[slots]).contiguous()
+    if variant == "reduce_shrink":
+        dist.all_reduce(y, group=group)  # the base layer's own all-reduce
+        dist.all_reduce(t, group=group)  # sum_j x_j A_j^T = x A^T: R columns, not out
+    active = keep[:, :1]  # tokens whose slot has rank >= 1
+    y = torch.where(active, y + _expand_rows(t, B[slots], keep, scale), y)
+    if variant == "reduce_with_base":
+        dist.all_reduce(y, group=group)  # sums the partial bases and the partial deltas at once
+    return y
+
+
+def fully_sharded_column_lora(x: torch.Tensor, W_local: torch.Tensor, A_local: torch.Tensor, B_local: torch.Tensor,
+                              token_slots: torch.Tensor, lora_ranks: torch.Tensor, scalings: torch.Tensor,
+                              slice_offsets: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """One rank's forward of a column-parallel LoRA layer in the fully sharded variant; exercise ch10.4.
+
+    Shapes (tp = the group's size, stack = len(slice_offsets) - 1, w = R / tp): x [T, in] (whole),
+    W_local [out_local, in] (this rank's output rows), A_local [num_slots, stack * w, in] (this rank's
+    rank-rows of each part, :func:`fully_sharded_A`), B_local [num_slots, out_local, R] (this rank's
+    output rows, all R columns), slice_offsets: the parts' local output offsets (host ints).
+    Semantics:
+        t_j = x A_local[slot]^T                                  [T, stack * w]
+        t = all_gather(t_j), reordered PART-major: part i = cat_j (t_j's columns [i*w, (i+1)*w))
+        y[:, off_i:off_i+1] = x W_local^T ... + scalings[slot] * t_i[:, :r] B_local[slot, off_i:off_i+1, :r]^T
+    Returns y_local [T, out_local]; tokens of rank-0 slots get exactly x W_local^T. Columns of t and B
+    past a slot's rank r are read as zero (A rows and B columns there are unspecified).
+    Raises:
+        ValueError: A_local's rows are not stack * R / tp (before any collective).
+    Source: vLLM ``fully_sharded_loras`` (``ColumnParallelLinearWithShardedLoRA``: all-gather of the
+    shrink output), S-LoRA section 6.
+    """
+    tp, stack, R = dist.get_world_size(group), len(slice_offsets) - 1, B_local.shape[2]
+    if R % tp or A_local.shape[1] != stack * (R // tp):
+        raise ValueError(f"A_local has {A_local.shape[1]} rows; expected stack_num * R / tp = {stack} * {R} / {tp}")
+    y = x @ W_local.T
+    slots, keep, scale = _per_token(token_slots, lora_ranks, scalings, R)
+    t_local = torch.einsum("ti,tki->tk", x, A_local[slots]).contiguous()
+    pieces = [torch.empty_like(t_local) for _ in range(tp)]
+    dist.all_gather(pieces, t_local, group=group)
+    t = torch.stack(pieces).view(tp, x.shape[0], stack, R // tp).permute(1, 2, 0, 3).reshape(x.shape[0], stack, R)
+    active = keep[:, :1]
+    for i in range(stack):
+        lo, hi = slice_offsets[i], slice_offsets[i + 1]
+        part = y[:, lo:hi]
+        y[:, lo:hi] = torch.where(active, part + _expand_rows(t[:, i], B_local[slots, lo:hi], keep, scale), part)
+    return y

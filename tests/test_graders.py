@@ -45,7 +45,10 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch08.2": ("reference.cuda_graph", "StaticLoRABatch"),
                   "ch08.3": ("reference.cuda_graph", "SlotChangeTracker"),
                   "ch08.4": ("graders.ch08", "write_decode_inputs"),
-                  "ch09.3": ("reference.moe_lora", "fused_moe_lora_torch")}
+                  "ch09.3": ("reference.moe_lora", "fused_moe_lora_torch"),
+                  # graded in real ranks; the Exercise's reference is the graders' one-process simulation
+                  "ch10.3": ("reference.tp_lora", "row_parallel_lora"),
+                  "ch10.4": ("reference.tp_lora", "fully_sharded_column_lora")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference.batch_info import batch_info_from_requests
 from reference.mem_pool import AdapterRegistry, LoRAMemoryPool, ModuleSpec
 from reference.ops import torch_ref
-from reference.tp_lora import (VARIANTS, TPLayout, TPModelConfig, column_part_ranges, garbled_column_rule,
+from reference.tp_lora import (VARIANTS, CollectiveLog, TPLayout, TPModelConfig, column_part_ranges, garbled_column_rule,
                                interleave_packed, lora_comm_bytes, ring_bytes_per_rank, shard_base_weight,
                                shard_lora_weights, shard_pool_buffers, spawn_ranks, take_rows, tp_lora_linear,
                                tp_unavailable_reason)
@@ -76,34 +76,6 @@ def _setup() -> dict:
     return dict(pool=pool, registry=registry, base_W=base_W, batches=batches)
 
 
-class _CollectiveLog:
-    """Wraps torch.distributed.all_reduce / all_gather for the duration of a block, logging bytes.
-
-    Sizes as ``lora_comm_bytes`` counts them: the tensor each collective produces on a rank.
-    """
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-
-    def __enter__(self) -> "_CollectiveLog":
-        self._saved = dist.all_reduce, dist.all_gather
-        reduce_, gather = self._saved
-
-        def all_reduce(t, *a, **k):
-            self.log.append(("all_reduce", t.numel() * t.element_size()))
-            return reduce_(t, *a, **k)
-
-        def all_gather(outs, t, *a, **k):
-            self.log.append(("all_gather", sum(o.numel() * o.element_size() for o in outs)))
-            return gather(outs, t, *a, **k)
-
-        dist.all_reduce, dist.all_gather = all_reduce, all_gather
-        return self
-
-    def __exit__(self, *exc) -> None:
-        dist.all_reduce, dist.all_gather = self._saved
-
-
 def _worker(rank: int, world_size: int) -> dict:
     """Every (module, variant, batch) forward on this rank: local output, TP base output, collectives."""
     setup = _setup()
@@ -120,7 +92,7 @@ def _worker(rank: int, world_size: int) -> dict:
                 base_out = x @ W_local.T
                 if layout.parallel == "row":
                     dist.all_reduce(base_out)  # the TP base layer alone (outside the counted block)
-                with _CollectiveLog() as log:
+                with CollectiveLog() as log:
                     out = tp_lora_linear(x, lambda v: v @ W_local.T, shard, info)
                 results[f"{name}/{variant}/{bname}"] = {"out": out, "base": base_out, "collectives": log.log}
     return results

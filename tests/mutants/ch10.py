@@ -1,0 +1,138 @@
+"""Wrong answers for chapter 10 (which rows a rank owns, the fully sharded A, the row-parallel and the
+fully sharded column forwards), each the solution cell with one realistic edit
+(graders.mutation.Mutant).
+
+The collective mistakes the issue names: "A split where it must be replicated" (ch10.4 reading only
+its own slice of the gathered shrink, i.e. B's matching columns: the garbled rule's repair),
+"all-reduce missing" (ch10.3 both variants), "all-reduce applied twice" (ch10.3), "kv heads split
+past the replication point" (ch10.1). A collective called on one branch only is the ch10.3
+hang mutant: the driver must name it, not time out the whole exercise.
+"""
+from graders.mutation import Mutant
+
+_PER = ("        if n >= tp_size and n % tp_size == 0:\n"
+        "            per, first = n // tp_size, tp_rank * (n // tp_size)\n"
+        "        elif n < tp_size and tp_size % n == 0:\n"
+        "            per, first = 1, tp_rank // (tp_size // n)\n")
+_COPY = "            out[s, i * w:i * w + hi - lo] = A_buffer[s, i * r + lo:i * r + hi]\n"
+_REDUCE_SHRINK = ("    if variant == \"reduce_shrink\":\n"
+                  "        dist.all_reduce(y, group=group)\n"
+                  "        dist.all_reduce(t, group=group)\n")
+_REDUCE_WITH_BASE = ("    if variant == \"reduce_with_base\":\n"
+                     "        dist.all_reduce(y, group=group)\n")
+_GATHERED = "    t = torch.stack(pieces).view(tp, T, stack, R // tp).permute(1, 2, 0, 3).reshape(T, stack, R)\n"
+
+MUTANTS = [
+    # ch10.1 column_part_ranges
+    Mutant("ch10.1", "replicated-head-by-modulo",
+           (("            per, first = 1, tp_rank // (tp_size // n)\n",
+             "            per, first = 1, tp_rank % n\n"),),
+           "not", "layout", plausible=True),
+    Mutant("ch10.1", "kv-heads-split-past-replication",
+           ((_PER, "        if n % tp_size == 0 or tp_size % n == 0:\n"
+                   "            per, first = max(n // tp_size, 1), tp_rank * max(n // tp_size, 1)\n"),),
+           "replicated", "clause"),
+    Mutant("ch10.1", "ranges-relative-to-the-part",
+           (("        lo = start + first * (width // n)\n", "        lo = first * (width // n)\n"),),
+           "PACKED output", "layout"),
+    Mutant("ch10.1", "contiguous-slice-of-the-packed-output",
+           (("        lo = start + first * (width // n)\n"
+             "        ranges.append((lo, lo + per * (width // n)))\n",
+             "        total = sum(out_features)\n"
+             "        lo = start + tp_rank * (total // tp_size) * width // total\n"
+             "        ranges.append((lo, lo + (total // tp_size) * width // total))\n"),),
+           "replicated", "layout"),
+    Mutant("ch10.1", "floor-split-of-indivisible-heads",
+           ((_PER + "        else:\n            raise ValueError(f\"{n} heads cannot be split over {tp_size} ranks\")\n",
+             "        if n >= tp_size:\n"
+             "            per, first = n // tp_size, tp_rank * (n // tp_size)\n"
+             "        else:\n"
+             "            per, first = 1, tp_rank // (tp_size // n)\n"),),
+           "heads_not_divisible_by_tp_raises_value_error", "error"),
+    Mutant("ch10.1", "no-rank-check",
+           (("    if not 0 <= tp_rank < tp_size:\n"
+             "        raise ValueError(f\"tp_rank {tp_rank} outside 0..{tp_size - 1}\")\n", ""),),
+           "tp_rank_past_tp_size_raises_value_error", "error"),
+
+    # ch10.2 fully_sharded_A
+    Mutant("ch10.2", "parts-read-at-the-max-rank",
+           ((_COPY, "            out[s, i * w:i * w + hi - lo] = A_buffer[s, i * R + lo:i * R + hi]\n"),),
+           "at ITS rank r", "layout", plausible=True),
+    Mutant("ch10.2", "each-adapters-own-rank-split",
+           (("    lo = tp_rank * w\n    for s, r in enumerate(lora_ranks):\n        hi = min(lo + w, r)\n",
+             "    for s, r in enumerate(lora_ranks):\n"
+             "        lo, hi = tp_rank * (r // tp_size), (tp_rank + 1) * (r // tp_size)\n"),),
+           "PADDED max rank", "math"),
+    Mutant("ch10.2", "copies-past-the-rank",
+           (("        hi = min(lo + w, r)\n", "        hi = lo + w\n"),),
+           "must be zeros", "poison"),
+    Mutant("ch10.2", "max-rank-from-the-adapters",
+           (("    R = A_buffer.shape[1] // stack_num\n", "    R = max(max(lora_ranks), 1)\n"),),
+           "stack_num * R/tp", "clause"),
+    Mutant("ch10.2", "no-divisibility-check",
+           (("    if R % tp_size or not 0 <= tp_rank < tp_size:\n", "    if not 0 <= tp_rank < tp_size:\n"),),
+           "R_not_divisible_by_tp_raises_value_error", "error"),
+
+    # ch10.3 row_parallel_lora
+    Mutant("ch10.3", "shrink-output-not-reduced",
+           ((_REDUCE_SHRINK, "    if variant == \"reduce_shrink\":\n        dist.all_reduce(y, group=group)\n"),),
+           "different y", "math", plausible=True),
+    Mutant("ch10.3", "base-all-reduce-missing",
+           ((_REDUCE_WITH_BASE, ""),),
+           "all-reduce is missing", "clause"),
+    Mutant("ch10.3", "all-reduce-applied-twice",
+           ((_REDUCE_WITH_BASE, "    dist.all_reduce(y, group=group)\n"),),
+           "applied twice", "clause"),
+    Mutant("ch10.3", "delta-added-after-the-base-all-reduce",
+           ((_REDUCE_WITH_BASE + "    return y\n",
+             "    return y\n"),
+            ("    y = x_local @ W_local.T\n",
+             "    y = x_local @ W_local.T\n    if variant == \"reduce_with_base\":\n"
+             "        dist.all_reduce(y, group=group)\n")),
+           "different y", "math"),
+    Mutant("ch10.3", "masked-by-multiplying",
+           (("    t = torch.where(keep, t, 0.0)\n    Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)             # [T, out, R]\n",
+             "    t = t * keep\n    Bt = B[slots] * keep.unsqueeze(1)\n"),),
+           "NaN * 0 = NaN", "poison"),
+    Mutant("ch10.3", "scaling-applied-twice",
+           (("    delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
+             "    delta = scalings[slots].unsqueeze(1) ** 2 * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
+           "off by a factor", "math"),
+    Mutant("ch10.3", "collective-on-rank-0-only",
+           ((_REDUCE_SHRINK, "    if variant == \"reduce_shrink\":\n"
+                             "        dist.all_reduce(y, group=group)\n"
+                             "        if dist.get_rank(group) == 0:\n"
+                             "            dist.all_reduce(t, group=group)\n"),),
+           "called different collectives", "state"),
+    Mutant("ch10.3", "no-variant-check",
+           (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
+             "        raise ValueError(f\"unknown variant {variant!r}\")\n", ""),),
+           "unknown_variant_raises_value_error", "error"),
+
+    # ch10.4 fully_sharded_column_lora
+    Mutant("ch10.4", "gathered-in-rank-order",
+           ((_GATHERED, "    t = torch.cat(pieces, dim=1).view(T, stack, R)\n"),),
+           "rank order", "layout", plausible=True),
+    Mutant("ch10.4", "no-gather-local-slice-of-B",
+           ((_GATHERED, "    t = torch.zeros(T, stack, R)\n"
+                        "    w = R // tp\n"
+                        "    j = dist.get_rank(group)\n"
+                        "    t[:, :, j * w:(j + 1) * w] = t_local.view(T, stack, w)\n"),),
+           "all-gather every rank's shrink output", "math"),
+    Mutant("ch10.4", "masked-by-multiplying",
+           (("        ti = torch.where(keep, t[:, i], 0.0)\n        Bi = torch.where(keep.unsqueeze(1), B_local[slots, lo:hi], 0.0)\n",
+             "        ti = t[:, i] * keep\n        Bi = B_local[slots, lo:hi] * keep.unsqueeze(1)\n"),),
+           "NaN * 0 = NaN", "poison"),
+    Mutant("ch10.4", "scaling-forgotten",
+           (("        delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", ti, Bi)\n",
+             "        delta = torch.einsum(\"tr,tor->to\", ti, Bi)\n"),),
+           "the LoRA rows differ", "math"),
+    Mutant("ch10.4", "rank-mask-at-the-local-width",
+           (("    keep = torch.arange(R) < r.unsqueeze(1)                        # [T, R]\n",
+             "    keep = torch.arange(R) < torch.clamp(r, max=R // tp).unsqueeze(1)\n"),),
+           "the LoRA rows differ", "math"),
+    Mutant("ch10.4", "no-row-count-check",
+           (("    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
+             "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),),
+           "A_local_rows_not_stack_R_over_tp_raises_value_error", "error"),
+]
