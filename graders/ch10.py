@@ -92,7 +92,9 @@ def _ranges_hint(case: Case, expected, got) -> Optional[str]:
     try:
         got = [tuple(int(v) for v in pair) for pair in got]
     except (TypeError, ValueError):
-        return "one (lo, hi) pair of ints per part"
+        got = []
+    if len(got) != len(expected) or any(len(pair) != 2 for pair in got):
+        return "one (lo, hi) pair of ints per part: rows [lo, hi) of the packed output, not a width"
     offsets = slice_offsets_for(out_features)
     if all(g == (lo - offsets[i], hi - offsets[i]) for i, (g, (lo, hi)) in enumerate(zip(got, expected))) and any(offsets[:-1][1:]):
         return ("the ranges are rows of the PACKED output: part i starts at sum(out_features[:i]) "

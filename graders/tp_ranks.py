@@ -29,7 +29,6 @@ import shutil
 import signal
 import tempfile
 import time
-import traceback
 from typing import Callable
 
 import torch
@@ -52,6 +51,9 @@ def _die_with_parent() -> None:
 
 
 def _rank_body(rank: int, tp: int, folder: str, call: Callable[[int, object], object]) -> None:
+    """Join the group, call, write the outcome, then wait to be killed: a rank never tears its group
+    down itself, so no rank's exit can break a collective or a rendezvous another rank is still in
+    (the parent kills every rank once it has every outcome, or one failure)."""
     _die_with_parent()
     torch.set_num_threads(1)  # tp ranks share the child's cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the sandbox has loopback only
@@ -61,18 +63,18 @@ def _rank_body(rank: int, tp: int, folder: str, call: Callable[[int, object], ob
         # gloo's own timeout is longer than the parent's: the parent names the hang, not gloo
         dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
                                 timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S + 30))
-        try:
-            result = call(rank, dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
+        result = call(rank, dist.group.WORLD)
         if isinstance(result, torch.Tensor):
             outcome = {"tensor": result.detach().cpu().contiguous()}
         else:
             outcome = {"type": type(result).__name__, "repr": repr(result)[:200]}
     except BaseException as exc:  # noqa: BLE001 - every failure of learner code is reported, not raised here
-        outcome = {"exc": type(exc).__name__, "msg": str(exc)[:2000],
-                   "where": "".join(traceback.format_exception(exc)[-3:])[-1500:]}
-    torch.save(outcome, os.path.join(folder, f"rank{rank}.pt"))
+        outcome = {"exc": type(exc).__name__, "msg": str(exc)[:2000]}
+    path = os.path.join(folder, f"rank{rank}.pt")
+    torch.save(outcome, path + ".part")
+    os.replace(path + ".part", path)  # the parent never reads a half-written outcome
+    while True:
+        signal.pause()
 
 
 #: What gloo says when the rank at the other end of a collective has left the group.
@@ -141,29 +143,30 @@ def run_ranks(tp: int, call: Callable[[int, object], object]) -> torch.Tensor:
 
 
 def _wait(pids: list[int], folder: str) -> list[dict]:
-    """Every rank's outcome; stops early when one rank failed (the others may wait on it forever)."""
+    """Every rank's outcome, read as soon as it is written; stops early when one rank failed (the
+    others may wait on it forever) or a rank's process ended without an outcome."""
     deadline = time.monotonic() + RANK_TIMEOUT_S
     done: dict[int, dict] = {}
     while len(done) < len(pids):
         for rank, pid in enumerate(pids):
             if rank in done:
                 continue
-            finished, _ = os.waitpid(pid, os.WNOHANG)
-            if finished:
-                path = os.path.join(folder, f"rank{rank}.pt")
-                done[rank] = (torch.load(path, weights_only=True) if os.path.exists(path) else
-                              {"exc": "RuntimeError", "msg": "the rank's process ended without a result "
-                               "(os._exit or a crash in the answer?)"})
-                if "exc" in done[rank]:
-                    return [done.get(j, {"exc": "RuntimeError", "msg": "stopped: another rank failed", "stopped": True})
-                            for j in range(len(pids))]
+            path = os.path.join(folder, f"rank{rank}.pt")
+            if os.path.exists(path):
+                done[rank] = torch.load(path, weights_only=True)
+            elif os.waitpid(pid, os.WNOHANG)[0]:
+                done[rank] = {"exc": "RuntimeError", "msg": "the rank's process ended without a result "
+                              "(os._exit, sys.exit or a crash in the answer?)"}
+            if "exc" in done.get(rank, {}):
+                return [done.get(j, {"exc": "RuntimeError", "msg": "stopped: another rank failed", "stopped": True})
+                        for j in range(len(pids))]
         if len(done) < len(pids):
             if time.monotonic() > deadline:
                 waiting = [j for j in range(len(pids)) if j not in done]
                 _hung.append(
-                    f"rank(s) {waiting} did not finish within {RANK_TIMEOUT_S:g} s while "
-                    f"{sorted(done) or 'no rank'} finished: a collective that only some ranks call (inside an "
-                    "if that differs per rank?), or collectives called in a different order on different ranks")
+                    f"rank(s) {waiting} did not finish within {RANK_TIMEOUT_S:g} s while rank(s) "
+                    f"{sorted(done) or 'none'} returned: a collective that only some ranks call (inside an if "
+                    "that differs per rank?), or collectives called in a different order on different ranks")
                 raise TimeoutError(_hung[0])
             time.sleep(0.002)
     return [done[j] for j in range(len(pids))]

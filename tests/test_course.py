@@ -23,9 +23,9 @@ ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
          "ch03.1", "ch03.2", "ch03.3", "ch04.1", "ch04.2", "ch04.3", "ch04.4",
          "ch05.1", "ch05.2", "ch05.3", "ch05.4", "ch05.5",
          "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3", "ch08.1", "ch08.2", "ch08.3",
-         "ch08.4", "ch09.1", "ch09.2", "ch09.3", "ch09.4", "ch09.5"]
+         "ch08.4", "ch09.1", "ch09.2", "ch09.3", "ch09.4", "ch09.5", "ch10.1", "ch10.2", "ch10.3", "ch10.4"]
 EXPECTED = {
-    "all_correct":        [3] * 43,
+    "all_correct":        [3] * 47,
     # plausible_mistakes is built from the mutant catalogue (one `plausible=True` mutant per exercise,
     # tests/mutants/chNN.py); every exercise now has one, and the case design rule (every clause, both
     # sides of every error, every layout, tile-crossing sizes in every draw) makes each lose all three
@@ -37,8 +37,10 @@ EXPECTED = {
     # other than 0), a tracker that starts at the end of the log (every group has a warm pool), only
     # the real rows of the static inputs written (every group pads inside the bucket over stale rows).
     # ch09: expert-major virtual ids, padding with -1, down reading token rows, global ids kept, B read
-    # in blocks like A.
-    "plausible_mistakes": [0] * 43,
+    # in blocks like A. ch10: a replicated kv head chosen by rank % heads (every draw has a rank where
+    # that differs from rank // (tp / heads)), parts read at the max rank, the shrink output not
+    # reduced, the gathered pieces in rank order (every draw has packed parts).
+    "plausible_mistakes": [0] * 47,
     # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
     # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel;
     # Triton: a kernel that writes nothing; a launch with an argument missing; ch03.3 left as the stub;
@@ -49,8 +51,10 @@ EXPECTED = {
     # ch08: a str for the bucket; buffers replaced by fresh tensors; poll returns the events (a list);
     # a loop over the bucket that indexes past the batch (IndexError);
     # ch09: a nested list; a 2-tuple; a wrong tensor returned without touching out; raises; a generator
+    # ch10: widths as a list of lists; the whole buffer returned; a rank that os._exit()s before the
+    # all-reduce; ranks returning different kinds of things
     "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           0, 0, 0, 0, 0, 0, 0, 0, 0],
+                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
 }
 
 

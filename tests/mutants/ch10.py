@@ -103,7 +103,7 @@ MUTANTS = [
                              "        dist.all_reduce(y, group=group)\n"
                              "        if dist.get_rank(group) == 0:\n"
                              "            dist.all_reduce(t, group=group)\n"),),
-           "called different collectives", "state"),
+           "did not finish", "state"),
     Mutant("ch10.3", "no-variant-check",
            (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
              "        raise ValueError(f\"unknown variant {variant!r}\")\n", ""),),
