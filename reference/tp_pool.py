@@ -217,12 +217,13 @@ class TPLoRAMemoryPool(LoRAMemoryPool):
         order, pins and CPU-cache order (uids by ``repr``, which is stable across processes where
         ``hash`` of a str is not)."""
         layouts = [(n, layout.parallel, layout.units, layout.spec, self.variants[n]) for n, layout in self.layouts.items()]
-        config = (type(self.eviction_policy).__name__, self.num_slots, self.max_lora_rank, self.num_layers,
-                  str(self.dtype), self.max_loaded_loras, self.tp_size, layouts)
-        return {"config": repr(config), "buffer_id_to_uid": repr(self.buffer_id_to_uid),
-                "lora_ranks": repr(self.lora_ranks_host), "scalings": repr(self.scalings_host),
-                "policy_order": repr(self.eviction_policy.order()),
-                "pinned": repr(sorted(self.pinned, key=uid_sort_key)), "cpu_cache": repr(tuple(self.cpu_cache))}
+        fields = {"eviction_policy": type(self.eviction_policy).__name__, "num_slots": self.num_slots,
+                  "max_lora_rank": self.max_lora_rank, "num_layers": self.num_layers, "dtype": str(self.dtype),
+                  "max_loaded_loras": self.max_loaded_loras, "tp_size": self.tp_size, "layouts": layouts,
+                  "buffer_id_to_uid": self.buffer_id_to_uid, "lora_ranks": self.lora_ranks_host,
+                  "scalings": self.scalings_host, "policy_order": self.eviction_policy.order(),
+                  "pinned": sorted(self.pinned, key=uid_sort_key), "cpu_cache": tuple(self.cpu_cache)}
+        return {k: repr(v) for k, v in fields.items()}
 
     def check_agreement(self) -> None:
         """Raise ValueError on every rank unless every rank's :meth:`decision_state` equals rank 0's.
