@@ -240,8 +240,8 @@ class LoRAMemoryPool:
     def _allocate_buffers(self) -> None:
         s, kw = self.max_loras_per_batch, dict(dtype=self.dtype, device=self.device)
         shapes = {m.name: self._buffer_shapes(m) for m in self.modules.values()}
-        self.A_buffer = {name: [torch.zeros(a, **kw) for _ in range(self.num_layers)] for name, (a, _) in shapes.items()}
-        self.B_buffer = {name: [torch.zeros(b, **kw) for _ in range(self.num_layers)] for name, (_, b) in shapes.items()}
+        self.A_buffer = {n: [torch.zeros(a, **kw) for _ in range(self.num_layers)] for n, (a, _) in shapes.items()}
+        self.B_buffer = {n: [torch.zeros(b, **kw) for _ in range(self.num_layers)] for n, (_, b) in shapes.items()}
         self.lora_ranks = torch.zeros(s, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(s, dtype=torch.float32, device=self.device)
         self.lora_ranks_host: list[int] = [0] * s  # mirrors of the two tensors: no device read needed

@@ -128,8 +128,11 @@ class TPLlama:
     [B, T, vocab] on every rank (bit-identical across ranks: each all-reduce gives every rank the
     same sum). Collective: every rank of the pool's group calls it with the same batch.
 
-    Cache per rank: k_cache, v_cache [layers, max_rows + 1, max_len, local kv heads, head_dim]
-    (row ``max_rows`` is a scratch row, as in StaticKVLlama).
+    Per rank, on the pool's device: ``base[layer][module]`` the base shards (``shard_base_weight``),
+    ``replicated`` the embeddings, norms, lm_head and RoPE frequencies, and k_cache, v_cache
+    [layers, max_rows + 1, max_len, local kv heads, head_dim] (row ``max_rows`` is a scratch row, as
+    in StaticKVLlama; a replicated kv head is cached on each rank that holds it). A process group is
+    needed even at tp_size 1 (the row variants all-reduce through it).
     Raises (at construction):
         ValueError: the pool's layouts, layers or dtype differ from the checkpoint's split; sizes
         that do not split (:func:`llama_tp_layouts`); max_rows or max_len < 1.
@@ -142,15 +145,16 @@ class TPLlama:
             raise ValueError(f"max_rows and max_len must be >= 1, got {max_rows}, {max_len}")
         self.layouts = {layout.spec.name: layout for layout in llama_tp_layouts(ckpt, pool.tp_size)}
         self._check_pool(ckpt, pool)
-        self.ckpt, self.pool, self.backend, j = ckpt, pool, backend, pool.tp_rank
+        self.ckpt, self.pool, self.backend, j, device = ckpt, pool, backend, pool.tp_rank, pool.device
         w = ckpt.weights
-        self.base = [{name: shard_base_weight(self._packed(w, i, name), self.layouts[name], j) for name in _PROJECTIONS}
-                     for i in range(ckpt.num_layers)]
+        self.base = [{name: shard_base_weight(self._packed(w, i, name), self.layouts[name], j).to(device)
+                      for name in _PROJECTIONS} for i in range(ckpt.num_layers)]
+        self.replicated = {k: v.to(device) for k, v in w.items() if "_proj." not in k}  # embeddings, norms, ...
         self.widths = {name: self.layouts[name].local_out_features(j) for name in ("qkv_proj", "gate_up_proj")}
-        kv_local = self.widths["qkv_proj"][1] // ckpt.head_dim
+        kv_local = self.widths["qkv_proj"][1] // ckpt.head_dim  # 1 when the kv heads are replicated
         shape = (ckpt.num_layers, max_rows + 1, max_len, kv_local, ckpt.head_dim)
-        dtype = w["model.embed_tokens.weight"].dtype
-        self.k_cache, self.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        kw = dict(dtype=w["model.embed_tokens.weight"].dtype, device=device)
+        self.k_cache, self.v_cache = torch.zeros(shape, **kw), torch.zeros(shape, **kw)
 
     @staticmethod
     def _packed(w: dict, layer: int, name: str) -> torch.Tensor:
@@ -168,7 +172,7 @@ class TPLlama:
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, head_dim], as Hugging Face's LlamaRotaryEmbedding computes them."""
-        freqs = positions[..., None].float() * self.ckpt.weights["model.rotary_emb.inv_freq"]
+        freqs = positions[..., None].float() * self.replicated["model.rotary_emb.inv_freq"]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.ckpt.attention_scaling
         return (emb.cos() * scale).to(dtype).unsqueeze(2), (emb.sin() * scale).to(dtype).unsqueeze(2)
@@ -189,7 +193,7 @@ class TPLlama:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor,
                 batch_info: LoRABatchInfo) -> torch.Tensor:
-        c, w = self.ckpt, self.ckpt.weights
+        c, w = self.ckpt, self.replicated
         B, T = input_ids.shape
         if batch_info.num_tokens != B * T:
             raise ValueError(f"input has {B * T} tokens ({B} x {T}) but the batch info covers {batch_info.num_tokens}")

@@ -5,8 +5,11 @@ adapter memory scales down with tp); vLLM ``vllm/lora/layers`` (each ``*Parallel
 slices the adapter it is handed to its rank, ``slice_lora_a`` / ``slice_lora_b``, and the
 ``fully_sharded_loras`` option) and ``vllm/lora/worker_manager.py`` (every worker runs its own LRU
 over the same requests); SGLang ``python/sglang/srt/lora/mem_pool.py`` and ``lora_manager.py`` (every
-TP rank runs the same ``prepare_lora_batch``; under DP attention, where ranks see different batches,
-SGLang requires pinned adapters, because otherwise their slot decisions would differ).
+TP rank runs the same ``prepare_lora_batch`` on the same batch) and sgl-project/sglang PR #32708
+(under DP attention an adapter load fans out to every DP scheduler and the adapter is registered
+only when every rank succeeded, with the failed ranks' errors reported together: the agreement
+below). Ranks that see different batches (DP attention) cannot rely on identical LRU decisions;
+pinning the adapters removes the decisions altogether.
 
 Layout, per module, per layer (``layout = layouts[m]``, j = this rank, R = max_lora_rank):
     column "replicated_A":   A_buffer [slots, stack*R, in]        B_buffer [slots, out_local_j, R]
@@ -35,7 +38,10 @@ order, so a load on one rank only would pair with another rank's unrelated colle
 Rank-local failures: each rank reads an adapter itself (``adapter_source``, e.g. a PEFT directory
 on its own disk) and validates the FULL adapter, then all ranks agree with one all-reduce before
 anything is written; if any rank failed, every rank raises ValueError and no rank writes anything.
-A batch whose adapters are all resident sends nothing: collectives happen only on loads.
+A batch whose adapters are all resident sends nothing: collectives happen only on loads (two small
+all-reduces per adapter read from ``adapter_source``, the fetch and the slot write; one per adapter
+reloaded from the CPU cache; none for the base model), where a disk read or a host-to-device copy
+already dominates.
 """
 from __future__ import annotations
 
@@ -97,16 +103,14 @@ class TPLoRAMemoryPool(LoRAMemoryPool):
         self.layouts = {layout.spec.name: layout for layout in layouts}
         self.variants = dict(variants)
         self.device = torch.device(device)  # the base sets it again; the collectives below need it first
-        self._agreed("the pool's configuration", functools.partial(
-            self._construct, [layout.spec for layout in layouts], num_layers, max_loras_per_batch, max_lora_rank,
-            dtype, device, eviction_policy, adapter_source, max_loaded_loras))
-        self.check_agreement()
+        base_init = super().__init__
 
-    def _construct(self, modules, num_layers, max_loras_per_batch, max_lora_rank, dtype, device, eviction_policy,
-                   adapter_source, max_loaded_loras) -> None:
-        self._check_variants(max_lora_rank)
-        super().__init__(modules, num_layers, max_loras_per_batch, max_lora_rank, dtype, device, eviction_policy,
-                         adapter_source=adapter_source, max_loaded_loras=max_loaded_loras)
+        def construct() -> None:  # every rank-local configuration error, then agreed
+            self._check_variants(max_lora_rank)
+            base_init([layout.spec for layout in layouts], num_layers, max_loras_per_batch, max_lora_rank, dtype,
+                      device, eviction_policy, adapter_source=adapter_source, max_loaded_loras=max_loaded_loras)
+        self._agreed("the pool's configuration", construct)
+        self.check_agreement()
 
     def _rank_in_group(self) -> int:
         if self.tp_size == 1:
@@ -121,7 +125,8 @@ class TPLoRAMemoryPool(LoRAMemoryPool):
 
     def _check_variants(self, max_lora_rank: int) -> None:
         if set(self.variants) != set(self.layouts):
-            raise ValueError(f"variants must name exactly the modules {sorted(self.layouts)}, got {sorted(self.variants)}")
+            raise ValueError(f"variants must name exactly the modules {sorted(self.layouts)}, "
+                             f"got {sorted(self.variants)}")
         for name, layout in self.layouts.items():
             if self.variants[name] not in VARIANTS[layout.parallel]:
                 raise ValueError(f"{name}: variant {self.variants[name]!r} is not one of {VARIANTS[layout.parallel]} "
@@ -216,7 +221,7 @@ class TPLoRAMemoryPool(LoRAMemoryPool):
         """What every rank must have identical, as text: configuration, slot map, ranks, scalings, policy
         order, pins and CPU-cache order (uids by ``repr``, which is stable across processes where
         ``hash`` of a str is not)."""
-        layouts = [(n, layout.parallel, layout.units, layout.spec, self.variants[n]) for n, layout in self.layouts.items()]
+        layouts = [(n, lay.parallel, lay.units, lay.spec, self.variants[n]) for n, lay in self.layouts.items()]
         fields = {"eviction_policy": type(self.eviction_policy).__name__, "num_slots": self.num_slots,
                   "max_lora_rank": self.max_lora_rank, "num_layers": self.num_layers, "dtype": str(self.dtype),
                   "max_loaded_loras": self.max_loaded_loras, "tp_size": self.tp_size, "layouts": layouts,
@@ -273,7 +278,8 @@ def demonstrate_disagreement(tp_rank: int, tp_size: int) -> dict:
                              with another rank's unrelated ones
         "agreement_error":   check_agreement's message (it raises on every rank), naming the field
         "slot_map":          this rank's buffer_id_to_uid, as strings
-    Returns that dict (plain data for spawn_ranks). Raises ValueError if tp_size < 2.
+    CPU tensors (gloo, spawn_ranks' default). Returns that dict (plain data for spawn_ranks).
+    Raises ValueError if tp_size < 2.
     """
     if tp_size < 2:
         raise ValueError(f"the demonstration needs at least 2 ranks, got {tp_size}")

@@ -36,8 +36,9 @@ from reference.tp_pool import TPLoRAMemoryPool, demonstrate_disagreement
 
 TP = 2  # the failure scenarios run here
 # TP=4 (one q head per rank, each kv head replicated on two ranks, fully sharded A at R/4 = 4 rows)
-# passes too, but 4 processes on 2 cores cost ~15 s of start-up alone (the file went from ~20 s to
-# ~41 s), over the CI budget: opt in with TP_MODEL_TP4=1.
+# passes too, but 4 processes on 2 cores cost ~15 s of start-up alone (measured on the 2-core box:
+# the file's pytest time went from 18-26 s to 34-41 s), too much for the CI budget: opt in with
+# TP_MODEL_TP4=1.
 TP_SIZES = (2, 4) if os.environ.get("TP_MODEL_TP4") == "1" else (2,)
 RTOL, ATOL, _ = tolerance("cpu", torch.float32, "matmul")
 CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -86,7 +87,8 @@ def _generate(run, pool, uids, lens, seed, steps=STEPS) -> dict:
         info = _info(pool, uids, [1] * B, sort_by_slot=bool(s % 2))  # BGMV order and slot-sorted order
         last = run(tokens[-1][:, None], (last_pos + 1 + s)[:, None], rows, info)[:, 0]
         decode.append(last)
-    return {"prefill": prefill, "decode": torch.stack(decode) if decode else torch.empty(0), "tokens": torch.stack(tokens)}
+    decode = torch.stack(decode) if decode else torch.empty(0)
+    return {"prefill": prefill, "decode": decode, "tokens": torch.stack(tokens)}
 
 
 def _source(dirs: dict, modules):
@@ -283,7 +285,8 @@ def tp1(hf) -> dict:
     pool, run = runner(4)
     main = _generate(run, pool, *BATCH, seed=1)
     pool, run = runner(3, 3)
-    evict = [_generate(run, pool, uids, lens, seed=10 + i, steps=0)["prefill"] for i, (uids, lens) in enumerate(EVICTION)]
+    evict = [_generate(run, pool, uids, lens, seed=10 + i, steps=0)["prefill"]
+             for i, (uids, lens) in enumerate(EVICTION)]
     return {"main": main, "evict": evict, "evict_events": json.dumps(events_to_json(pool.events))}
 
 
