@@ -238,16 +238,19 @@ class LoRAMemoryPool:
                              f"({max_loras_per_batch}): every adapter on the GPU keeps a host copy")
 
     def _allocate_buffers(self) -> None:
-        s, r = self.max_loras_per_batch, self.max_lora_rank
-        kw = dict(dtype=self.dtype, device=self.device)
-        self.A_buffer = {m.name: [torch.zeros(s, m.stack_num * r, m.in_features, **kw)
-                                  for _ in range(self.num_layers)] for m in self.modules.values()}
-        self.B_buffer = {m.name: [torch.zeros(s, m.out_total, r, **kw)
-                                  for _ in range(self.num_layers)] for m in self.modules.values()}
+        s, kw = self.max_loras_per_batch, dict(dtype=self.dtype, device=self.device)
+        shapes = {m.name: self._buffer_shapes(m) for m in self.modules.values()}
+        self.A_buffer = {n: [torch.zeros(a, **kw) for _ in range(self.num_layers)] for n, (a, _) in shapes.items()}
+        self.B_buffer = {n: [torch.zeros(b, **kw) for _ in range(self.num_layers)] for n, (_, b) in shapes.items()}
         self.lora_ranks = torch.zeros(s, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(s, dtype=torch.float32, device=self.device)
         self.lora_ranks_host: list[int] = [0] * s  # mirrors of the two tensors: no device read needed
         self.scalings_host: list[float] = [0.0] * s
+
+    def _buffer_shapes(self, spec: ModuleSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one layer's (A, B) buffers of ``spec``; a sharded pool (chapter 10) overrides it."""
+        s, r = self.max_loras_per_batch, self.max_lora_rank
+        return (s, spec.stack_num * r, spec.in_features), (s, spec.out_total, r)
 
     @property
     def num_slots(self) -> int:

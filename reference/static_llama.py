@@ -19,12 +19,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StaticKVLlama"]
+__all__ = ["StaticKVLlama", "apply_rope", "static_kv_attention"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Hugging Face's ``apply_rotary_pos_emb``: x [B, T, heads, hd], cos/sin [B, T, 1, hd]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def static_kv_attention(
+    q: torch.Tensor,  # [B, T, heads, hd], RoPE applied
+    k: torch.Tensor,  # [B, T, kv_heads, hd], RoPE applied
+    v: torch.Tensor,  # [B, T, kv_heads, hd]
+    k_cache: torch.Tensor,  # [rows, max_len, kv_heads, hd], one layer's cache (written in place)
+    v_cache: torch.Tensor,  # [rows, max_len, kv_heads, hd]
+    positions: torch.Tensor,  # [B, T] int64
+    cache_rows: torch.Tensor,  # [B] int64
+) -> torch.Tensor:
+    """Write k, v at ``cache[cache_rows[b], positions[b, t]]``, then causal attention over the row: [B, T, heads*hd].
+
+    Semantics: out[b, t, h] = softmax(q[b, t, h] . K[row_b, p]^T / sqrt(hd) for p <= positions[b, t]) V[row_b, p],
+    with query head h reading kv head h // (heads / kv_heads) (transformers' ``repeat_kv`` order).
+    """
+    B, T, heads, hd = q.shape
+    kv_heads, max_len = k.shape[2], k_cache.shape[1]
+    rows = cache_rows.view(B, 1).expand(B, T)
+    k_cache.index_put_((rows, positions), k)
+    v_cache.index_put_((rows, positions), v)
+    keys = k_cache[cache_rows].transpose(1, 2)  # [B, kv_heads, max_len, hd]
+    values = v_cache[cache_rows].transpose(1, 2)
+    # a query sees its row's keys at positions <= its own (stale entries past a row's length never)
+    visible = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)
+    # GQA without copying K and V per query head: the `groups` query heads that share a kv head
+    # (heads kv * groups .. kv * groups + groups - 1, as transformers' repeat_kv orders them) become
+    # extra query rows of that kv head. Same softmax per row; the cache is read once instead of once
+    # per query head (at 64 sequences x 520 positions, 4 layers, the repeated copies were about 2 GB
+    # of traffic per step).
+    groups = heads // kv_heads
+    qg = q.view(B, T, kv_heads, groups, hd).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, groups * T, hd)
+    mask = visible.expand(B, 1, T, max_len).repeat(1, 1, groups, 1)  # [B, 1, groups*T, max_len]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    out = out.view(B, kv_heads, groups, T, hd).permute(0, 3, 1, 2, 4)
+    return out.reshape(B, T, heads * hd)
 
 
 class StaticKVLlama(nn.Module):
@@ -75,33 +116,13 @@ class StaticKVLlama(nn.Module):
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, positions)  # [B, T, head_dim]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads ([B, T, heads, hd])
-        rows = cache_rows.view(B, 1).expand(B, T)
-        key_pos = torch.arange(self.max_len, device=h.device)
-        # [B, 1, T, max_len]: a query sees its row's keys at positions <= its own
-        visible = (key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1))
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+            q = apply_rope(attn.q_proj(x).view(B, T, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(attn.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), cos, sin)
             v = attn.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.k_cache[i].index_put_((rows, positions), k)
-            self.v_cache[i].index_put_((rows, positions), v)
-            keys = self.k_cache[i][cache_rows].transpose(1, 2)  # [B, kv_heads, max_len, hd]
-            values = self.v_cache[i][cache_rows].transpose(1, 2)
-            # GQA without copying K and V per query head: the `groups` query heads that share a kv
-            # head (heads kv * groups .. kv * groups + groups - 1, as transformers' repeat_kv orders
-            # them) become extra query rows of that kv head. Same softmax per row; the cache is read
-            # once instead of once per query head (at 64 sequences x 520 positions, 4 layers, the
-            # repeated copies were about 2 GB of traffic per step).
-            groups = self.num_heads // self.num_kv_heads
-            qg = q.view(B, T, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
-            qg = qg.reshape(B, self.num_kv_heads, groups * T, self.head_dim)
-            mask = visible.expand(B, 1, T, self.max_len).repeat(1, 1, groups, 1)  # [B, 1, groups*T, max_len]
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-            out = out.view(B, self.num_kv_heads, groups, T, self.head_dim).permute(0, 3, 1, 2, 4)
-            h = h + attn.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+            out = static_kv_attention(q, k, v, self.k_cache[i], self.v_cache[i], positions, cache_rows)
+            h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(inner.norm(h))
