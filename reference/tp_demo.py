@@ -1,13 +1,26 @@
 """Chapter 10's multi-process runs, as a script, so the notebook itself stays single-process:
 
     python -m reference.tp_demo layer [--tp 2] [--tokens 16] [--reps 30]
+    python -m reference.tp_demo model [--tp 2] [--steps 3]
 
 ``layer``: one Llama-style decoder layer's four LoRA modules (qkv_proj and gate_up_proj
 column-parallel, o_proj and down_proj row-parallel) at a small size, every variant, on ``tp`` gloo
 processes: the bytes each collective really carried (logged by wrapping ``torch.distributed``,
 :class:`reference.tp_lora.CollectiveLog`) beside :func:`reference.tp_lora.lora_comm_bytes`'s
 prediction, the largest difference from the unsharded (TP=1) layer, and the median time of each
-variant's forward through gloo on this machine's CPU. Prints one JSON object.
+variant's forward through gloo on this machine's CPU.
+
+``model``: a tiny Llama (built from a config, no download) with three PEFT adapters of ranks 4, 8
+(rsLoRA) and 16 and the base model in one batch, at TP=``tp`` on a :class:`~reference.tp_pool.
+TPLoRAMemoryPool` and :class:`~reference.tp_model.TPLlama`, for two variant pairs (replicated A with
+the delta inside the base all-reduce; fully sharded with the shrink output reduced): prefill and
+greedy decode against TP=1 (chapter 07's layers) and against PEFT; then an eviction sequence on a
+pool of 3 slots (the victims on every rank), an adapter that only rank 1 finds malformed (every rank
+refuses it, no rank's pool changes), and ranks whose request streams differed once
+(:func:`~reference.tp_pool.demonstrate_disagreement`).
+
+Each prints one JSON object. The tests (tests/test_tp_lora.py, tests/test_tp_model.py) hold the
+same rules to more cases; this is what the notebook shows.
 """
 from __future__ import annotations
 
@@ -26,7 +39,7 @@ from reference.ops import torch_ref
 from reference.tp_lora import (VARIANTS, CollectiveLog, TPLayout, TPModelConfig, lora_comm_bytes, shard_base_weight,
                                shard_pool_buffers, spawn_ranks, tp_lora_linear)
 
-__all__ = ["LAYER_CONFIG", "layer_run"]
+__all__ = ["LAYER_CONFIG", "MODEL_CONFIG", "layer_run", "model_run"]
 
 #: The layer of the run: 8 query heads and 2 kv heads of width 8, so kv heads split at tp 2 and
 #: are replicated at tp 4.
@@ -128,14 +141,159 @@ def layer_run(tp: int = 2, tokens: int = 16, reps: int = 30) -> dict:
             "device": "cpu (gloo)", "torch": torch.__version__, "rows": rows}
 
 
+# ---- the model run -------------------------------------------------------------------------------
+#: The tiny Llama: 4 query heads and 2 kv heads, 2 layers.
+MODEL_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=96, vocab_size=128, max_position_embeddings=64)
+MODEL_ADAPTERS = {
+    "r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+    "r8": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "r16": dict(r=16, lora_alpha=24, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+}
+BATCH = (["r8", None, "r4", "r16"], [5, 7, 3, 6])  # one request per row, right-padded
+PAIRS = (("replicated_A", "reduce_with_base"), ("fully_sharded", "reduce_shrink"))
+#: 3 slots for 3 adapters and the base: the third batch evicts r4, the fourth r8 (LRU)
+EVICTION = [["r4", "r8"], ["r8"], ["r16", None], ["r4", "r16"]]
+
+
+def _variants(column: str, row: str) -> dict:
+    return {"qkv_proj": column, "gate_up_proj": column, "o_proj": row, "down_proj": row}
+
+
+def _model_rank(rank: int, world_size: int, ckpt, dirs: dict, ids: torch.Tensor, steps: int) -> dict:
+    from reference.adapters import load_peft_adapter
+    from reference.mem_pool import LoRAAdapter, snapshot_diff
+    from reference.tp_model import TPLlama, greedy_generate, llama_pool_modules, llama_tp_layouts
+    from reference.tp_pool import TPLoRAMemoryPool, demonstrate_disagreement
+
+    modules, layouts, layers = llama_pool_modules(ckpt), llama_tp_layouts(ckpt, world_size), ckpt.num_layers
+
+    def source(uid):
+        if uid == "bad":  # r4's weights, with one A one row short on rank 1 only
+            good = load_peft_adapter(dirs["r4"], modules, layers, MAX_RANK, uid="bad")
+            if rank != 1:
+                return good
+            key = next(iter(good.weights))
+            return LoRAAdapter("bad", good.rank, good.scaling,
+                               {**good.weights, key: (good.weights[key][0][:-1], good.weights[key][1])})
+        return load_peft_adapter(dirs[uid], modules, layers, MAX_RANK, uid=uid)
+
+    out = {"runs": {}}
+    for column, row in PAIRS:
+        pool = TPLoRAMemoryPool(layouts, _variants(column, row), layers, 4, MAX_RANK, adapter_source=source)
+        model = TPLlama(ckpt, pool, max_rows=ids.shape[0], max_len=ids.shape[1] + steps)
+        out["runs"][f"{column}+{row}"] = greedy_generate(model, pool, *BATCH, ids, steps)
+    pool = TPLoRAMemoryPool(layouts, _variants(*PAIRS[1]), layers, 3, MAX_RANK, adapter_source=source)
+    model = TPLlama(ckpt, pool, max_rows=2, max_len=ids.shape[1])
+    slot_maps = []
+    for uids in EVICTION:
+        greedy_generate(model, pool, uids, [4] * len(uids), ids[:len(uids), :4], 0)
+        slot_maps.append([str(u) for u in pool.buffer_id_to_uid])
+    pool.check_agreement()  # raises on every rank if the victims differed
+    before = pool.snapshot()
+    try:
+        pool.prepare_lora_batch(["bad"])
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    out.update(slot_maps=slot_maps, evictions=[list(map(str, e)) for e in pool.events if e[0] == "evict"],
+               refused=refused, changed_by_refusal=snapshot_diff(before, pool.snapshot()),
+               disagreement=demonstrate_disagreement(rank, world_size))
+    return out
+
+
+def model_run(tp: int = 2, steps: int = 3) -> dict:
+    """The ``model`` run (module docstring); returns the dict the script prints.
+
+    Raises RuntimeError where gloo cannot run; ImportError without transformers and peft.
+    """
+    import copy
+    import tempfile
+    import warnings
+
+    import peft
+    import transformers
+
+    from reference.adapters import load_peft_adapter
+    from reference.layers import LoRAContext, wrap_llama
+    from reference.static_llama import StaticKVLlama
+    from reference.tp_model import greedy_generate, llama_checkpoint, llama_pool_modules
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL_CONFIG)).eval()
+    uids, lens = BATCH
+    ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (len(lens), max(lens)), generator=torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory(prefix="tp_demo_") as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dirs = {}
+        for seed, (name, kw) in enumerate(MODEL_ADAPTERS.items()):
+            torch.manual_seed(200 + seed)
+            peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(
+                f"{root}/{name}")
+            dirs[name] = f"{root}/{name}"
+        ckpt = llama_checkpoint(base)
+        ranks = spawn_ranks(_model_rank, world_size=tp, backend="gloo", args=(ckpt, dirs, ids, steps))
+        modules, layers = llama_pool_modules(ckpt), ckpt.num_layers
+        pool = LoRAMemoryPool(modules, layers, 4, MAX_RANK, adapter_source=lambda u: load_peft_adapter(
+            dirs[u], modules, layers, MAX_RANK, uid=u))
+        context = LoRAContext()
+        llm = StaticKVLlama(wrap_llama(copy.deepcopy(base), pool, context), max_rows=len(lens), max_len=max(lens) + steps)
+
+        def run(x, positions, rows, info):
+            context.set_batch(info)
+            with torch.no_grad():
+                return llm(x, positions, rows)
+        tp1 = greedy_generate(run, pool, uids, lens, ids, steps)
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), dirs["r4"], adapter_name="r4")
+        for name in ("r8", "r16"):
+            pm.load_adapter(dirs[name], adapter_name=name)
+        pm.eval()
+        with torch.no_grad():
+            base_logits = base(input_ids=ids).logits  # right padding: the real tokens are causal prefixes
+    rows = {}
+    real = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+    adapter_rows = real & torch.tensor([u is not None for u in uids])[:, None]
+    for pair, got in ranks[0]["runs"].items():
+        tokens = got["tokens"]
+        full = torch.zeros(len(lens), max(lens) + steps, dtype=torch.long)  # prompt + generated, for PEFT
+        mask = torch.zeros_like(full)
+        for b, n in enumerate(lens):
+            full[b, :n + steps] = torch.cat([ids[b, :n], tokens[:steps, b]])
+            mask[b, :n + steps] = 1
+        with torch.no_grad():
+            want = pm(input_ids=full, attention_mask=mask,
+                      adapter_names=["__base__" if u is None else u for u in uids]).logits
+        peft_decode = torch.stack([want[torch.arange(len(lens)), torch.tensor(lens) + s] for s in range(steps)])
+        rows[pair] = {
+            "ranks_bit_identical": all(torch.equal(r["runs"][pair]["prefill"], got["prefill"]) and
+                                       torch.equal(r["runs"][pair]["tokens"], tokens) for r in ranks),
+            "prefill_max_error_vs_tp1": (got["prefill"] - tp1["prefill"])[real].abs().max().item(),
+            "decode_max_error_vs_tp1": (got["decode"] - tp1["decode"]).abs().max().item(),
+            "prefill_max_error_vs_peft": (got["prefill"] - want[:, :max(lens)])[real].abs().max().item(),
+            "decode_max_error_vs_peft": (got["decode"] - peft_decode).abs().max().item(),
+            "tokens_equal_tp1": torch.equal(tokens, tp1["tokens"]),
+            "logits_max_abs": tp1["prefill"][real].abs().max().item(),
+            # not vacuous: what the adapters change, and that the base row gets exactly nothing
+            "adapter_rows_max_delta_vs_base": (got["prefill"] - base_logits)[adapter_rows].abs().max().item(),
+            "base_row_max_error_vs_base": (got["prefill"] - base_logits)[real & ~adapter_rows].abs().max().item(),
+        }
+    return {"tp": tp, "steps": steps, "batch": [str(u) for u in uids], "prompt_lens": lens, "dtype": "float32",
+            "device": "cpu (gloo)", "torch": torch.__version__, "rows": rows,
+            "slot_maps": [r["slot_maps"] for r in ranks], "evictions": [r["evictions"] for r in ranks],
+            "refused": [r["refused"] for r in ranks], "changed_by_refusal": [r["changed_by_refusal"] for r in ranks],
+            "disagreement": [r["disagreement"] for r in ranks]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["layer"])
+    parser.add_argument("what", choices=["layer", "model"])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    json.dump(layer_run(args.tp, args.tokens, args.reps), sys.stdout)
+    result = layer_run(args.tp, args.tokens, args.reps) if args.what == "layer" else model_run(args.tp, args.steps)
+    json.dump(result, sys.stdout)
     print()
     return 0
 

@@ -30,14 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reference.batch_info import LoRABatchInfo
+from reference.batch_info import LoRABatchInfo, batch_info_from_requests
 from reference.layers import LoRABackend
 from reference.mem_pool import ModuleSpec
 from reference.static_llama import apply_rope, static_kv_attention
 from reference.tp_lora import TPLayout, shard_base_weight, tp_lora_linear
 from reference.tp_pool import TPLoRAMemoryPool
 
-__all__ = ["LlamaCheckpoint", "llama_checkpoint", "llama_pool_modules", "llama_tp_layouts", "TPLlama"]
+__all__ = ["LlamaCheckpoint", "llama_checkpoint", "llama_pool_modules", "llama_tp_layouts", "TPLlama",
+           "prepare_batch", "greedy_generate"]
 
 _PROJECTIONS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
                 "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
@@ -214,3 +215,36 @@ class TPLlama:
         return _rms_norm(h, w["model.norm.weight"], c.rms_eps) @ w["lm_head.weight"].T
 
     __call__ = forward
+
+
+def prepare_batch(pool, uids, lens, **kw) -> LoRABatchInfo:
+    """``pool.prepare_lora_batch(uids)``, then the batch info of requests ``uids`` of lengths ``lens``
+    (extra keywords to ``batch_info_from_requests``), built from host data: on every rank of a TP pool
+    the same calls give the same slots (``TPLoRAMemoryPool``'s determinism)."""
+    uid_to_slot = pool.prepare_lora_batch(uids)
+    return batch_info_from_requests(uids, lens, uid_to_slot, pool.lora_ranks_host, pool.scalings_host, "cpu", **kw)
+
+
+def greedy_generate(run, pool, uids, lens, ids: torch.Tensor, steps: int) -> dict:
+    """Prefill the right-padded prompts ``ids`` [B, T] (batch info of req_lens all T), then ``steps``
+    greedy decode steps of one token per row; ``prepare_lora_batch`` runs every step, as an engine's
+    would (hits), and odd steps build the slot-sorted batch order.
+
+    ``run(ids, positions, cache_rows, batch_info) -> logits`` (a :class:`TPLlama`, or a TP=1 model
+    with the same call); ``lens`` are the prompts' real lengths (row b's next token is read at
+    position ``lens[b] - 1``). Returns {"prefill": [B, T, V], "decode": [steps, B, V] (empty when
+    steps is 0), "tokens": [steps + 1, B] int64 (token s predicted at position lens - 1 + s)}.
+    """
+    B, T = ids.shape
+    rows, last_pos = torch.arange(B), torch.tensor(lens) - 1
+    prefill = run(ids, torch.arange(T).expand(B, T), rows, prepare_batch(pool, uids, [T] * B))
+    last, decode, tokens = prefill[rows, last_pos], [], []
+    for s in range(steps + 1):
+        tokens.append(last.argmax(-1))
+        if s == steps:
+            break
+        info = prepare_batch(pool, uids, [1] * B, sort_by_slot=bool(s % 2))  # BGMV order, then slot-sorted
+        last = run(tokens[-1][:, None], (last_pos + 1 + s)[:, None], rows, info)[:, 0]
+        decode.append(last)
+    return {"prefill": prefill, "decode": torch.stack(decode) if decode else torch.empty(0),
+            "tokens": torch.stack(tokens)}

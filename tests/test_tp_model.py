@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from graders.tolerances import tolerance
 from reference.adapters import load_peft_adapter
-from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import LoRAMemoryPool, events_to_json, snapshot_diff
 from reference.tp_lora import VARIANTS, shard_pool_buffers, spawn_ranks, tp_unavailable_reason
-from reference.tp_model import TPLlama, llama_checkpoint, llama_pool_modules, llama_tp_layouts
+from reference.tp_model import (TPLlama, greedy_generate, llama_checkpoint, llama_pool_modules, llama_tp_layouts,
+                                prepare_batch)
 from reference.tp_pool import TPLoRAMemoryPool, demonstrate_disagreement
 
 TP = 2  # the failure scenarios run here
@@ -64,31 +64,11 @@ def _prompts(lens: list[int], seed: int) -> torch.Tensor:
 
 
 def _info(pool, uids, lens, **kw):
-    uid_to_slot = pool.prepare_lora_batch(uids)
-    return batch_info_from_requests(uids, lens, uid_to_slot, pool.lora_ranks_host, pool.scalings_host, "cpu", **kw)
+    return prepare_batch(pool, uids, lens, **kw)
 
 
 def _generate(run, pool, uids, lens, seed, steps=STEPS) -> dict:
-    """Prefill (padded rows, req_lens all T), then ``steps`` greedy decode steps of one token per row.
-
-    ``run(ids, positions, cache_rows, batch_info) -> logits``; prepare_lora_batch runs every step, as
-    an engine's would (hits). Returns prefill logits [B, T, V], decode logits [steps, B, V] and the
-    greedy tokens [steps + 1, B] (token s is predicted at position len - 1 + s).
-    """
-    ids = _prompts(lens, seed)
-    B, T = ids.shape
-    rows, last_pos = torch.arange(B), torch.tensor(lens) - 1
-    prefill = run(ids, torch.arange(T).expand(B, T), rows, _info(pool, uids, [T] * B))
-    last, decode, tokens = prefill[rows, last_pos], [], []
-    for s in range(steps + 1):
-        tokens.append(last.argmax(-1))
-        if s == steps:
-            break
-        info = _info(pool, uids, [1] * B, sort_by_slot=bool(s % 2))  # BGMV order and slot-sorted order
-        last = run(tokens[-1][:, None], (last_pos + 1 + s)[:, None], rows, info)[:, 0]
-        decode.append(last)
-    decode = torch.stack(decode) if decode else torch.empty(0)
-    return {"prefill": prefill, "decode": decode, "tokens": torch.stack(tokens)}
+    return greedy_generate(run, pool, uids, lens, _prompts(lens, seed), steps)
 
 
 def _source(dirs: dict, modules):

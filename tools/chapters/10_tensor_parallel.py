@@ -425,6 +425,71 @@ print("o_proj: reduce_shrink / reduce_with_base time:",
       f"{rows['o_proj/reduce_shrink']['median_ms'] / rows['o_proj/reduce_with_base']['median_ms']:.2f}x")
 
 # %% [markdown]
+# ## 8. A sharded pool, and the whole model at TP=2
+#
+# `reference.tp_pool.TPLoRAMemoryPool` is chapter 05's pool whose buffers hold only this rank's shard
+# of every slot (the shapes of sections 2-6, per module and variant). Three rules keep the ranks in
+# step:
+#
+# - **Loading reads the whole adapter on every rank and keeps its shard.** Each rank validates the
+#   full adapter (what the PEFT files say) before writing anything; then one all-reduce of a
+#   "did it pass here?" flag. If any rank refused it, every rank raises and no rank writes: a rank
+#   that wrote its shard while another refused would serve a half-loaded adapter. (SGLang, whose
+#   loads fan out to every scheduler under DP attention, registers an adapter only after every rank
+#   succeeded: sgl-project/sglang PR 32708.)
+# - **Slot decisions are computed, not communicated.** Every rank runs the same
+#   `prepare_lora_batch` on the same batches in the same order with the same policy, so the same
+#   victims and slots come out everywhere: no broadcast per batch and no device read. The price is
+#   that the ranks must see the same request stream; `check_agreement()` all-gathers an encoding of
+#   each rank's slot map, policy order and caches and raises, naming the field, when they differ.
+# - **The batch info is the same on every rank**, built from host data as in chapter 07.
+#
+# `reference.tp_model.TPLlama` is one rank's forward of a Llama: q/k/v and gate/up
+# column-parallel, o and down row-parallel (two all-reduces per layer), attention over the rank's own
+# heads with a KV cache of its own kv heads, embeddings, norms and lm_head replicated, and every
+# projection's LoRA through the variants above. The script runs it on two processes for a tiny Llama
+# with three PEFT adapters (ranks 4, 8 with rsLoRA, and 16) and the base model in one batch, prefill
+# and greedy decode, against TP=1 (chapter 07's layers) and against PEFT:
+
+# %%
+run = subprocess.run([sys.executable, "-m", "reference.tp_demo", "model", "--tp", "2", "--steps", "3"],
+                     capture_output=True, text=True, check=True)
+model_run = json.loads(run.stdout)
+print(f"tp {model_run['tp']}, batch {model_run['batch']} (prompt lengths {model_run['prompt_lens']}), "
+      f"{model_run['steps']} greedy decode steps, {model_run['dtype']}, {model_run['device']}")
+for pair, row in model_run["rows"].items():
+    print(f"\n{pair}: ranks bit-identical {row['ranks_bit_identical']}, greedy tokens equal to TP=1 "
+          f"{row['tokens_equal_tp1']}")
+    print(f"  max |TP2 - TP1|  prefill {row['prefill_max_error_vs_tp1']:.1e}, decode {row['decode_max_error_vs_tp1']:.1e}")
+    print(f"  max |TP2 - PEFT| prefill {row['prefill_max_error_vs_peft']:.1e}, decode {row['decode_max_error_vs_peft']:.1e}")
+    print(f"  what the adapters change (max |delta| on their rows): {row['adapter_rows_max_delta_vs_base']:.2e}; "
+          f"the base row against the base model: {row['base_row_max_error_vs_base']:.1e}")
+
+# %% [markdown]
+# The differences are rounding (fp32: a row-parallel all-reduce adds two partial dot products, a
+# different order than one dot product over the whole input), orders of magnitude below what the
+# adapters change (the last line of each pair), and the base row gets the base model's output. Then a pool of 3 slots through four batches that need evictions, an adapter that
+# only rank 1 finds malformed, and two ranks whose request streams differed once:
+
+# %%
+for rank, (maps, evictions) in enumerate(zip(model_run["slot_maps"], model_run["evictions"])):
+    print(f"rank {rank}: slot maps after each batch {maps}; evictions {evictions}")
+for rank, (refused, changed) in enumerate(zip(model_run["refused"], model_run["changed_by_refusal"])):
+    print(f"rank {rank} refused: {refused}\n  what the refusal changed in its pool: {changed or 'nothing'}")
+demo = model_run["disagreement"]
+print("\nslot maps after the streams diverged:", [d["slot_map"] for d in demo])
+print(f"output error with rank 0's batch info on every rank: {demo[0]['leader_max_error']:.2f}")
+print("check_agreement:", demo[0]["agreement_error"])
+
+# %% [markdown]
+# With identical streams the victims are identical on both ranks. A refusal anywhere is a refusal
+# everywhere, and nothing changed on either rank. When one request reached rank 0 only, LRU evicted a
+# different adapter on each rank: every rank's state is valid on its own, yet slot 1 holds c on one
+# rank and b on the other, so a batch built once (or captured in a CUDA graph) gives rank 1's columns
+# another adapter's delta. Nothing crashes; the agreement check is what notices. `tests/test_tp_model.py`
+# holds all four variant pairs to these rules (and to TP=4 with `TP_MODEL_TP4=1`).
+
+# %% [markdown]
 # ## Sources
 #
 # - **Megatron-LM** (Shoeybi et al., 2019): column- and row-parallel linear layers, two all-reduces
@@ -446,3 +511,5 @@ print("o_proj: reduce_shrink / reduce_with_base time:",
 #   LoRA weights rank-major.
 # - Fully sharded LoRA splits A along the pool's padded max rank, the same for every slot, and
 #   all-gathers the shrink output part-major.
+# - A sharded pool validates the whole adapter on every rank and writes only if all agree; slot
+#   decisions are deterministic given the same request stream, and a check names any divergence.
