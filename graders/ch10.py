@@ -349,11 +349,16 @@ def simulate_column(x, W_locals, A_locals, B_locals, token_slots, lora_ranks, sc
     slots, keep, scale = _per_token(token_slots, lora_ranks, scalings, R)
     pieces = torch.stack([torch.einsum("ti,tki->tk", x, A_locals[j][slots]) for j in range(tp)])
     t = pieces.view(tp, x.shape[0], stack, R // tp).permute(1, 2, 0, 3).reshape(x.shape[0], stack, R)
+    return _column_outputs(x, W_locals, B_locals, t, slots, keep, scale, slice_offsets)
+
+
+def _column_outputs(x, W_locals, B_locals, t, slots, keep, scale, offsets) -> torch.Tensor:
+    """Every rank's x W_j^T plus, per part i, the expand of the gathered t[:, i] with B_j's part rows."""
     ys = []
-    for j in range(tp):
+    for j in range(W_locals.shape[0]):
         y = x @ W_locals[j].T
-        for i in range(stack):
-            lo, hi = slice_offsets[i], slice_offsets[i + 1]
+        for i in range(len(offsets) - 1):
+            lo, hi = offsets[i], offsets[i + 1]
             part = y[:, lo:hi]
             y[:, lo:hi] = torch.where(keep[:, :1], part + _expand_rows(t[:, i], B_locals[j][slots, lo:hi], keep, scale), part)
         ys.append(y)
@@ -453,15 +458,7 @@ def simulate_column_rank_major(x, W_locals, A_locals, B_locals, token_slots, lor
     tp, stack, R = W_locals.shape[0], len(offsets) - 1, B_locals.shape[3]
     slots, keep, scale = _per_token(token_slots, lora_ranks, scalings, R)
     t = torch.cat([torch.einsum("ti,tki->tk", x, A_locals[j][slots]) for j in range(tp)], dim=1).view(-1, stack, R)
-    ys = []
-    for j in range(tp):
-        y = x @ W_locals[j].T
-        for i in range(stack):
-            lo, hi = offsets[i], offsets[i + 1]
-            part = y[:, lo:hi]
-            y[:, lo:hi] = torch.where(keep[:, :1], part + _expand_rows(t[:, i], B_locals[j][slots, lo:hi], keep, scale), part)
-        ys.append(y)
-    return torch.stack(ys)
+    return _column_outputs(x, W_locals, B_locals, t, slots, keep, scale, offsets)
 
 
 # ---------------------------------------------------------------------------------------------
