@@ -53,6 +53,7 @@ the parent through files of tensors (no pickles of objects), so a notebook can c
 """
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -551,13 +552,20 @@ def _rank_main(rank: int, fn: Callable, world_size: int, backend: str, folder: s
     torch.set_num_threads(1)  # world_size processes share the cores: one thread each avoids thrashing
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    # a bounded collective timeout: a rank stuck in a collective its peers never call raises after
+    # COLLECTIVE_TIMEOUT_S instead of gloo's / NCCL's default of 30 (10) minutes
     dist.init_process_group(backend, init_method=f"file://{os.path.join(folder, 'rendezvous')}",
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+#: How long a spawned rank waits in one collective before it raises (seconds).
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def spawn_ranks(fn: Callable, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> list:
@@ -572,7 +580,8 @@ def spawn_ranks(fn: Callable, world_size: int = 2, backend: str = "gloo", args: 
         [result of rank 0, ..., result of rank world_size-1].
     Raises:
         RuntimeError: the backend cannot run here (the reason of :func:`tp_unavailable_reason`).
-        torch.multiprocessing.ProcessRaisedException: fn raised in a child (its traceback included).
+        torch.multiprocessing.ProcessRaisedException: fn raised in a child (its traceback included),
+            e.g. a collective that waited more than ``COLLECTIVE_TIMEOUT_S`` for a peer.
     """
     reason = tp_unavailable_reason(backend, world_size)
     if reason is not None:

@@ -1,9 +1,13 @@
 """The main job end to end: nbgrader generate -> the bundled submissions -> autograde -> trusted
 re-grade -> feedback, with the exact score of every learner x exercise (CPU and GPU alike).
 
-``LORA_BOOK_DEMO_CHAPTERS=01,02,03`` runs the demo on those chapters only (the assertions follow):
-on a GPU machine the whole demo takes longer than one lent call of 10 minutes, so the H200 run
-covers the chapters over several calls. Unset (CI), every chapter runs.
+Each test class runs the demo as its own course on one or two chapters (``COURSES``: chapters 01
+and 02 together, so one course has two assignments in its gradebook and its export; every later
+chapter alone), so pytest-xdist's ``loadscope`` spreads the demo over its workers instead of
+putting one 15-minute run of every chapter on one worker (``make demo`` still runs them all in one
+course). ``LORA_BOOK_DEMO_CHAPTERS=01,02,03`` runs the demo on those chapters only (the assertions
+follow): on a GPU machine the whole demo takes longer than one lent call of 10 minutes, so the H200
+run covers the chapters over several calls. Unset (CI), every chapter runs.
 """
 from __future__ import annotations
 
@@ -59,59 +63,81 @@ EXPECTED = {
 
 
 ONLY = [c.strip() for c in os.environ.get("LORA_BOOK_DEMO_CHAPTERS", "").split(",") if c.strip()]
+#: The demo's courses: chapter numbers run together in one course (one test class each).
+COURSES = [("01", "02")] + [(c[:2],) for c in chapters(ROOT / "notebooks") if c[:2] not in ("01", "02")]
 
 
-def _in_run(name: str) -> bool:
-    """Whether an exercise id (chNN.M) or a chapter folder (NN_topic) is part of this run."""
-    number = name[2:4] if name.startswith("ch") else name[:2]
-    return not ONLY or number in ONLY
+def _number(name: str) -> str:
+    """The chapter number of an exercise id (chNN.M) or of a chapter folder (NN_topic)."""
+    return name[2:4] if name.startswith("ch") else name[:2]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def test_the_courses_cover_every_chapter_once():
     assert sorted(ORDER) == sorted(POINTS)
-    course = tmp_path_factory.mktemp("course")
-    return run_demo(course, secret=DEMO_SECRET, only_chapters=ONLY or None), course
+    numbers = [n for course in COURSES for n in course]
+    assert sorted(numbers) == sorted(c[:2] for c in chapters(ROOT / "notebooks"))
 
 
-@pytest.mark.slow
-def test_every_score_is_the_expected_one(demo):
-    summary, _ = demo
-    kept = [i for i, ex in enumerate(ORDER) if _in_run(ex)]
-    got = {s: [summary["scores"][s][ORDER[i]] for i in kept] for s in EXPECTED}
-    assert got == {s: [v[i] for i in kept] for s, v in EXPECTED.items()}
+class _Course:
+    """The demo's assertions for the chapters of one course (``numbers``)."""
+
+    numbers: tuple[str, ...] = ()
+
+    def _in_run(self, name: str) -> bool:
+        return _number(name) in self.numbers
+
+    @pytest.fixture(scope="class")
+    def demo(self, tmp_path_factory):
+        chosen = [n for n in self.numbers if not ONLY or n in ONLY]
+        if not chosen:
+            pytest.skip(f"chapters {self.numbers} are not in LORA_BOOK_DEMO_CHAPTERS={','.join(ONLY)}")
+        type(self).numbers = tuple(chosen)
+        course = tmp_path_factory.mktemp("course-" + "-".join(chosen))
+        return run_demo(course, secret=DEMO_SECRET, only_chapters=chosen), course
+
+    @pytest.mark.slow
+    def test_every_score_is_the_expected_one(self, demo):
+        summary, _ = demo
+        kept = [i for i, ex in enumerate(ORDER) if self._in_run(ex)]
+        got = {s: [summary["scores"][s][ORDER[i]] for i in kept] for s in EXPECTED}
+        assert got == {s: [v[i] for i in kept] for s, v in EXPECTED.items()}
+
+    @pytest.mark.slow
+    def test_tampering_is_reported_and_never_raises_a_recorded_score(self, demo):
+        summary, course = demo
+        findings = {(f["kind"], f["student"], f["exercise"]): f for f in summary["findings"]}
+        # answer cells pointed at by what their code does (graders.tamper): ch02.6 assigns torch.allclose,
+        # ch02.7 imports graders.core and patches it, ch02.8 assigns graders.check at top level; only
+        # ch02.8's patch reaches the kernel's later test cells, forging ch02.8-ch02.9 there
+        expected = {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
+                    ("LookAtThis", "broken_code", "ch02.8"),
+                    ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
+        assert set(findings) == {f for f in expected if self._in_run(f[2])}
+        if self._in_run("ch02.9"):
+            assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
+        with open(course / "grades.csv") as f:
+            exported = {(row["student_id"], row["assignment"]): float(row["score"]) for row in csv.DictReader(f)}
+        for student, expected in EXPECTED.items():
+            per_chapter = {chapter: sum(points for exercise, points in zip(ORDER, expected)
+                                        if exercise[2:4] == chapter[:2])
+                           for chapter in chapters(ROOT / "notebooks")}
+            for chapter, total in per_chapter.items():
+                if self._in_run(chapter):
+                    assert exported[(student, chapter)] == total
+
+    @pytest.mark.slow
+    def test_feedback_for_every_learner_and_chapter(self, demo):
+        _, course = demo
+        for student in EXPECTED:
+            for chapter in filter(self._in_run, chapters(ROOT / "notebooks")):
+                html = (course / "feedback" / student / chapter / f"{chapter}.html").read_text()
+                assert "/ 3 points  (device:" in html  # the grader reports, as printed in the cells
+        if self._in_run("02_batching_adapters"):
+            ch02 = (course / "feedback" / "plausible_mistakes" / "02_batching_adapters" /
+                    "02_batching_adapters.html").read_text()
+            assert "starts with 0" in ch02  # the learner sees what is wrong, in the feedback itself
 
 
-@pytest.mark.slow
-def test_tampering_is_reported_and_never_raises_a_recorded_score(demo):
-    summary, course = demo
-    findings = {(f["kind"], f["student"], f["exercise"]): f for f in summary["findings"]}
-    # answer cells pointed at by what their code does (graders.tamper): ch02.6 assigns torch.allclose,
-    # ch02.7 imports graders.core and patches it, ch02.8 assigns graders.check at top level; only
-    # ch02.8's patch reaches the kernel's later test cells, forging ch02.8-ch02.9 there
-    expected = {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
-                ("LookAtThis", "broken_code", "ch02.8"),
-                ("Mismatch", "broken_code", "ch02.8"), ("Mismatch", "broken_code", "ch02.9")}
-    assert set(findings) == {f for f in expected if _in_run(f[2])}
-    if _in_run("ch02.9"):
-        assert findings[("Mismatch", "broken_code", "ch02.9")]["kernel"] == 3.0
-    with open(course / "grades.csv") as f:
-        exported = {(row["student_id"], row["assignment"]): float(row["score"]) for row in csv.DictReader(f)}
-    for student, expected in EXPECTED.items():
-        per_chapter = {chapter: sum(points for exercise, points in zip(ORDER, expected) if exercise[2:4] == chapter[:2])
-                       for chapter in chapters(ROOT / "notebooks")}
-        for chapter, total in per_chapter.items():
-            if _in_run(chapter):
-                assert exported[(student, chapter)] == total
-
-
-@pytest.mark.slow
-def test_feedback_for_every_learner_and_chapter(demo):
-    _, course = demo
-    for student in EXPECTED:
-        for chapter in filter(_in_run, chapters(ROOT / "notebooks")):
-            html = (course / "feedback" / student / chapter / f"{chapter}.html").read_text()
-            assert "/ 3 points  (device:" in html  # the grader reports, as printed in the cells
-    if _in_run("02_batching_adapters"):
-        ch02 = (course / "feedback" / "plausible_mistakes" / "02_batching_adapters" / "02_batching_adapters.html").read_text()
-        assert "starts with 0" in ch02  # the learner sees what is wrong, in the feedback itself
+for _numbers in COURSES:
+    _name = "TestDemoCh" + "_".join(_numbers)
+    globals()[_name] = type(_name, (_Course,), {"numbers": _numbers})
