@@ -64,6 +64,8 @@ def _ranges_edge() -> list[Case]:
         _ranges_case("tp_not_divisible_by_heads_raises_value_error", (24, 12, 12), (6, 3, 3), 0, 4),
         _ranges_case("width_not_a_multiple_of_heads_raises_value_error", (16, 6, 6), (4, 4, 4), 0, 2),
         _ranges_case("tp_rank_past_tp_size_raises_value_error", qkv, heads, 2, 2),
+        _ranges_case("tp_rank_far_past_tp_size_raises_value_error", qkv, heads, 5, 2),
+        _ranges_case("negative_tp_rank_raises_value_error", qkv, heads, -1, 2),
         _ranges_case("lengths_differ_raises_value_error", qkv, (4, 2), 0, 2),
     ]
 
@@ -96,6 +98,11 @@ def _ranges_hint(case: Case, expected, got) -> Optional[str]:
     if len(got) != len(expected) or any(len(pair) != 2 for pair in got):
         return "one (lo, hi) pair of ints per part: rows [lo, hi) of the packed output, not a width"
     offsets = slice_offsets_for(out_features)
+    local = slice_offsets_for([hi - lo for lo, hi in expected])
+    if all(g == (lo - offsets[i] + local[i], hi - offsets[i] + local[i]) for i, (g, (lo, hi)) in
+           enumerate(zip(got, expected))) and got != list(expected):
+        return ("part i starts at sum(out_features[:i]) of the packed (global) output: advance by each part's FULL "
+                "width, not by the rows this rank owns of it")
     if all(g == (lo - offsets[i], hi - offsets[i]) for i, (g, (lo, hi)) in enumerate(zip(got, expected))) and any(offsets[:-1][1:]):
         return ("the ranges are rows of the PACKED output: part i starts at sum(out_features[:i]) "
                 "(k's rows come after all of q's)")
@@ -148,7 +155,18 @@ def _fs_edge() -> list[Case]:
         _fs_case("rank_above_R_raises_value_error", [2, 9], 2, 8, 3, 0, 2, g),
         _fs_case("tp_rank_past_tp_size_raises_value_error", [2, 4], 2, 8, 3, 2, 2, g),
         _fs_case("one_rank_per_slot_missing_raises_value_error", [2, 4], 2, 8, 3, 0, 2, g, given_ranks=[2]),
+        _fs_case("a_rank_too_many_raises_value_error", [2, 4], 2, 8, 3, 0, 2, g, given_ranks=[2, 4, 4]),
+        _fs_case("negative_rank_raises_value_error", [2, 4], 2, 8, 3, 0, 2, g, given_ranks=[2, -1]),
+        _fs_case("negative_tp_rank_raises_value_error", [2, 4], 2, 8, 3, -1, 2, g),
+        _fs_2d_case(g),
     ]
+
+
+def _fs_2d_case(gen) -> Case:
+    A = torch.randn(16, 5, generator=gen)
+    return Case("two_d_A_buffer_raises_value_error", [A, [4], 2, 0, 2],
+                "A_buffer [16, 5] (2-D: one layer of one slot without the slot axis), lora_ranks [4], stack_num 2, "
+                "tp_rank 0, tp_size 2", op="exact")
 
 
 def _fs_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
@@ -165,7 +183,7 @@ def _fs_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
 
 def _fs_hint(case: Case, expected, got) -> Optional[str]:
     A, ranks, stack, j, tp = case.args
-    if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor):
+    if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor) or got.dtype != expected.dtype:
         return None
     R = A.shape[1] // stack
     if got.shape != expected.shape:
@@ -185,8 +203,9 @@ def _fs_hint(case: Case, expected, got) -> Optional[str]:
     if torch.isnan(g).any():
         return ("rows past a slot's rank must be zeros: the pool leaves junk past stack_num * r (NaN here), "
                 "and a slice A_buffer[s, i*r + lo : i*r + hi] with hi past r reads the NEXT part's rows or that junk")
-    return ("rank j holds rank-rows [j*R/tp, (j+1)*R/tp) of the PADDED max rank R, the same rows for every slot "
-            "(not 1/tp of each adapter's own r: the pieces would not line up with B's columns on every rank)")
+    return ("the layout asked for: rank j holds rank-rows [j*R/tp, (j+1)*R/tp) of the PADDED max rank R of every "
+            "part, the same rows for every slot (not 1/tp of each adapter's own r), and zeros where a slot's rank ends "
+            "(a new tensor: zeros, not torch.empty)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,27 +257,49 @@ def simulate_row(x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scali
     return y.unsqueeze(0).expand(tp, -1, -1).clone()
 
 
+_ROW_NAMES = ("x_local", "W_local", "A_local", "B", "token_slots", "lora_ranks", "scalings", "variant")
+_COLUMN_NAMES = ("x", "W_local", "A_local", "B_local", "token_slots", "lora_ranks", "scalings", "slice_offsets")
+
+
+def _communicated(counts: dict, want: dict, why: str) -> Optional[str]:
+    """A message when a rank's collectives carried other element counts than the contract's."""
+    got = {k: v for k, v in counts.items() if v}
+    if got == {k: v for k, v in want.items() if v}:
+        return None
+    say = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "nothing"  # noqa: E731
+    return f"the collectives carried {say(got)} elements on this rank; the contract's carry {say(want)} ({why})"
+
+
 def drive_row(fn, x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant) -> torch.Tensor:
-    """The learner's ``row_parallel_lora`` in ``tp`` gloo ranks, rank j given shard j; [tp, T, out]."""
-    return run_ranks(x_locals.shape[0], lambda j, group: fn(
-        x_locals[j].clone(), W_locals[j].clone(), A_locals[j].clone(), B.clone(), token_slots.clone(),
-        lora_ranks.clone(), scalings.clone(), variant, group))
+    """The learner's ``row_parallel_lora`` in ``tp`` gloo ranks, rank j given shard j; [tp, T, out].
+
+    Each rank's collectives must carry what its variant sends: the base output [T, out] all-reduced,
+    plus the shrink output [T, R] for "reduce_shrink" (fused into one all-reduce or not)."""
+    T, out, R = x_locals.shape[1], W_locals.shape[1], B.shape[2]
+    shrink = T * R if variant == "reduce_shrink" else 0
+    why = ("reduce_shrink all-reduces the base output [T, out] and the shrink output [T, R]" if shrink else
+           "reduce_with_base adds the partial delta first and all-reduces [T, out] once")
+
+    def check(rank, counts):
+        return _communicated(counts, {"all_reduce": T * out + shrink}, why) if variant in VARIANTS["row"] else None
+    return run_ranks(x_locals.shape[0], fn, lambda j: (x_locals[j], W_locals[j], A_locals[j], B, token_slots,
+                                                        lora_ranks, scalings, variant), _ROW_NAMES, check)
 
 
 def _row_case(name, gen, tp, tokens, ranks, scalings, variant, d_in=8, d_out=6, R=16,
-              slot_dtype=torch.int32) -> Case:
+              slot_dtype=torch.int32, dtype=torch.float32) -> Case:
     S = len(ranks)
     token_slots = torch.tensor(tokens, dtype=slot_dtype)
     T, in_l = len(tokens), d_in // tp
-    x, W = _ints((T, d_in), gen), _ints((d_out, d_in), gen)
-    A = _poison_rank(torch.randn(S, R, d_in, generator=gen) / d_in ** 0.5, ranks, 1)
-    B = _poison_rank(torch.randn(S, d_out, R, generator=gen) / R ** 0.5, ranks, 2)
+    x, W = _ints((T, d_in), gen).to(dtype), _ints((d_out, d_in), gen).to(dtype)
+    A = _poison_rank(torch.randn(S, R, d_in, generator=gen) / d_in ** 0.5, ranks, 1).to(dtype)
+    B = _poison_rank(torch.randn(S, d_out, R, generator=gen) / R ** 0.5, ranks, 2).to(dtype)
     x_locals = torch.stack([x[:, j * in_l:(j + 1) * in_l] for j in range(tp)])
     W_locals = torch.stack([W[:, j * in_l:(j + 1) * in_l] for j in range(tp)])
     A_locals = torch.stack([A[:, :, j * in_l:(j + 1) * in_l] for j in range(tp)])
     lora_ranks, sc = _slot_tensors(ranks, scalings)
     return Case(name, [x_locals, W_locals, A_locals, B, token_slots, lora_ranks, sc, variant],
-                f"tp {tp}, variant {variant!r}: rank j gets x_local = x[:, j*{in_l}:(j+1)*{in_l}] of x {[T, d_in]}, "
+                f"tp {tp}, variant {variant!r}, {str(dtype)[6:]}: rank j gets x_local = x[:, j*{in_l}:(j+1)*{in_l}] of x {[T, d_in]}, "
                 f"W_local [{d_out}, {in_l}], A_local [{S}, {R}, {in_l}], B {list(B.shape)} (whole); "
                 + _describe_batch(token_slots, ranks, scalings, R)
                 + "; A rows and B columns past each slot's rank are NaN; the result is every rank's y, stacked",
@@ -281,6 +322,8 @@ def _row_edge() -> list[Case]:
         _row_case("reduce_shrink_int64_slots_out_of_order", g, 2, [3, 2, 1, 3, 0], ranks, sc, "reduce_shrink",
                   slot_dtype=torch.int64),
         _row_case("reduce_with_base_in_12_out_10", g, 2, [2, 1, 0, 2], ranks, sc, "reduce_with_base", d_in=12, d_out=10),
+        _row_case("reduce_shrink_bf16", g, 2, [1, 0, 3, 2], ranks, sc, "reduce_shrink", dtype=torch.bfloat16),
+        _row_case("reduce_with_base_bf16_tp4", g, 4, [2, 3, 0, 1], ranks, sc, "reduce_with_base", dtype=torch.bfloat16),
         _row_case("unknown_variant_raises_value_error", g, 2, [1, 0], ranks, sc, "reduce_twice"),
     ]
     return cases
@@ -314,22 +357,15 @@ def _row_hint(case: Case, expected, got) -> Optional[str]:
     if torch.isnan(g).any():
         return ("NaN in y: columns of t (and B) past a slot's rank are junk here (NaN), and so is the whole base slot; "
                 "select with torch.where / slicing, not by multiplying with a 0/1 mask (NaN * 0 = NaN)")
-    partial = torch.stack([x_locals[j] @ W_locals[j].T for j in range(tp)])
-    base = partial.sum(0)
-    if base_rows.any() and all(torch.allclose(g[j][base_rows], partial[j][base_rows]) for j in range(tp)):
-        return "each rank's base rows are its own partial product x_local W_local^T: the base all-reduce is missing"
-    if base_rows.any() and torch.allclose(g[0][base_rows], tp * base[base_rows]):
-        return f"the base rows are {tp} (tp) times the base output: an all-reduce applied twice"
+    # (a missing or doubled all-reduce never gets here: the driver counts what the collectives carry)
+    base = sum(x_locals[j].float() @ W_locals[j].float().T for j in range(tp))
     if not torch.equal(g[0], g[-1]):
         return ("the ranks ended with different y: every rank must return the same, fully reduced output; a delta "
                 "computed from this rank's t_j alone and added after the base all-reduce is only its partial delta "
                 "(reduce_shrink: all-reduce t first; reduce_with_base: add the delta before the one all-reduce)")
     lora = ~base_rows
     if lora.any():
-        d_exp, d_got = e[0][lora] - base[lora], g[0][lora] - base[lora]
-        if torch.allclose(d_got, tp * d_exp, atol=1e-4, rtol=1e-4):
-            return (f"the LoRA delta is {tp} times too large: reduced twice (all-reduced t AND added before the base "
-                    "all-reduce, or all-reduced y again after adding it)")
+        d_exp, d_got = e[0][lora].float() - base[lora], g[0][lora].float() - base[lora]
         s = scalings[token_slots.long()][lora].unsqueeze(1)
         if torch.allclose(d_got, s * d_exp, atol=1e-4, rtol=1e-4) or torch.allclose(d_got * s, d_exp, atol=1e-4, rtol=1e-4):
             return "the delta is off by a factor of scalings[slot]: the scaling applied twice, or not at all"
@@ -366,21 +402,26 @@ def _column_outputs(x, W_locals, B_locals, t, slots, keep, scale, offsets) -> to
 
 
 def drive_column(fn, x, W_locals, A_locals, B_locals, token_slots, lora_ranks, scalings, slice_offsets) -> torch.Tensor:
-    """The learner's ``fully_sharded_column_lora`` in ``tp`` gloo ranks; [tp, T, out_local]."""
-    return run_ranks(W_locals.shape[0], lambda j, group: fn(
-        x.clone(), W_locals[j].clone(), A_locals[j].clone(), B_locals[j].clone(), token_slots.clone(),
-        lora_ranks.clone(), scalings.clone(), list(slice_offsets), group))
+    """The learner's ``fully_sharded_column_lora`` in ``tp`` gloo ranks; [tp, T, out_local].
+
+    Each rank's collectives must carry the gathered shrink output and nothing else: [T, stack * R]
+    all-gathered (the output's elements), no all-reduce."""
+    T, R, stack = x.shape[0], B_locals.shape[3], len(slice_offsets) - 1
+    why = "an all-gather of every rank's shrink output t_j [T, stack * R/tp] (gathering A instead moves its weights)"
+    return run_ranks(W_locals.shape[0], fn, lambda j: (x, W_locals[j], A_locals[j], B_locals[j], token_slots,
+                                                        lora_ranks, scalings, list(slice_offsets)),
+                     _COLUMN_NAMES, lambda rank, counts: _communicated(counts, {"all_gather": T * stack * R}, why))
 
 
 def _column_case(name, gen, tp, tokens, ranks, scalings, part_widths, d_in=8, R=16, slot_dtype=torch.int32,
-                 a_rows=None) -> Case:
+                 a_rows=None, dtype=torch.float32) -> Case:
     S, stack, w = len(ranks), len(part_widths), R // tp
     token_slots = torch.tensor(tokens, dtype=slot_dtype)
     T = len(tokens)
-    x = _ints((T, d_in), gen)
-    W = _ints((sum(part_widths), d_in), gen)
-    A = _poison_rank(torch.randn(S, stack, R, d_in, generator=gen) / d_in ** 0.5, ranks, 2)  # rank-rows per part
-    B = _poison_rank(torch.randn(S, sum(part_widths), R, generator=gen) / R ** 0.5, ranks, 2)
+    x = _ints((T, d_in), gen).to(dtype)
+    W = _ints((sum(part_widths), d_in), gen).to(dtype)
+    A = _poison_rank(torch.randn(S, stack, R, d_in, generator=gen) / d_in ** 0.5, ranks, 2).to(dtype)  # rank-rows per part
+    B = _poison_rank(torch.randn(S, sum(part_widths), R, generator=gen) / R ** 0.5, ranks, 2).to(dtype)
     offsets = slice_offsets_for(part_widths)
     rows = [torch.cat([torch.arange(offsets[i] + j * (n // tp), offsets[i] + (j + 1) * (n // tp))
                        for i, n in enumerate(part_widths)]) for j in range(tp)]
@@ -392,7 +433,8 @@ def _column_case(name, gen, tp, tokens, ranks, scalings, part_widths, d_in=8, R=
     local = slice_offsets_for([n // tp for n in part_widths])
     lora_ranks, sc = _slot_tensors(ranks, scalings)
     return Case(name, [x, W_locals, A_locals, B_locals, token_slots, lora_ranks, sc, list(local)],
-                f"tp {tp}, {stack} part(s) of widths {list(part_widths)} (local slice_offsets {list(local)}): rank j gets "
+                f"tp {tp}, {str(dtype)[6:]}, {stack} part(s) of widths {list(part_widths)} (local slice_offsets "
+                f"{list(local)}): rank j gets "
                 f"x {[T, d_in]} (whole), W_local [{W_locals.shape[1]}, {d_in}], A_local {list(A_locals.shape[1:])} "
                 f"(its R/tp = {w} rank-rows of each part), B_local {list(B_locals.shape[1:])}; "
                 + _describe_batch(token_slots, ranks, scalings, R)
@@ -411,6 +453,7 @@ def _column_edge() -> list[Case]:
         _column_case("gate_up_tp4_one_token", g, 4, [2], ranks, sc, [8, 8]),
         _column_case("base_tokens_only", g, 2, [0, 0], ranks, sc, [4, 4]),
         _column_case("int64_slots_repeated", g, 2, [4, 4, 1, 1, 2], ranks, sc, [6, 2, 2], slot_dtype=torch.int64),
+        _column_case("qkv_bf16", g, 2, [1, 0, 2, 3, 4], ranks, sc, [8, 4, 4], dtype=torch.bfloat16),
         _column_case("A_local_rows_not_stack_R_over_tp_raises_value_error", g, 2, [1, 0], ranks, sc, [4, 4], a_rows=12),
     ]
 
@@ -450,7 +493,7 @@ def _column_hint(case: Case, expected, got) -> Optional[str]:
                 "the whole base slot; select with torch.where / slicing, not by multiplying with a 0/1 mask "
                 "(NaN * 0 = NaN)")
     return ("the LoRA rows differ: all-gather every rank's shrink output t_j = x A_local[slot]^T, reorder it part-major "
-            "to [T, stack * R], then expand part i with B_local[slot, off_i:off_i+1, :r] (the first r columns)")
+            "to [T, stack * R], then expand part i with B_local[slot, off_i:off_{i+1}, :r] (the first r columns)")
 
 
 def simulate_column_rank_major(x, W_locals, A_locals, B_locals, token_slots, lora_ranks, scalings, offsets):

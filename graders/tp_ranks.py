@@ -8,12 +8,22 @@ arguments and collects every rank's result. Fork, not spawn: the learner's funct
 the child that executed the answer cell, and a forked rank inherits it (and torch, already
 imported) at the cost of a few tens of milliseconds.
 
+The tensor-parallel ranks are a SUBGROUP: the job has one more process (global rank 0, a bystander
+that only joins), and ``group`` holds global ranks 1..tp, so an answer that ignores ``group`` (the
+default group is the whole job) is caught, as in a server whose attention-TP group is not the world
+(SGLang PR 32708 fixed a row-parallel LoRA all-reducing over the wrong group). In each rank the
+collectives are wrapped for the call: one on another group than ``group`` fails at once with a
+message, and the elements each collective carries are counted, so a driver can hold an answer to
+what its variant communicates (outputs alone cannot tell the variants apart: by linearity they give
+the same numbers).
+
 What can go wrong in a rank, and what the grader reports: an exception (re-raised in the child with
-the rank named, so a case whose contract is ``ValueError`` still sees ``ValueError``); a result that
-is not a tensor; a rank that never finishes (a collective that only some ranks call, or called in a
-different order): after ``RANK_TIMEOUT_S`` every rank is killed and the case fails with a
-``TimeoutError`` saying so. Ranks die with the child (``PR_SET_PDEATHSIG``), so a killed grader
-leaves no process behind.
+the rank named, so a case whose contract is ``ValueError`` still sees ``ValueError``; when only some
+ranks raise, that is the failure: the others would wait in a collective forever); an input modified
+in place (each rank checks its arguments after the call); a result that is not a tensor; a rank that
+never finishes (a collective that only some ranks call, or called in a different order): after
+``RANK_TIMEOUT_S`` every rank is killed and the case fails with a ``TimeoutError`` saying so. Ranks
+die with the child (``PR_SET_PDEATHSIG``), so a killed grader leaves no process behind.
 
 The expected results never come from forked processes: the graders' references simulate the ranks
 in one process (the notebook's kernel must not fork: Python warns on stderr when a multi-threaded
@@ -22,14 +32,16 @@ process forks, and nbgrader zeroes a test cell that writes to stderr).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import datetime
+import inspect
 import os
 import shutil
 import signal
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,24 +62,93 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_body(rank: int, tp: int, folder: str, call: Callable[[int, object], object]) -> None:
-    """Join the group, call, write the outcome, then wait to be killed: a rank never tears its group
-    down itself, so no rank's exit can break a collective or a rendezvous another rank is still in
-    (the parent kills every rank once it has every outcome, or one failure)."""
+#: The collectives (and group queries) wrapped in a rank for the call; element counts are kept for these.
+_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+            "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier")
+_QUERIES = ("get_rank", "get_world_size")
+
+
+def _elements(name: str, bound: inspect.BoundArguments) -> int:
+    a = bound.arguments
+    if name == "all_gather":
+        return sum(t.numel() for t in a["tensor_list"])
+    if name == "all_gather_into_tensor":
+        return a["output_tensor"].numel()
+    tensor = next((v for v in a.values() if isinstance(v, torch.Tensor)), None)
+    return tensor.numel() if tensor is not None else 0
+
+
+@contextlib.contextmanager
+def _watched(group, counts: dict):
+    """dist's collectives and group queries, checked against ``group`` and counted, for a ``with`` block."""
+    saved = {name: getattr(dist, name) for name in _COUNTED + _QUERIES if hasattr(dist, name)}
+
+    def wrap(name, original):
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments.get("group")
+            if given is not group:
+                what = "the default group (every process of this job)" if given in (None, dist.group.WORLD) else "another group"
+                raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the {dist.get_world_size(group)} "
+                                   f"tensor-parallel ranks): pass group=group to every collective and query")
+            if name in _COUNTED:
+                counts[name] = counts.get(name, 0) + _elements(name, bound)
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in saved.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all()))
+    return a == b
+
+
+def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callable[[int], tuple],
+               names: Sequence[str], check: Optional[Callable[[int, dict], Optional[str]]]) -> None:
+    """Join the job (global rank ``rank + 1``; ``rank`` -1 is the bystander), build the TP subgroup,
+    call, write the outcome, then wait to be killed: a rank never tears its group down itself, so no
+    rank's exit can break a collective or a rendezvous another rank is still in (the parent kills
+    every process once it has every outcome, or a failure)."""
     _die_with_parent()
-    torch.set_num_threads(1)  # tp ranks share the child's cores
+    torch.set_num_threads(1)  # the ranks share the child's cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the sandbox has loopback only
     outcome: dict = {}
     try:
-        store = dist.FileStore(os.path.join(folder, "store"), tp)
+        store = dist.FileStore(os.path.join(folder, "store"), tp + 1)
         # gloo's own timeout is longer than the parent's: the parent names the hang, not gloo
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
+        dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=tp + 1,
                                 timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S + 30))
-        result = call(rank, dist.group.WORLD)
-        if isinstance(result, torch.Tensor):
-            outcome = {"tensor": result.detach().cpu().contiguous()}
+        group = dist.new_group(list(range(1, tp + 1)))  # every process of the job takes part
+        if rank >= 0:
+            args = rank_args(rank)
+            before = [a.clone() if isinstance(a, torch.Tensor) else list(a) if isinstance(a, list) else a for a in args]
+            counts: dict = {}
+            with _watched(group, counts):
+                result = fn(*args, group)
+            changed = [n for n, a, b in zip(names, args, before) if not _same(a, b)]
+            if changed:
+                raise RuntimeError(f"your function modified its input {changed[0]!r} on rank {rank}; inputs must stay "
+                                   "unchanged (a pool's buffers are read again by the next batch)")
+            problem = check(rank, counts) if check is not None else None
+            if problem:
+                raise RuntimeError(problem)
+            if isinstance(result, torch.Tensor):
+                outcome = {"tensor": result.detach().cpu().contiguous()}
+            else:
+                outcome = {"type": type(result).__name__, "repr": repr(result)[:200]}
         else:
-            outcome = {"type": type(result).__name__, "repr": repr(result)[:200]}
+            outcome = {"bystander": True}
     except BaseException as exc:  # noqa: BLE001 - every failure of learner code is reported, not raised here
         outcome = {"exc": type(exc).__name__, "msg": str(exc)[:2000]}
     path = os.path.join(folder, f"rank{rank}.pt")
@@ -93,12 +174,18 @@ def _raise_from_rank(rank: int, outcome: dict) -> None:
     raise cls(f"rank {rank}: {outcome['exc']}: {outcome['msg']}")
 
 
-def run_ranks(tp: int, call: Callable[[int, object], object]) -> torch.Tensor:
-    """``call(rank, group)`` in ``tp`` forked gloo ranks; returns their tensors stacked, [tp, ...].
+def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: Sequence[str] = (),
+              check: Optional[Callable[[int, dict], Optional[str]]] = None) -> torch.Tensor:
+    """``fn(*rank_args(j), group)`` on each of ``tp`` forked gloo ranks; their tensors stacked, [tp, ...].
 
+    ``names`` name ``rank_args``' entries in messages; ``check(rank, counts)``, with counts the
+    elements each collective carried on that rank ({"all_reduce": n, "all_gather": n (output
+    elements)}), returns a message when that is not what the contract communicates, else None.
     Raises:
-        the exception a rank raised (the first rank's, by rank order; same class when it is a
-        built-in exception, else RuntimeError), with "rank j:" before its message;
+        the exception a rank raised (same class when it is a built-in exception, else RuntimeError),
+            with "rank j:" before its message; RuntimeError when only some ranks raised;
+        RuntimeError: a rank modified an input, used another group than ``group``, or communicated
+            what ``check`` refuses;
         TypeError: a rank returned something other than a tensor, or ranks returned tensors of
             different shapes or dtypes (which stacking would hide);
         TimeoutError: some rank did not finish within ``RANK_TIMEOUT_S`` (every rank is killed); once
@@ -110,17 +197,17 @@ def run_ranks(tp: int, call: Callable[[int, object], object]) -> torch.Tensor:
     folder = tempfile.mkdtemp(prefix="tp-ranks-")
     pids: list[int] = []
     try:
-        for rank in range(tp):
+        for rank in range(-1, tp):  # -1: the bystander (global rank 0)
             pid = os.fork()
-            if pid == 0:  # the rank: never returns into the grader's code
+            if pid == 0:  # a rank: never returns into the grader's code
                 code = 0
                 try:
-                    _rank_body(rank, tp, folder, call)
+                    _rank_body(rank, tp, folder, fn, rank_args, names, check)
                 except BaseException:  # noqa: BLE001
                     code = 1
                 os._exit(code)
             pids.append(pid)
-        outcomes = _wait(pids, folder)
+        outcomes = _wait(pids, folder)[1:]
     finally:
         for pid in pids:
             try:
@@ -129,9 +216,22 @@ def run_ranks(tp: int, call: Callable[[int, object], object]) -> torch.Tensor:
             except (ProcessLookupError, ChildProcessError):
                 pass
         shutil.rmtree(folder, ignore_errors=True)
-    for rank, outcome in enumerate(outcomes):
-        if "exc" in outcome and not outcome.get("stopped"):
-            _raise_from_rank(rank, outcome)
+    died = [j for j, o in enumerate(outcomes) if o.get("died")]
+    if died:
+        _raise_from_rank(died[0], outcomes[died[0]])
+    raised = [j for j, o in enumerate(outcomes) if "exc" in o]
+    if raised and len(raised) < tp:
+        j, others = raised[0], [k for k in range(tp) if k not in raised]
+        how = "did not finish (waiting in a collective that rank never joins)" if any(
+            "pending" in outcomes[k] for k in others) else "returned normally"
+        first = outcomes[j]
+        message = (f"rank {j} raised {first['exc']}: {first['msg'][:300]}, but rank(s) {others} {how}: "
+                   "an error the contract names is raised on EVERY rank, before any collective")
+        if "did not finish" in how:
+            _hung.append(message)  # the same answer would leave a rank waiting in every later case
+        raise RuntimeError(message)
+    for rank in raised:
+        _raise_from_rank(rank, outcomes[rank])
     for rank, outcome in enumerate(outcomes):
         if "tensor" not in outcome:
             raise TypeError(f"rank {rank} returned {outcome['type']} {outcome['repr']}; the contract returns a tensor")
@@ -143,29 +243,32 @@ def run_ranks(tp: int, call: Callable[[int, object], object]) -> torch.Tensor:
 
 
 def _wait(pids: list[int], folder: str) -> list[dict]:
-    """Every rank's outcome, read as soon as it is written; stops early when one rank failed (the
-    others may wait on it forever) or a rank's process ended without an outcome."""
+    """Every process's outcome (file ``rank{j}.pt`` for j = -1 .. tp-1, in ``pids`` order), read as
+    soon as it is written. When a rank failed, the others get until the deadline to fail too (a
+    contract error is raised on every rank); a rank still running then is marked ``pending``. A
+    process that ended without an outcome is a failure at once."""
     deadline = time.monotonic() + RANK_TIMEOUT_S
     done: dict[int, dict] = {}
     while len(done) < len(pids):
-        for rank, pid in enumerate(pids):
-            if rank in done:
+        for k, pid in enumerate(pids):
+            if k in done:
                 continue
-            path = os.path.join(folder, f"rank{rank}.pt")
+            path = os.path.join(folder, f"rank{k - 1}.pt")
             if os.path.exists(path):
-                done[rank] = torch.load(path, weights_only=True)
+                done[k] = torch.load(path, weights_only=True)
             elif os.waitpid(pid, os.WNOHANG)[0]:
-                done[rank] = {"exc": "RuntimeError", "msg": "the rank's process ended without a result "
-                              "(os._exit, sys.exit or a crash in the answer?)"}
-            if "exc" in done.get(rank, {}):
-                return [done.get(j, {"exc": "RuntimeError", "msg": "stopped: another rank failed", "stopped": True})
-                        for j in range(len(pids))]
+                done[k] = {"exc": "RuntimeError", "msg": "the rank's process ended without a result "
+                           "(os._exit, sys.exit or a crash in the answer?)", "died": True}
+                return [done.get(j, {"pending": True}) for j in range(len(pids))]
         if len(done) < len(pids):
             if time.monotonic() > deadline:
-                waiting = [j for j in range(len(pids)) if j not in done]
+                if any("exc" in o for o in done.values()):
+                    return [done.get(j, {"pending": True}) for j in range(len(pids))]
+                waiting = [j - 1 for j in range(len(pids)) if j not in done]
+                returned = sorted(j - 1 for j in done if j > 0)
                 _hung.append(
                     f"rank(s) {waiting} did not finish within {RANK_TIMEOUT_S:g} s while rank(s) "
-                    f"{sorted(done) or 'none'} returned: a collective that only some ranks call (inside an if "
+                    f"{returned or 'none'} returned: a collective that only some ranks call (inside an if "
                     "that differs per rank?), or collectives called in a different order on different ranks")
                 raise TimeoutError(_hung[0])
             time.sleep(0.002)

@@ -681,7 +681,7 @@ def fully_sharded_column_lora(x: torch.Tensor, W_local: torch.Tensor, A_local: t
     Semantics:
         t_j = x A_local[slot]^T                                  [T, stack * w]
         t = all_gather(t_j), reordered PART-major: part i = cat_j (t_j's columns [i*w, (i+1)*w))
-        y[:, off_i:off_i+1] = x W_local^T ... + scalings[slot] * t_i[:, :r] B_local[slot, off_i:off_i+1, :r]^T
+        y[:, off_i:off_{i+1}] = x W_local^T ... + scalings[slot] * t_i[:, :r] B_local[slot, off_i:off_{i+1}, :r]^T
     Returns y_local [T, out_local]; tokens of rank-0 slots get exactly x W_local^T. Columns of t and B
     past a slot's rank r are read as zero (A rows and B columns there are unspecified).
     Raises:

@@ -54,6 +54,10 @@ MUTANTS = [
              "        raise ValueError(f\"tp_rank {tp_rank} outside 0..{tp_size - 1}\")\n", ""),),
            "tp_rank_past_tp_size_raises_value_error", "error"),
 
+    Mutant("ch10.1", "negative-rank-accepted",
+           (("    if not 0 <= tp_rank < tp_size:\n", "    if tp_rank >= tp_size:\n"),),
+           "negative_tp_rank_raises_value_error", "error"),
+
     # ch10.2 fully_sharded_A
     Mutant("ch10.2", "parts-read-at-the-max-rank",
            ((_COPY, "            out[s, i * w:i * w + hi - lo] = A_buffer[s, i * R + lo:i * R + hi]\n"),),
@@ -73,16 +77,21 @@ MUTANTS = [
            (("    if R % tp_size or not 0 <= tp_rank < tp_size:\n", "    if not 0 <= tp_rank < tp_size:\n"),),
            "R_not_divisible_by_tp_raises_value_error", "error"),
 
+    Mutant("ch10.2", "extra-ranks-accepted",
+           (("    if len(lora_ranks) != A_buffer.shape[0] or any(not 0 <= r <= R for r in lora_ranks):\n",
+             "    if len(lora_ranks) < A_buffer.shape[0] or any(r > R for r in lora_ranks):\n"),),
+           "a_rank_too_many_raises_value_error", "error"),
+
     # ch10.3 row_parallel_lora
     Mutant("ch10.3", "shrink-output-not-reduced",
            ((_REDUCE_SHRINK, "    if variant == \"reduce_shrink\":\n        dist.all_reduce(y, group=group)\n"),),
-           "different y", "math", plausible=True),
+           "the shrink output [T, R]", "math", plausible=True),
     Mutant("ch10.3", "base-all-reduce-missing",
            ((_REDUCE_WITH_BASE, ""),),
-           "all-reduce is missing", "clause"),
+           "the collectives carried nothing", "clause"),
     Mutant("ch10.3", "all-reduce-applied-twice",
            ((_REDUCE_WITH_BASE, "    dist.all_reduce(y, group=group)\n"),),
-           "applied twice", "clause"),
+           "the collectives carried all_reduce", "clause"),
     Mutant("ch10.3", "delta-added-after-the-base-all-reduce",
            ((_REDUCE_WITH_BASE + "    return y\n",
              "    return y\n"),
@@ -95,8 +104,8 @@ MUTANTS = [
              "    t = t * keep\n    Bt = B[slots] * keep.unsqueeze(1)\n"),),
            "NaN * 0 = NaN", "poison"),
     Mutant("ch10.3", "scaling-applied-twice",
-           (("    delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
-             "    delta = scalings[slots].unsqueeze(1) ** 2 * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
+           (("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
+             "    delta = (scalings[slots].unsqueeze(1) ** 2).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
            "off by a factor", "math"),
     Mutant("ch10.3", "collective-on-rank-0-only",
            ((_REDUCE_SHRINK, "    if variant == \"reduce_shrink\":\n"
@@ -108,6 +117,27 @@ MUTANTS = [
            (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
              "        raise ValueError(f\"unknown variant {variant!r}\")\n", ""),),
            "unknown_variant_raises_value_error", "error"),
+
+    Mutant("ch10.3", "variant-ignored-two-all-reduces",
+           (("    if variant == \"reduce_shrink\":\n        dist.all_reduce(y, group=group)\n",
+             "    if True:\n        dist.all_reduce(y, group=group)\n"),
+            (_REDUCE_WITH_BASE, "")),
+           "reduce_with_base adds the partial delta first", "clause"),
+    Mutant("ch10.3", "default-group",
+           (("        dist.all_reduce(y, group=group)\n        dist.all_reduce(t, group=group)\n",
+             "        dist.all_reduce(y)\n        dist.all_reduce(t)\n"),),
+           "pass group=group", "clause"),
+    Mutant("ch10.3", "scaling-folded-into-B-in-place",
+           (("    Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)             # [T, out, R]\n",
+             "    B.mul_(scalings.view(-1, 1, 1).to(B.dtype))\n"
+             "    Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)             # [T, out, R]\n"),
+            ("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
+             "    delta = torch.einsum(\"tr,tor->to\", t, Bt)\n")),
+           "modified its input 'B'", "state"),
+    Mutant("ch10.3", "validates-on-rank-0-only",
+           (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n",
+             "    if dist.get_rank(group) == 0 and variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"),),
+           "raised on EVERY rank", "error"),
 
     # ch10.4 fully_sharded_column_lora
     Mutant("ch10.4", "gathered-in-rank-order",
@@ -124,13 +154,30 @@ MUTANTS = [
              "        ti = t[:, i] * keep\n        Bi = B_local[slots, lo:hi] * keep.unsqueeze(1)\n"),),
            "NaN * 0 = NaN", "poison"),
     Mutant("ch10.4", "scaling-forgotten",
-           (("        delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", ti, Bi)\n",
+           (("        delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", ti, Bi)\n",
              "        delta = torch.einsum(\"tr,tor->to\", ti, Bi)\n"),),
            "the LoRA rows differ", "math"),
     Mutant("ch10.4", "rank-mask-at-the-local-width",
            (("    keep = torch.arange(R) < r.unsqueeze(1)                        # [T, R]\n",
              "    keep = torch.arange(R) < torch.clamp(r, max=R // tp).unsqueeze(1)\n"),),
            "the LoRA rows differ", "math"),
+    Mutant("ch10.4", "gathers-A-not-t",
+           (("    t_local = torch.einsum(\"ti,tki->tk\", x, A_local[slots]).contiguous()\n"
+             "    pieces = [torch.empty_like(t_local) for _ in range(tp)]\n"
+             "    dist.all_gather(pieces, t_local, group=group)\n",
+             "    A_pieces = [torch.empty_like(A_local) for _ in range(tp)]\n"
+             "    dist.all_gather(A_pieces, A_local.contiguous(), group=group)\n"
+             "    pieces = [torch.einsum(\"ti,tki->tk\", x, a[slots]) for a in A_pieces]\n"),),
+           "gathering A instead", "math"),
+    Mutant("ch10.4", "default-group",
+           (("    tp, stack, R = dist.get_world_size(group), len(slice_offsets) - 1, B_local.shape[2]\n",
+             "    tp, stack, R = dist.get_world_size(), len(slice_offsets) - 1, B_local.shape[2]\n"),),
+           "pass group=group", "clause"),
+    Mutant("ch10.4", "scaling-left-in-fp32",
+           (("        delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", ti, Bi)\n",
+             "        delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", ti, Bi)\n"
+             "        y = y.to(delta.dtype)\n"),),
+           "qkv_bf16", "dtype"),
     Mutant("ch10.4", "no-row-count-check",
            (("    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
              "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),),

@@ -74,8 +74,8 @@ print("row-parallel, partial sums added:     ", torch.allclose(row, full, atol=1
 # which every rank has). No communication at all; each rank computes the same small shrink
 # `x A^T` ([T, r]) redundantly. That is the "replicated A" variant (`tp_lora.VARIANTS["column"][0]`).
 #
-# One source text states the rule the other way round: "A split on its output dimension, B kept
-# whole". A's output dimension is the rank `r`. `tp_lora.garbled_column_rule` tries it: the shapes do
+# One of the source texts this book was written from states the rule the other way round: "A split on
+# its output dimension, B kept whole". A's output dimension is the rank `r`. `tp_lora.garbled_column_rule` tries it: the shapes do
 # not even compose, and the only repair without communication (B's matching columns) gives each
 # rank a partial sum of *every* output column, so taking rank j's columns from it is wrong; only
 # summing the partials over ranks fixes it, which is a collective the rule said was not needed:
@@ -174,7 +174,8 @@ print("one kv head, tp 2:   ", tp_lora.interleave_packed(torch.arange(24.0).unsq
 # rank j holds rank-rows `[j r/tp, (j+1) r/tp)` of A and computes those columns of the shrink output
 # `t = x A^T`; an **all-gather** of the pieces gives every rank the whole `t [T, r]`, which it expands
 # with its rows of B (all `r` columns). The all-gather carries `T x r` numbers per part, tiny beside
-# the base layer's own traffic (`T x hidden` per all-reduce).
+# the base layer's own traffic (`T x hidden` per all-reduce). (In a pool the width is the padded max
+# rank `R`, not the adapter's `r`: below.)
 #
 # In a pool the split meets rank padding. The pool's buffers hold every slot at the same max rank `R`
 # but pack each adapter's parts at its *own* rank `r` (chapter 05: part i in rows `[i r, (i+1) r)` of
@@ -244,10 +245,10 @@ graders.show_reference("ch10.2")
 #
 # | variant | what rank j does | what LoRA adds to the communication |
 # |---|---|---|
-# | `reduce_shrink` | all-reduce the base partials; all-reduce `t_j = x_j A_j^T` ([T, r]); expand the full `t` with B | one more all-reduce of `T x r` |
+# | `reduce_shrink` | all-reduce the base partials; all-reduce `t_j = x_j A_j^T` ([T, R]); expand the full `t` with B | one more all-reduce of `T x R` (R: the pool's max rank) |
 # | `reduce_with_base` | add its partial delta `s (x_j A_j^T) B^T` to its base partial; one all-reduce of the sum | nothing (rides the base all-reduce) |
 #
-# Both do the same expand work on every rank (`T x r x out`). `reduce_with_base` sends nothing
+# Both do the same expand work on every rank (`T x R x out`). `reduce_with_base` sends nothing
 # extra, but the delta must be added *before* the base layer's all-reduce, so the LoRA sits inside
 # the base layer's forward (vLLM's `RowParallelLinearWithLoRA` does this). `reduce_shrink` leaves the
 # base layer alone and pays a second collective per layer: small, but each collective is a separate
@@ -262,7 +263,7 @@ graders.show_reference("ch10.2")
 #   columns; `B [num_slots, out, R]`: whole; `token_slots [T]` (int32 or int64), `lora_ranks
 #   [num_slots]` (int32), `scalings [num_slots]` (float32); `group`: the process group to pass to
 #   `torch.distributed.all_reduce(t, group=group)` (in place, a sum).
-# - Return `y [T, out]`, the full output, the same on every rank:
+# - Return `y [T, out]` in `x_local`'s dtype (fp32 or bf16), the full output, the same on every rank:
 #   `"reduce_shrink"`: `y = all_reduce(x_local W_local^T) + delta(all_reduce(t_j))`;
 #   `"reduce_with_base"`: `y = all_reduce(x_local W_local^T + delta(t_j))`, where
 #   `t_j = x_local A_local[slot]^T` per token and `delta(t) = scalings[slot] * t[:, :r] B[slot, :, :r]^T`
@@ -293,7 +294,7 @@ def row_parallel_lora(x_local, W_local, A_local, B, token_slots, lora_ranks, sca
         dist.all_reduce(t, group=group)
     t = torch.where(keep, t, 0.0)
     Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)             # [T, out, R]
-    delta = scalings[slots].unsqueeze(1) * torch.einsum("tr,tor->to", t, Bt)
+    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum("tr,tor->to", t, Bt)
     y = torch.where((r > 0).unsqueeze(1), y + delta, y)
     if variant == "reduce_with_base":
         dist.all_reduce(y, group=group)
@@ -331,7 +332,7 @@ graders.show_reference("ch10.3")
 #   it), `B_local [num_slots, out_local, R]`, `slice_offsets`: the parts' local output offsets
 #   (`stack = len(slice_offsets) - 1`), `token_slots`, `lora_ranks`, `scalings` as in ch10.3, `group`:
 #   the process group (`tp = torch.distributed.get_world_size(group)`).
-# - Return `y_local [T, out_local] = x W_local^T`, plus for each part i and token of slot s with rank
+# - Return `y_local [T, out_local]` in `x`'s dtype: `x W_local^T`, plus for each part i and token of slot s with rank
 #   r: `scalings[s] * t_i[:, :r] B_local[s, off_i:off_{i+1}, :r]^T`, where `t_i` is part i of the
 #   all-gathered shrink output (`torch.distributed.all_gather(list_of_tp_tensors, t_j, group=group)`).
 # - Columns of the shrink output and of B past a slot's rank are junk; tokens of rank-0 slots get
@@ -362,7 +363,7 @@ def fully_sharded_column_lora(x, W_local, A_local, B_local, token_slots, lora_ra
         lo, hi = slice_offsets[i], slice_offsets[i + 1]
         ti = torch.where(keep, t[:, i], 0.0)
         Bi = torch.where(keep.unsqueeze(1), B_local[slots, lo:hi], 0.0)
-        delta = scalings[slots].unsqueeze(1) * torch.einsum("tr,tor->to", ti, Bi)
+        delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum("tr,tor->to", ti, Bi)
         y[:, lo:hi] = torch.where((r > 0).unsqueeze(1), y[:, lo:hi] + delta, y[:, lo:hi])
     return y
     ### END SOLUTION
@@ -468,7 +469,9 @@ for pair, row in model_run["rows"].items():
 # %% [markdown]
 # The differences are rounding (fp32: a row-parallel all-reduce adds two partial dot products, a
 # different order than one dot product over the whole input), orders of magnitude below what the
-# adapters change (the last line of each pair), and the base row gets the base model's output. Then a pool of 3 slots through four batches that need evictions, an adapter that
+# adapters change (the last line of each pair). The base row differs from the base model by rounding
+# only (the same reordered sums); against the TP base forward it is bit for bit the same, which
+# tests/test_tp_model.py checks. Then a pool of 3 slots through four batches that need evictions, an adapter that
 # only rank 1 finds malformed, and two ranks whose request streams differed once:
 
 # %%
@@ -484,9 +487,9 @@ print("check_agreement:", demo[0]["agreement_error"])
 # %% [markdown]
 # With identical streams the victims are identical on both ranks. A refusal anywhere is a refusal
 # everywhere, and nothing changed on either rank. When one request reached rank 0 only, LRU evicted a
-# different adapter on each rank: every rank's state is valid on its own, yet slot 1 holds c on one
-# rank and b on the other, so a batch built once (or captured in a CUDA graph) gives rank 1's columns
-# another adapter's delta. Nothing crashes; the agreement check is what notices. `tests/test_tp_model.py`
+# different adapter on each rank: every rank's state is valid on its own, yet rank 0's slots hold a and
+# c and rank 1's c and b, so a batch built once (or captured in a CUDA graph) sends c's tokens to slot
+# 1 on every rank, and rank 1's output columns get b's delta. Nothing crashes; the agreement check is what notices. `tests/test_tp_model.py`
 # holds all four variant pairs to these rules (and to TP=4 with `TP_MODEL_TP4=1`).
 
 # %% [markdown]
@@ -506,7 +509,7 @@ print("check_agreement:", demo[0]["agreement_error"])
 #
 # - Column-parallel: B split on its output rows like W, A whole; nothing to communicate. Row-parallel:
 #   A split on its input columns like W, B whole; the delta summed over ranks, either as the shrink
-#   output (one more all-reduce of T x r) or inside the base layer's all-reduce.
+#   output (one more all-reduce of T x R, the pool's max rank) or inside the base layer's all-reduce.
 # - Packed q/k/v split per head and per part; kv heads replicated below tp; TensorRT-LLM stores fused
 #   LoRA weights rank-major.
 # - Fully sharded LoRA splits A along the pool's padded max rank, the same for every slot, and
