@@ -404,3 +404,37 @@ def test_on_a_gpu_cuda_checks_go_through_a_cuda_server_with_the_students_cache(t
     ''')
     assert "SEEN cuda False END" in grade_source("ch08.1", cpu_answer).report
     forkserver.kill_all()
+
+
+RANK_SLEEP = "23.0259"
+
+
+@needs_bwrap
+def test_per_rank_answers_run_sandboxed_and_a_hanging_rank_leaves_nothing(monkeypatch):
+    """Chapter 10's ranks fork inside the sandboxed grader child: a rank that starts a detached
+    process and never joins the collective its peer waits in costs its exercise a named hang, and
+    nothing it started outlives the check; an answer on the default group is named at once."""
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    hanging = textwrap.dedent(f'''
+        import subprocess, time
+        import torch.distributed as dist
+        def row_parallel_lora(x_local, W_local, A_local, B, token_slots, lora_ranks, scalings, variant, group=None):
+            if dist.get_rank(group) == 1:
+                subprocess.Popen(["sleep", "{RANK_SLEEP}"], start_new_session=True)
+                while True:
+                    time.sleep(1)
+            y = x_local @ W_local.T
+            dist.all_reduce(y, group=group)
+            return y
+    ''')
+    before = _sleepers(RANK_SLEEP)
+    start = time.monotonic()
+    result = grade_source("ch10.3", hanging)
+    assert result.score == 0 and "did not finish within" in result.report, result.report
+    assert time.monotonic() - start < 60, "a hanging rank must not use the whole budget of every case"
+    time.sleep(0.5)
+    assert _sleepers(RANK_SLEEP) == before, "a process started in a rank outlived its check"
+    default_group = solution_answers()["ch10.4"].replace("dist.all_gather(pieces, t_local, group=group)",
+                                                        "dist.all_gather(pieces, t_local)")
+    report = grade_source("ch10.4", default_group).report
+    assert "the default group" in report and "pass group=group" in report, report
