@@ -384,7 +384,7 @@ graders.show_reference("ch10.4")
 # `tp_lora.lora_comm_bytes` counts the bytes of one decoder layer's collectives per variant, as the
 # size of the tensor each collective produces on a rank. LoRA's share depends only on tokens and the
 # pool's max rank (a mixed batch pads to it), never on the hidden size. For Llama-3-8B's layer
-# (hidden 4096, intermediate 14336, 32 query and 8 kv heads) in bf16 at tp 2, the fully sharded and
+# (hidden 4096, intermediate 14336, 32 query and 8 kv heads: its config.json) in bf16 at tp 2, the fully sharded and
 # reduce-shrink variants against the base layer's two all-reduces:
 
 # %%
@@ -400,7 +400,7 @@ for tokens, what in ((64, "decode, 64 sequences"), (8192, "prefill, 8192 tokens"
 
 # %% [markdown]
 # A few percent of the bytes, but four more collectives per layer: at decode, where each collective
-# is a latency (a launch, a synchronization, a few microseconds on NVLink), the count matters more
+# is a latency (a launch and a synchronization of every rank, whatever its size), the count matters more
 # than the bytes. The replicated-A and reduce-with-base variants add no collective at all and pay in
 # memory (A on every rank) and in placement (the delta inside the base layer's forward).
 #
