@@ -237,6 +237,20 @@ def _exact_rows(token_slots: torch.Tensor, ranks, tp: int, width: int) -> torch.
     return base.view(1, -1, 1).expand(tp, -1, width).clone()
 
 
+def _random_batch(rng: random.Random, crossing, tp=None) -> tuple:
+    """(tp, R, lora_ranks, scalings, token slots) of a random mixed batch (tp drawn from 2 and 4
+    unless given): slot 0 the base (rank 0, scaling 0), one slot at a rank from ``crossing(tp, R)``,
+    the first token on an adapter, the last on the base."""
+    tp, R = tp or rng.choice([2, 4]), rng.choice([8, 16])
+    S = rng.randint(3, 5)
+    ranks = [0] + [rng.randint(1, R) for _ in range(S - 1)]
+    ranks[rng.randrange(1, S)] = rng.choice(crossing(tp, R))
+    sc = [0.0] + [rng.choice([0.25, 0.5, 1.0, 2.0]) for _ in range(S - 1)]
+    tokens = [rng.randrange(S) for _ in range(rng.randint(3, 9))]
+    tokens[0], tokens[-1] = rng.randrange(1, S), 0
+    return tp, R, ranks, sc, tokens
+
+
 def _describe_batch(token_slots, ranks, scalings, R) -> str:
     return (f"token_slots {token_slots.tolist()} ({str(token_slots.dtype)[6:]}), lora_ranks {list(ranks)} "
             f"(max rank R {R}), scalings {list(scalings)}")
@@ -332,14 +346,7 @@ def _row_edge() -> list[Case]:
 def _row_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     cases = []
     for i, v in enumerate(VARIANTS["row"] * 2):
-        tp, R = rng.choice([2, 4]), rng.choice([8, 16])
-        S = rng.randint(3, 5)
-        ranks = [0] + [rng.randint(1, R) for _ in range(S - 1)]
-        ranks[rng.randrange(1, S)] = R
-        sc = [0.0] + [rng.choice([0.5, 1.0, 2.0, 0.25]) for _ in range(S - 1)]
-        tokens = [rng.randrange(S) for _ in range(rng.randint(3, 9))]
-        tokens[0] = rng.randrange(1, S)
-        tokens[-1] = 0
+        tp, R, ranks, sc, tokens = _random_batch(rng, lambda tp, R: [R], tp=4 if i == 0 else None)
         cases.append(_row_case(f"random_{i}_{v}", gen, tp, tokens, ranks, sc, v, d_in=4 * tp, d_out=rng.choice([4, 6])))
     return cases
 
@@ -461,16 +468,11 @@ def _column_edge() -> list[Case]:
 def _column_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     cases = []
     for i in range(4):
-        tp, R = rng.choice([2, 4]), rng.choice([8, 16])
-        S = rng.randint(3, 5)
-        ranks = [0] + [rng.randint(1, R) for _ in range(S - 1)]
-        ranks[rng.randrange(1, S)] = rng.choice([R, R // tp + 1])
-        sc = [0.0] + [rng.choice([0.5, 1.0, 2.0]) for _ in range(S - 1)]
+        # every draw has tp 4 with packed parts: rank-major and part-major orders, and 2 and 4 pieces, differ
+        tp, R, ranks, sc, tokens = _random_batch(rng, lambda tp, R: [R, R // tp + 1], tp=4 if i == 0 else None)
         parts = rng.choice([[2 * tp, tp, tp], [2 * tp, 2 * tp], [3 * tp, tp, tp], [4 * tp]])
         if i == 0:
-            parts = [2 * tp, tp, tp]  # every draw has packed parts: part-major and rank-major orders differ
-        tokens = [rng.randrange(S) for _ in range(rng.randint(3, 8))]
-        tokens[0], tokens[-1] = rng.randrange(1, S), 0
+            parts = [2 * tp, tp, tp]
         cases.append(_column_case(f"random_{i}", gen, tp, tokens, ranks, sc, parts, d_in=rng.choice([4, 8])))
     return cases
 

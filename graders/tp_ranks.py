@@ -35,7 +35,6 @@ import builtins
 import contextlib
 import ctypes
 import datetime
-import inspect
 import os
 import shutil
 import signal
@@ -62,44 +61,57 @@ def _die_with_parent() -> None:
         pass
 
 
-#: The collectives (and group queries) wrapped in a rank for the call; element counts are kept for these.
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-            "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier")
-_QUERIES = ("get_rank", "get_world_size")
-
-
-def _elements(name: str, bound: inspect.BoundArguments) -> int:
-    a = bound.arguments
-    if name == "all_gather":
-        return sum(t.numel() for t in a["tensor_list"])
-    if name == "all_gather_into_tensor":
-        return a["output_tensor"].numel()
-    tensor = next((v for v in a.values() if isinstance(v, torch.Tensor)), None)
-    return tensor.numel() if tensor is not None else 0
+#: What a rank's collectives carried, by op: the elements of the tensor each produces (for an
+#: all-gather, all of its outputs).
+_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor")
 
 
 @contextlib.contextmanager
-def _watched(group, counts: dict):
-    """dist's collectives and group queries, checked against ``group`` and counted, for a ``with`` block."""
-    saved = {name: getattr(dist, name) for name in _COUNTED + _QUERIES if hasattr(dist, name)}
+def _watched(tp_group, counts: dict):
+    """For a ``with`` block: the collectives of ``_OPS`` and the group queries, refusing any group but
+    ``tp_group`` and counting into ``counts``. A collective outside ``_OPS`` on the wrong group is
+    not named: it waits for the bystander, and the hang is reported."""
+    saved = {name: getattr(dist, name) for name in _OPS + ("get_rank", "get_world_size")}
 
-    def wrap(name, original):
-        signature = inspect.signature(original)
+    def on(name: str, group, elements: int = 0):
+        if group is not tp_group:
+            what = "the default group (every process of this job)" if group in (None, dist.group.WORLD) else "another group"
+            raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the "
+                               f"{saved['get_world_size'](tp_group)} tensor-parallel ranks): pass group=group to "
+                               "every collective and query")
+        if name in _OPS:  # one all-gather, whichever of its two APIs
+            key = "all_gather" if name == "all_gather_into_tensor" else name
+            counts[key] = counts.get(key, 0) + elements
+        return group
 
-        def wrapper(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            given = bound.arguments.get("group")
-            if given is not group:
-                what = "the default group (every process of this job)" if given in (None, dist.group.WORLD) else "another group"
-                raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the {dist.get_world_size(group)} "
-                                   f"tensor-parallel ranks): pass group=group to every collective and query")
-            if name in _COUNTED:
-                counts[name] = counts.get(name, 0) + _elements(name, bound)
-            return original(*args, **kwargs)
-        return wrapper
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return saved["all_reduce"](tensor, op=op, group=on("all_reduce", group, tensor.numel()), async_op=async_op)
 
-    for name, original in saved.items():
-        setattr(dist, name, wrap(name, original))
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        elements = sum(t.numel() for t in tensor_list)
+        return saved["all_gather"](tensor_list, tensor, group=on("all_gather", group, elements), async_op=async_op)
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return saved["all_gather_into_tensor"](output_tensor, input_tensor, async_op=async_op,
+                                               group=on("all_gather_into_tensor", group, output_tensor.numel()))
+
+    def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+        return saved["broadcast"](tensor, src=src, group=on("broadcast", group, tensor.numel()), async_op=async_op,
+                                  group_src=group_src)
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
+        return saved["reduce_scatter_tensor"](output, input, op=op, async_op=async_op,
+                                              group=on("reduce_scatter_tensor", group, output.numel()))
+
+    def get_rank(group=None):
+        return saved["get_rank"](on("get_rank", group))
+
+    def get_world_size(group=None):
+        return saved["get_world_size"](on("get_world_size", group))
+
+    for fn in (all_reduce, all_gather, all_gather_into_tensor, broadcast, reduce_scatter_tensor, get_rank,
+               get_world_size):
+        setattr(dist, fn.__name__, fn)
     try:
         yield
     finally:

@@ -63,10 +63,6 @@ def _prompts(lens: list[int], seed: int) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (len(lens), max(lens)), generator=torch.Generator().manual_seed(seed))
 
 
-def _info(pool, uids, lens, **kw):
-    return prepare_batch(pool, uids, lens, **kw)
-
-
 def _generate(run, pool, uids, lens, seed, steps=STEPS) -> dict:
     return greedy_generate(run, pool, uids, lens, _prompts(lens, seed), steps)
 
@@ -94,7 +90,7 @@ def _runs(rank: int, world_size: int, ckpt, dirs: dict) -> dict:
         model = TPLlama(ckpt, pool, max_rows=4, max_len=MAX_LEN)
         run = _generate(model, pool, *BATCH, seed=1)
         ids = _prompts(BATCH[1], 1)
-        base_info = _info(pool, [None] * 4, [ids.shape[1]] * 4)  # the TP base forward: no adapter active
+        base_info = prepare_batch(pool, [None] * 4, [ids.shape[1]] * 4)  # the TP base forward: no adapter active
         run["base_prefill"] = model(ids, torch.arange(ids.shape[1]).expand_as(ids), torch.arange(4), base_info)
         run["shard_mismatches"] = _shard_mismatches(pool, layouts, _variants(combo), modules, source, rank)
         out["runs"][combo] = run
