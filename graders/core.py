@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -135,6 +135,8 @@ def _to(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, LoRABatchInfo):
         return LoRABatchInfo(**{k: _to(v, device) for k, v in vars(value).items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple takes its fields positionally
+        return type(value)(*(_to(v, device) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
     return value
@@ -483,7 +485,12 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     if msg and with_hint and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
         try:
-            hint = ex.hint(case, expected, _materialize(got, tensors))
+            # hints see the case as built, on the CPU: the learner's result comes back there, and a hint
+            # that mixed a CUDA input with it would raise and be silently dropped (seen on the H200)
+            cpu = torch.device("cpu")
+            hint_case = replace(case, args=_to(case.args, cpu), defined=_to(case.defined, cpu),
+                                exact=_to(case.exact, cpu))
+            hint = ex.hint(hint_case, _to(expected, cpu), _to(_materialize(got, tensors), cpu))
         except Exception:  # a hint is a courtesy: it must never cost a verdict
             hint = None
         if hint:

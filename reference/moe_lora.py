@@ -140,8 +140,12 @@ def moe_align_block_size(ids: torch.Tensor, block_size: int, num_ids: int,
 
 
 def check_moe_lora_args(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k, rows_per_pair,
-                        slice_offsets=None, topk_weights=None) -> list[tuple[int, int]]:
+                        slice_offsets=None, topk_weights=None, check_values=True) -> list[tuple[int, int]]:
     """Shape checks of the MoE LoRA contract; returns the output slices [(start, end)].
+
+    ``check_values``: also check that ``token_slots`` lie in ``[0, num_slots)``, which reads the device
+    (a host synchronization). A caller that launches inside a CUDA graph capture passes False, having
+    checked the values where it built the alignment (``align_moe_lora`` does).
 
     Raises:
         ValueError: a shape, dtype or slice that breaks the contract (see the module docstring).
@@ -170,10 +174,16 @@ def check_moe_lora_args(x, A, B, out, topk_ids, token_slots, lora_ranks, scaling
                          f"{list(lora_ranks.shape)} and {list(scalings.shape)}")
     if topk_weights is not None and topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must be shaped like topk_ids {list(topk_ids.shape)}")
+    if check_values:
+        check_token_slots(token_slots, num_slots)
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def check_token_slots(token_slots: torch.Tensor, num_slots: int) -> None:
+    """Raises ValueError unless every entry of ``token_slots`` lies in ``[0, num_slots)`` (reads the device)."""
     if token_slots.numel() and (int(token_slots.min()) < 0 or int(token_slots.max()) >= num_slots):
         raise ValueError(f"token_slots must lie in [0, {num_slots}), got {int(token_slots.min())}.."
                          f"{int(token_slots.max())}")
-    return list(zip(offsets[:-1], offsets[1:]))
 
 
 def fused_moe_lora_torch(

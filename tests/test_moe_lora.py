@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import reference.moe_lora as moe_lora_module
 from reference.moe_lora import (GATE_UP_HALVES, fused_moe_lora_torch, gate_up_half, moe_align_block_size,
                                 to_local_expert_ids, virtual_expert_ids)
 from reference.moe_sizes import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B, lora_bytes, moe_adapter_bytes
@@ -220,6 +221,39 @@ def test_fused_moe_lora_default_blocks_and_precomputed_alignment():
     _close(fused_moe_lora(out=base.clone(), **args, aligned=aligned), expected, torch.float32)
     with pytest.raises(ValueError, match="block_m"):
         fused_moe_lora(out=base.clone(), **args, aligned=aligned, block_m=16)
+
+
+def test_align_moe_lora_checks_slots_so_an_aligned_launch_reads_no_device_value(monkeypatch):
+    """align_moe_lora validates token_slots (it synchronizes anyway); a launch given its alignment
+    does not read them again, which is what lets it run inside a CUDA graph capture."""
+    args, base = _problem(4, torch.float32, False, 2, True, num_tokens=8)
+    for bad in (-1, args["A"].shape[0]):
+        with pytest.raises(ValueError, match="token_slots"):
+            align_moe_lora(args["topk_ids"], torch.full_like(args["token_slots"], bad), args["lora_ranks"], 16)
+    aligned = align_moe_lora(args["topk_ids"], args["token_slots"], args["lora_ranks"], 16)
+    expected = fused_moe_lora_torch(out=base.clone(), **args)
+
+    def no_device_read(*_):
+        raise AssertionError("the launch read token_slots although an alignment was given")
+    monkeypatch.setattr(moe_lora_module, "check_token_slots", no_device_read)
+    _close(fused_moe_lora(out=base.clone(), **args, aligned=aligned), expected, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_fused_moe_lora_captured_in_a_cuda_graph_replays_new_values():
+    args, base = _problem(9, torch.bfloat16, True, 1, True)
+    aligned = align_moe_lora(args["topk_ids"], args["token_slots"], args["lora_ranks"], 16)
+    out = base.clone()
+    fused_moe_lora(out=out, **args, aligned=aligned)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    out.copy_(base)
+    with torch.cuda.graph(graph):
+        fused_moe_lora(out=out, **args, aligned=aligned)
+    args["x"].copy_(torch.randn_like(args["x"]))  # new activations, same routing: replay reads them in place
+    out.copy_(base)
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(out, fused_moe_lora_torch(out=base.clone(), **args), torch.bfloat16)
 
 
 def test_align_moe_lora_running_example():

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.moe_lora import AlignedBlocks, check_moe_lora_args, moe_align_block_size, virtual_expert_ids
+from reference.moe_lora import (AlignedBlocks, check_moe_lora_args, check_token_slots, moe_align_block_size,
+                                virtual_expert_ids)
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 from reference.ops.sgmv_expand import _slice_bound, slice_bounds
 
@@ -201,8 +202,11 @@ def align_moe_lora(
     block_m 2: sorted_pair_ids [0, 2], block_ids [3].
 
     ``block_m`` None: :func:`default_block_m`. Synchronizes with the device (host counts).
-    Raises ValueError: see ``virtual_expert_ids`` and ``moe_align_block_size``.
+    Raises ValueError: a token slot outside ``[0, num_slots)`` (checked here, so that a launch given
+    this alignment need not read the device again), and see ``virtual_expert_ids`` and
+    ``moe_align_block_size``.
     """
+    check_token_slots(token_slots, lora_ranks.shape[0])
     num_experts = lora_ranks.shape[1]
     virtual = virtual_expert_ids(topk_ids, token_slots, num_experts)
     skip = lora_ranks.reshape(-1) == 0
@@ -259,7 +263,7 @@ def fused_moe_lora(
             two >= 16, or an ``aligned`` built with another ``block_m``.
     """
     slices = check_moe_lora_args(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k, rows_per_pair,
-                                 slice_offsets, topk_weights)
+                                 slice_offsets, topk_weights, check_values=aligned is None)
     check_same_device(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, topk_weights)
     if A.dtype != x.dtype or B.dtype != x.dtype:
         raise ValueError(f"A ({A.dtype}) and B ({B.dtype}) must have x's dtype {x.dtype}")
