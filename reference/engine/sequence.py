@@ -1,0 +1,79 @@
+"""A request inside the engine: its tokens, its adapter, its KV blocks and where it stands.
+
+Control plane only (no tensors). Source: nano-vllm ``nanovllm/engine/sequence.py`` (the token list,
+``num_cached_tokens``, the block table) and vLLM's ``SamplingParams``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+__all__ = ["SamplingParams", "SeqStatus", "Sequence"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are chosen and when it stops (vLLM's names).
+
+    ``temperature`` 0 is greedy (argmax, ties to the lowest token id); above 0, tokens are drawn
+    from softmax(logits / temperature) with a generator seeded by ``seed`` (reproducible per request).
+    Generation stops after ``max_new_tokens`` tokens or at the first token in ``stop_token_ids``
+    (which is kept in the output).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        """Raises ValueError: max_new_tokens < 1, a negative temperature, or sampling without a seed."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > 0 and self.seed is None:
+            raise ValueError("sampling (temperature > 0) needs a seed, so every run draws the same tokens")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's state. ``tokens`` = prompt + output; KV exists for ``tokens[:num_computed]``.
+
+    ``block_table[j]`` is the physical KV block of positions ``[j*block_size, (j+1)*block_size)``.
+    ``num_hashed`` counts the leading full blocks already registered in the prefix cache.
+    ``enqueued_step``: the scheduler step at which it last joined the waiting queue (arrival or
+    preemption), from which its waiting time is counted.
+    """
+
+    seq_id: int
+    prompt: list[int]
+    uid: Hashable  # adapter uid; None = the base model
+    params: SamplingParams
+    enqueued_step: int = 0
+    output: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_hashed: int = 0
+    finish_reason: Optional[str] = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not computed yet (1 for a decoding sequence)."""
+        return self.num_tokens - self.num_computed
