@@ -143,7 +143,7 @@ def build_attention_metadata(work: Sequence[SeqWork], block_size: int,
     lists: one host->device copy per tensor, no device read."""
     positions, slots, seq_of, local, tables, lens, last = [], [], [], [], [], [], []
     for i, w in enumerate(work):
-        n, end = len(w.token_ids), w.start + len(w.token_ids)
+        end = w.start + len(w.token_ids)
         for j, p in enumerate(range(w.start, end)):
             positions.append(p)
             slots.append(w.block_table[p // block_size] * block_size + p % block_size)
