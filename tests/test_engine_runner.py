@@ -235,7 +235,9 @@ def test_bad_work_raises_and_writes_nothing(base, adapters):
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
                 f"{msg}: the {name} cache changed"
         assert snapshot_diff(pool.snapshot(), snap) == [], msg
-    last = runner.forward([SeqWork([1], CFG["max_position_embeddings"] - 1, list(range(16)))])  # the last position
+    top, table = CFG["max_position_embeddings"] - 1, list(range(16, 32))
+    runner.forward([SeqWork([2] * top, 0, table)])
+    last = runner.forward([SeqWork([1], top, table)])  # the last position the model has
     assert last.shape == (1, CFG["vocab_size"]) and last.isfinite().all()
 
 
