@@ -1,0 +1,385 @@
+"""The engine's model runner: a Llama forward over a paged KV cache, with mixed-adapter LoRA: chapter 11.
+
+Paged KV, and why. Chapter 08's :class:`~reference.static_llama.StaticKVLlama` gives every sequence
+a row of ``max_len`` positions, reserved up front: a 20-token chat holds as much memory as a
+2000-token one, and the cache fits as many sequences as it has rows, whatever their lengths. vLLM's
+PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023) cuts the cache into fixed-size *blocks* of ``block_size`` positions, like
+pages of virtual memory: a sequence owns a *block table*, a list of physical block ids, and grows one
+block at a time, so at most ``block_size - 1`` positions per sequence are wasted, and any free block
+serves any sequence (blocks need not be contiguous, nor in order). Position p of a sequence with
+block table ``bt`` lives at block ``bt[p // block_size]``, offset ``p % block_size``::
+
+    block_size 4, bt [7, 2, 5]: positions 0-3 -> block 7, 4-7 -> block 2, 8-9 -> block 5 (offsets 0, 1)
+
+Which blocks a sequence owns is control-plane bookkeeping (nano-vllm ``nanovllm/engine/
+block_manager.py``: free list, allocation, prefix hashes; the engine's scheduler keeps it). This
+module is the data plane: it takes block tables as host lists in :class:`SeqWork`, writes the new
+keys and values into their slots and attends over the sequence's blocks (nano-vllm
+``nanovllm/engine/model_runner.py``: ``prepare_prefill`` / ``prepare_decode`` build ``slot_mapping``
+and ``block_tables``, the attention layer stores and reads through them).
+
+One forward serves a whole engine step: every :class:`SeqWork` is a sequence's tokens to compute now
+(a whole prompt, a prefill chunk, or the one last token at decode), all packed into one flat
+[num_tokens, hidden] stream in work order, with per-token positions, so prefill chunks and decode
+tokens of different sequences mix freely (chunked prefill).
+
+What comes from the Hugging Face model: every module, used as it is (embedding, RMSNorms, the
+rotary embedding fed per-token positions, q/k/v/o projections, MLP, final norm, lm_head); only the
+attention's cache handling is ours (the math is ``LlamaAttention``'s, GQA as ``repeat_kv`` orders
+heads). Where LoRA enters: the projections, which :func:`~reference.layers.wrap_llama` turned into
+LoRA layers; before the forward, the runner makes the batch's adapters resident
+(``pool.prepare_lora_batch``) and sets the batch's :class:`~reference.batch_info.LoRABatchInfo`,
+built from host lists only, on the layers' :class:`~reference.layers.LoRAContext`. A batch of one
+token per request (decode) has ``max_len`` 1 and ``token_slots``, so the layers take the BGMV ops
+(:func:`~reference.layers.uses_token_slots`); any other batch takes SGMV over one segment per request.
+
+Sources: vLLM ``vllm/attention/ops/paged_attn.py`` (``write_to_paged_cache`` by slot mapping) and
+the PagedAttention paper; nano-vllm ``nanovllm/engine/model_runner.py``, ``block_manager.py`` and
+``nanovllm/layers/attention.py`` (``store_kvcache``); SGLang ``model_executor/model_runner.py``.
+"""
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reference.batch_info import batch_info_from_requests
+from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, wrap_llama
+from reference.mem_pool import LoRAMemoryPool
+from reference.static_llama import apply_rope
+
+__all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
+           "paged_attention", "ModelRunner", "sample"]
+
+
+class PagedKVCache:
+    """Keys and values of every layer in fixed-size blocks, allocated once.
+
+    Attributes:
+        k, v: [num_layers, num_blocks, block_size, kv_heads, head_dim], dtype / device as given,
+            zero-filled. Position p of a sequence with block table ``bt`` is
+            ``k[layer, bt[p // block_size], p % block_size]``.
+    Raises:
+        ValueError: a size < 1.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> None:
+        sizes = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim)
+        bad = {n: s for n, s in sizes.items() if isinstance(s, bool) or not isinstance(s, int) or s < 1}
+        if bad:
+            raise ValueError(f"PagedKVCache sizes must be ints >= 1, got {bad}")
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
+        """A cache shaped for a Hugging Face Llama's config, in its embedding's dtype and device."""
+        cfg, weight = model.config, model.get_input_embeddings().weight
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, weight.dtype, weight.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    def slot(self, block_table: Sequence[int], position: int) -> tuple[int, int]:
+        """(block, offset) of ``position``: bt [7, 2, 5], block_size 4, position 9 -> (5, 1)."""
+        return block_table[position // self.block_size], position % self.block_size
+
+
+class SeqWork(NamedTuple):
+    """One sequence's share of a forward (host values only: control plane).
+
+    token_ids: the tokens to compute now (a prompt, a prefill chunk, or the last token at decode).
+    start: position of token_ids[0] (tokens 0..start-1 are already in the cache).
+    block_table: physical block ids; entry j holds positions j*block_size .. (j+1)*block_size - 1,
+        and the table covers positions 0 .. start + len(token_ids) - 1 (longer is fine).
+    uid: the adapter uid, None for the base model.
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    uid: Optional[Hashable] = None
+
+
+class AttentionMetadata(NamedTuple):
+    """Per-forward tensors of :func:`paged_attention`, built once for every layer (nano-vllm's Context).
+
+    Running example: block_size 4, work [(3 tokens, start 0, bt [5, 1]), (1 token, start 6, bt [0, 3])]
+        positions [0, 1, 2, 6]   slot_mapping [20, 21, 22, 14]   token_seq [0, 0, 0, 1]
+        token_local [0, 1, 2, 0]   block_tables [[5], [0, 3]] -> [[5, 0], [0, 3]] (padded with 0)
+        context_lens [3, 7]   last_token [2, 3]   max_query_len 3
+    """
+
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset each token writes
+    token_seq: torch.Tensor  # [num_tokens] int64, index of the token's SeqWork
+    token_local: torch.Tensor  # [num_tokens] int64, index of the token within its SeqWork
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, the blocks each sequence reads, 0-padded
+    context_lens: torch.Tensor  # [num_seqs] int64, start + len: positions the sequence has after the write
+    last_token: torch.Tensor  # [num_seqs] int64, flat row of each sequence's last token
+    max_query_len: int  # host: longest token_ids
+
+
+def _blocks_needed(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def build_attention_metadata(work: Sequence[SeqWork], block_size: int,
+                             device: Union[str, torch.device]) -> AttentionMetadata:
+    """The :class:`AttentionMetadata` of ``work`` (already checked by :func:`check_work`), from host
+    lists: one host->device copy per tensor, no device read."""
+    positions, slots, seq_of, local, tables, lens, last = [], [], [], [], [], [], []
+    for i, w in enumerate(work):
+        end = w.start + len(w.token_ids)
+        for j, p in enumerate(range(w.start, end)):
+            positions.append(p)
+            slots.append(w.block_table[p // block_size] * block_size + p % block_size)
+            seq_of.append(i)
+            local.append(j)
+        tables.append(list(w.block_table[:_blocks_needed(end, block_size)]))
+        lens.append(end)
+        last.append(len(positions) - 1)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked (and zeroed) when read
+
+    def send(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return AttentionMetadata(send(positions), send(slots), send(seq_of), send(local), send(padded), send(lens),
+                             send(last), max(len(w.token_ids) for w in work))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_one(i: int, w: SeqWork, num_blocks: int, block_size: int, max_positions: int, vocab_size: int) -> None:
+    if not isinstance(w.token_ids, (list, tuple)) or not w.token_ids:
+        raise ValueError(f"work[{i}]: token_ids must be a non-empty list of ints, got {w.token_ids!r}")
+    if any(not _is_int(t) or not 0 <= t < vocab_size for t in w.token_ids):
+        raise ValueError(f"work[{i}]: token ids must be ints in 0..{vocab_size - 1}, got {list(w.token_ids)}")
+    if not _is_int(w.start) or w.start < 0:
+        raise ValueError(f"work[{i}]: start must be an int >= 0, got {w.start!r}")
+    end = w.start + len(w.token_ids)
+    if end > max_positions:
+        raise ValueError(f"work[{i}]: positions {w.start}..{end - 1} reach past the model's "
+                         f"max_position_embeddings ({max_positions}): the last position allowed is {max_positions - 1}")
+    need = _blocks_needed(end, block_size)
+    if len(w.block_table) < need:
+        raise ValueError(f"work[{i}]: block table {list(w.block_table)} has {len(w.block_table)} blocks but "
+                         f"positions 0..{end - 1} need {need} of block_size {block_size}")
+    if any(not _is_int(b) or not 0 <= b < num_blocks for b in w.block_table):
+        raise ValueError(f"work[{i}]: block table {list(w.block_table)} has ids outside 0..{num_blocks - 1}")
+
+
+def check_work(work: Sequence[SeqWork], num_blocks: int, block_size: int, max_positions: int,
+               vocab_size: int) -> None:
+    """Raise ValueError (naming the SeqWork) unless every item can run; reads host values only.
+
+    Refused: an empty batch; empty token_ids or a token id outside the vocabulary; start < 0; a
+    position >= max_positions; a block table shorter than start + len needs, or with an id outside
+    0..num_blocks-1; two tokens of the batch writing the same cache slot (two sequences given the
+    same block for new positions: the second write would silently win). Reading a shared block is
+    allowed (prefix sharing); writing one twice is not.
+    """
+    if not work:
+        raise ValueError("empty batch: give at least one SeqWork")
+    written: dict[int, int] = {}
+    for i, w in enumerate(work):
+        _check_one(i, w, num_blocks, block_size, max_positions, vocab_size)
+        for p in range(w.start, w.start + len(w.token_ids)):
+            slot = w.block_table[p // block_size] * block_size + p % block_size
+            if written.setdefault(slot, i) != i:
+                raise ValueError(f"work[{written[slot]}] and work[{i}] both write block "
+                                 f"{slot // block_size} offset {slot % block_size}")
+
+
+def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """cache.view(num_blocks * block_size, kv_heads, hd)[slot_mapping[t]] = k[t] (nano-vllm's store_kvcache)."""
+    flat_shape = (-1, *k_cache.shape[2:])
+    k_cache.view(flat_shape).index_copy_(0, slot_mapping, k)
+    v_cache.view(flat_shape).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[num_seqs, max_blocks * block_size, kv_heads, hd]: each sequence's positions in order, zero past
+    its length (padding blocks and the tail of its last block hold stale values, even NaN)."""
+    seq = cache[meta.block_tables].flatten(1, 2)
+    valid = torch.arange(seq.shape[1], device=seq.device)[None, :] < meta.context_lens[:, None]
+    return seq.where(valid[:, :, None, None], seq.new_zeros(()))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, heads, hd], RoPE applied
+    k: torch.Tensor,  # [num_tokens, kv_heads, hd], RoPE applied
+    v: torch.Tensor,  # [num_tokens, kv_heads, hd]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, hd], one layer's cache, contiguous (written)
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, hd]
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write the new keys and values into their slots, then causal attention over each token's
+    sequence: [num_tokens, heads * hd] in q's dtype.
+
+    Semantics (s = token_seq[t], K_s[p] = k_cache[block_tables[s, p // bs], p % bs]):
+        k_cache[slot_mapping[t] // bs, slot_mapping[t] % bs] = k[t]        (same for v), then
+        out[t, h] = softmax(q[t, h] . K_s[p][h // g] / sqrt(hd) for p <= positions[t]) V_s[p][h // g]
+    with g = heads // kv_heads (query head h reads kv head h // g, transformers' ``repeat_kv`` order).
+    Positions >= context_lens[s] are never read: masked, and zeroed before the product, so stale or
+    NaN values there cannot leak. Tokens are padded into [num_seqs, max_query_len] so each sequence's
+    blocks are gathered once, not once per query token.
+    """
+    _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    keys, values = _gather(k_cache, meta), _gather(v_cache, meta)  # [S, L, kv_heads, hd]
+    S, L, kv_heads, hd = keys.shape
+    heads, T = q.shape[1], meta.max_query_len
+    groups = heads // kv_heads
+    qpad = q.new_zeros(S, T, heads, hd)
+    qpad[meta.token_seq, meta.token_local] = q
+    pos = torch.zeros(S, T, dtype=torch.int64, device=q.device)  # padding queries see position 0 only
+    pos[meta.token_seq, meta.token_local] = meta.positions
+    # GQA as in static_kv_attention: the `groups` query heads of one kv head become extra query rows
+    qg = qpad.view(S, T, kv_heads, groups, hd).permute(0, 2, 3, 1, 4).reshape(S, kv_heads, groups * T, hd)
+    visible = torch.arange(L, device=q.device).view(1, 1, 1, L) <= pos.view(S, 1, T, 1)
+    mask = visible.repeat(1, 1, groups, 1)  # [S, 1, groups * T, L]
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
+    out = out.view(S, kv_heads, groups, T, hd).permute(0, 3, 1, 2, 4).reshape(S, T, heads * hd)
+    return out[meta.token_seq, meta.token_local]
+
+
+def _is_wrapped(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+class ModelRunner:
+    """Runs engine steps of a Hugging Face ``LlamaForCausalLM`` over a :class:`PagedKVCache`.
+
+    ``forward(work)`` computes every SeqWork's tokens in one packed forward (work order), writes
+    their keys and values into the cache and returns the logits of each SeqWork's LAST token,
+    [len(work), vocab] float32. A sequence's tokens must reach the cache in order (its earlier
+    positions written by earlier calls, as an engine does).
+
+    Args:
+        model: a LlamaForCausalLM, in its dtype and on its device. With a pool: wrapped by
+            ``wrap_llama(model, pool, context, backend)`` already, or not yet (then wrapped here, in
+            place, with ``backend``). With ``pool=None``: unwrapped, base model only.
+        pool, context: the LoRA memory pool and the context the layers read (None, None: base only).
+        num_blocks, block_size: the cache's size (``self.kv_cache``).
+        backend: the LoRA ops, when the runner wraps the model (see ``reference.layers.get_backend``).
+    Raises:
+        ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
+        layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`).
+    """
+
+    def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
+                 num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch") -> None:
+        self._check_lora_setup(model, pool, context, get_backend(backend))
+        if pool is not None and not _is_wrapped(model):
+            wrap_llama(model, pool, context, backend)
+        self.model, self.pool, self.context = model, pool, context
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.num_kv_heads, self.head_dim = self.kv_cache.k.shape[3], self.kv_cache.k.shape[4]
+        self.max_positions, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
+        self.device = model.get_input_embeddings().weight.device
+
+    @staticmethod
+    def _check_lora_setup(model: nn.Module, pool, context, backend: LoRABackend) -> None:
+        if pool is None:
+            if _is_wrapped(model):
+                raise ValueError("the model has LoRA layers but no pool was given: pass its pool and context")
+            return
+        if context is None:
+            raise ValueError("a pool needs the LoRAContext its layers read (or that wrap_llama will give them)")
+        names = {m.backend.name for m in model.modules() if isinstance(m, LoRALinear)}
+        if names and names != {backend.name}:
+            raise ValueError(f"the model's LoRA layers use backend {sorted(names)}, not {backend.name!r}")
+
+    def forward(self, work: Sequence[SeqWork]) -> torch.Tensor:
+        """Logits [len(work), vocab] float32 of each SeqWork's last token (see the class docstring).
+
+        Everything that can fail is checked first, so a ValueError leaves the cache (and the pool)
+        unchanged.
+        Raises:
+            ValueError: see :func:`check_work`; an adapter uid without a pool; from
+            ``pool.prepare_lora_batch`` (an unknown uid, more distinct uids than slots).
+        """
+        work = list(work)
+        check_work(work, self.kv_cache.num_blocks, self.kv_cache.block_size, self.max_positions, self.vocab_size)
+        with torch.inference_mode():
+            self._set_lora_batch(work)
+            meta = build_attention_metadata(work, self.kv_cache.block_size, self.device)
+            ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
+            h = self._decoder(ids, meta)  # [num_tokens, hidden]
+            inner = self.model.model
+            return self.model.lm_head(inner.norm(h[meta.last_token])).float()
+
+    __call__ = forward
+
+    def _set_lora_batch(self, work: list[SeqWork]) -> None:
+        """Make the batch's adapters resident and give the layers its LoRABatchInfo (host lists only)."""
+        uids = [w.uid for w in work]
+        if self.pool is None:
+            if any(u is not None for u in uids):
+                raise ValueError(f"adapter uids {sorted({repr(u) for u in uids if u is not None})} but the "
+                                 "runner has no pool (base model only)")
+            return
+        uid_to_slot = self.pool.prepare_lora_batch(list(dict.fromkeys(uids)))
+        info = batch_info_from_requests(uids, [len(w.token_ids) for w in work], uid_to_slot,
+                                        self.pool.lora_ranks_host, self.pool.scalings_host, self.device)
+        self.context.set_batch(info)
+
+    def _decoder(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embed -> decoder layers (paged attention) over the flat token stream: [num_tokens, hidden]."""
+        inner = self.model.model
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, meta.positions)  # [num_tokens, hd]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        for i, layer in enumerate(inner.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, i, meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        N = x.shape[0]
+        q = apply_rope(attn.q_proj(x).view(N, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta)
+        return attn.o_proj(out)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next tokens from logits [vocab] or [n, vocab]: int64 of shape logits.shape[:-1].
+
+    Semantics:
+        temperature == 0:  argmax(logits, -1)  (greedy; ties go to the lowest id, as torch.argmax)
+        temperature > 0:   one draw from softmax(logits.float() / temperature), with ``generator``
+                           (a seeded torch.Generator on logits' device makes it reproducible)
+    Raises:
+        ValueError: a negative or non-finite temperature; logits that are not 1-D or 2-D.
+    """
+    if logits.dim() not in (1, 2):
+        raise ValueError(f"logits must be [vocab] or [n, vocab], got shape {list(logits.shape)}")
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    draws = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return draws.reshape(logits.shape[:-1])
