@@ -1,0 +1,225 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params, lora_request=...)`` (vLLM's shape).
+
+One engine = the control plane (``Scheduler`` over a ``BlockManager``, an ``AdapterRegistry`` of
+names -> uids) and the data plane (a ``LoRAMemoryPool`` of GPU slots with its CPU and disk tiers,
+the model's projections wrapped by chapter 07's LoRA layers, the paged ``ModelRunner``). Each step
+the scheduler says which sequences compute which tokens; the pool makes their adapters resident
+(``prepare_lora_batch``, the running ones kept); the runner computes the logits of each sequence's
+last token; the sampler picks the next tokens; the scheduler records them.
+
+Requests are token ids (no tokenizer: the book's models are built from a config). Adapters are
+registered by name from PEFT folders; a request names its adapter, and the engine serves the uid the
+name had when the request arrived (chapter 05: re-registering a name gives a new uid, so a request
+never meets another version's weights or KV).
+
+Source: vLLM ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LoRARequest``), nano-vllm
+``nanovllm/engine/llm_engine.py`` (the step loop), SGLang's per-request ``lora_path``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Hashable, Optional, Sequence as Seq, Union
+
+import torch
+
+from reference.adapters import load_peft_adapter
+from reference.engine.block_manager import BlockManager
+from reference.engine.policies import admit_requests, block_hashes, choose_drain
+from reference.engine.model_runner import ModelRunner, SeqWork, sample
+from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
+from reference.engine.sequence import SamplingParams, Sequence
+from reference.layers import LoRAContext, wrap_llama
+from reference.mem_pool import AdapterRegistry, LoRAMemoryPool
+from reference.tp_model import llama_checkpoint, llama_pool_modules
+
+__all__ = ["EngineConfig", "EnginePolicies", "RequestOutput", "LLM"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of one engine. KV memory is ``num_kv_blocks * block_size`` positions in all."""
+
+    max_loras_per_batch: int = 4  # GPU slots, the base model's included
+    max_lora_rank: int = 16
+    max_loaded_loras: Optional[int] = None  # CPU tier capacity (None: unbounded)
+    num_kv_blocks: int = 64
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    drain_threshold: Optional[int] = None
+    eviction_policy: str = "lru"
+    backend: str = "torch"  # the LoRA kernels: "torch" or "triton" (chapter 07's backends)
+
+
+@dataclass(frozen=True)
+class EnginePolicies:
+    """The control-plane decisions the engine calls (chapter 11's exercises; the capstone plugs in
+    the learner's own). Signatures and contracts: ``reference.engine.policies``."""
+
+    block_hashes: Callable = block_hashes
+    admit_requests: Callable = admit_requests
+    choose_drain: Callable = choose_drain
+
+
+@dataclass
+class RequestOutput:
+    """One request's result: its generated ``token_ids``, or ``error`` (and no tokens) when it was refused."""
+
+    request_id: int
+    prompt: list[int]
+    adapter: Optional[str]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+class LLM:
+    """A small multi-LoRA serving engine over a Hugging Face Llama.
+
+    Args:
+        model: a ``transformers`` LlamaForCausalLM (wrapped in place: keep a copy if you need the
+            original) or the path of a saved one (``from_pretrained``, in ``dtype``).
+        config: :class:`EngineConfig`.
+        policies: :class:`EnginePolicies` (the reference's by default).
+    Attributes:
+        stats: counters of the last ``generate`` (steps, prefill/decode steps, preemptions, adapter
+            loads from each tier, prefix-cache hit rate).
+    Raises:
+        ValueError: see ``llama_checkpoint`` (models this forward does not serve) and the configs' checks.
+    """
+
+    def __init__(self, model, config: EngineConfig = EngineConfig(), dtype: torch.dtype = torch.float32,
+                 device: Union[str, torch.device, None] = None, policies: EnginePolicies = EnginePolicies()) -> None:
+        if isinstance(model, (str, Path)):
+            import transformers
+            model = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype)
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model, self.config, self.policies = model.to(device).eval(), config, policies
+        self.max_context = model.config.max_position_embeddings
+        self.modules = llama_pool_modules(llama_checkpoint(model))
+        self.num_layers = model.config.num_hidden_layers
+        self.registry = AdapterRegistry()
+        self.pool = LoRAMemoryPool(self.modules, self.num_layers, config.max_loras_per_batch, config.max_lora_rank,
+                                   model.dtype, device, config.eviction_policy, adapter_source=self.registry.load,
+                                   max_loaded_loras=config.max_loaded_loras)
+        self.context = LoRAContext()
+        wrap_llama(model, self.pool, self.context, config.backend)
+        self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
+                                  config.backend)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,
+                                    config.drain_threshold)
+        # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,
+        # so a later call (or a re-registered name) reuses exactly the KV that is still valid for it
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, policies.block_hashes)
+        self.scheduler = Scheduler(sched_cfg, self.blocks, lambda: self.pool.uid_to_buffer_id.keys(),
+                                   policies.admit_requests, policies.choose_drain)
+        self.stats: dict = {}
+        self._next_id = 0
+
+    # ---- adapters --------------------------------------------------------------------------
+    def register_adapter(self, name: str, path: Union[str, Path]) -> str:
+        """Load the PEFT adapter in ``path`` under ``name``; returns its uid.
+
+        Everything is validated first: a malformed folder raises and leaves the registry and the
+        pool exactly as they were. Re-registering ``name`` with other weights gives a new uid;
+        requests already queued keep the old one.
+        Raises:
+            FileNotFoundError, ValueError: see ``reference.adapters.load_peft_adapter``; an empty name.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter needs a non-empty name, got {name!r}")
+        adapter = load_peft_adapter(path, self.modules, self.num_layers, self.config.max_lora_rank, uid=name)
+        self.pool.validate(adapter)
+        return self.registry.register(name, adapter.rank, adapter.scaling, adapter.weights)
+
+    # ---- requests --------------------------------------------------------------------------
+    def _check_request(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
+        params.check()
+        tokens = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+        if len(tokens) + params.max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"model's context of {self.max_context} positions")
+        return tokens
+
+    def _new_sequence(self, prompt, params: SamplingParams, adapter: Optional[str]) -> tuple[RequestOutput, Optional[Sequence]]:
+        out = RequestOutput(self._next_id, list(prompt), adapter)
+        self._next_id += 1
+        try:
+            tokens = self._check_request(prompt, params)
+            uid: Hashable = None if adapter is None else self.registry.uid_of(adapter)
+            seq = Sequence(out.request_id, tokens, uid, params)
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            out.error = str(exc)
+            return out, None
+        return out, seq
+
+    def generate(self, prompts: Seq[Seq[int]], sampling_params: Union[SamplingParams, Seq[SamplingParams]] = SamplingParams(),
+                 lora_request: Optional[Seq[Optional[str]]] = None) -> list[RequestOutput]:
+        """Run every request to completion; outputs in the order of ``prompts``.
+
+        ``lora_request[i]``: the adapter name of request i, or None for the base model. A request
+        that is refused (unknown adapter name, empty or out-of-vocabulary prompt, prompt +
+        max_new_tokens past the model's context or the KV cache, max_new_tokens < 1) gets
+        ``error`` set and no tokens; the others run as if it had never been sent.
+        Raises:
+            ValueError: ``lora_request`` or a list of ``sampling_params`` of another length than ``prompts``.
+        """
+        n = len(prompts)
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        names = [None] * n if lora_request is None else list(lora_request)
+        if len(params) != n or len(names) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} lora requests")
+        self._reset_step_state()
+        pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
+        device = next(self.model.parameters()).device  # a generator lives where the logits are
+        gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
+                if seq is not None and seq.params.temperature > 0}
+        while self.scheduler.has_unfinished():
+            self._step(gens)
+        for out, seq in pairs:
+            if seq is not None:
+                out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
+        self._collect_stats()
+        return [out for out, _ in pairs]
+
+    def _reset_step_state(self) -> None:
+        self._marks = (len(self.pool.events), len(self.scheduler.events), self.blocks.hit_tokens,
+                       self.blocks.query_tokens)
+        self.steps = Counter()
+
+    def _step(self, gens: dict) -> None:
+        kind, work = self.scheduler.schedule()
+        self.steps[kind] += 1
+        if not work:
+            raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug, not input
+        running = [s.uid for s in self.scheduler.running]
+        self.pool.prepare_lora_batch([w.seq.uid for w in work], running=running)
+        logits = self.runner.forward([SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
+                                      for w in work])
+        self.scheduler.postprocess(work, self._sample(work, logits, gens))
+
+    def _sample(self, work: list[Work], logits: torch.Tensor, gens: dict) -> dict[int, int]:
+        tokens = {}
+        for i, w in enumerate(work):
+            if w.end == w.seq.num_tokens:
+                p = w.seq.params
+                tokens[w.seq.seq_id] = int(sample(logits[i], p.temperature, gens.get(w.seq.seq_id)))
+        return tokens
+
+    def _collect_stats(self) -> None:
+        pool_mark, sched_mark, hits0, queries0 = self._marks
+        kinds = Counter(e[0] for e in self.pool.events[pool_mark:])
+        sched = Counter(e[0] for e in self.scheduler.events[sched_mark:])
+        hits, queries = self.blocks.hit_tokens - hits0, self.blocks.query_tokens - queries0
+        self.stats = dict(steps=sum(self.steps.values()), prefill_steps=self.steps["prefill"],
+                          decode_steps=self.steps["decode"], preemptions=sched["preempt"], drains=sched["drain"],
+                          pool_events=dict(kinds), prefix_hit_tokens=hits, prefix_query_tokens=queries,
+                          prefix_hit_rate=hits / queries if queries else 0.0)

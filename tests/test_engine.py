@@ -1,0 +1,233 @@
+"""Chapter 11's judge: the engine's greedy output, request by request, token for token equal to
+PEFT's own greedy ``generate`` of that request alone.
+
+The workload (issue #15): 8 PEFT adapters of different ranks and targets plus base requests, shared
+prefixes within and across adapters, a GPU pool of 3 slots and a CPU tier of 4 copies for 8 adapters
+(evictions from both tiers), a KV cache small enough to force preemption, prompts longer than the
+token budget (chunked prefill). fp32, on the CPU (and on CUDA when present). Bad requests get an
+error and leave the others' outputs unchanged.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from reference.engine.llm import LLM, EngineConfig, EnginePolicies
+from reference.engine.policies import block_hashes
+from reference.engine.sequence import SamplingParams
+
+peft = pytest.importorskip("peft")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=96, vocab_size=128, max_position_embeddings=64)
+ADAPTERS = {  # ranks 1-16, every kind of target, rsLoRA, alpha != r
+    "a0": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "a1": dict(r=8, lora_alpha=16, target_modules=["k_proj", "v_proj"]),
+    "a2": dict(r=16, lora_alpha=16, target_modules="all-linear", use_rslora=True),
+    "a3": dict(r=2, lora_alpha=3, target_modules=["o_proj", "down_proj"]),
+    "a4": dict(r=6, lora_alpha=12, target_modules=r".*\.mlp\.(gate|up|down)_proj"),
+    "a5": dict(r=1, lora_alpha=4, target_modules=["q_proj"]),
+    "a6": dict(r=12, lora_alpha=6, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "a7": dict(r=8, lora_alpha=32, target_modules=["gate_proj", "up_proj"]),
+}
+CONFIG = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, max_loaded_loras=4, num_kv_blocks=24, block_size=4,
+                      max_num_seqs=6, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_adapters")
+    for seed, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(300 + seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)
+                                ).save_pretrained(root / name)
+    return {name: root / name for name in ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def peft_model(base, adapter_dirs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_dirs["a0"], adapter_name="a0")
+        for name in list(ADAPTERS)[1:]:
+            pm.load_adapter(adapter_dirs[name], adapter_name=name)
+    return pm.to(DEVICE).eval()
+
+
+def peft_greedy(pm, prompt, adapter, params: SamplingParams) -> list[int]:
+    """PEFT's greedy generate of one request alone, cut at the first stop token (kept)."""
+    ids = torch.tensor([prompt], device=DEVICE)
+    kw = dict(max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if adapter is None:
+            with pm.disable_adapter():
+                out = pm.generate(input_ids=ids, **kw)
+        else:
+            pm.set_adapter(adapter)
+            out = pm.generate(input_ids=ids, **kw)
+    tokens = out[0, len(prompt):].tolist()
+    for i, t in enumerate(tokens):
+        if t in params.stop_token_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+# skewed, with reuse inside the CPU tier's 4 copies (a cycle over all 8 would never hit it under LRU)
+ORDER = [None, "a0", "a1", "a2", "a0", "a3", "a1", "a4", "a5", "a0", "a6", "a7", "a2", "a0", None, "a3", "a1",
+         "a0", "a7", "a6", "a2", "a5"]
+
+
+def workload():
+    g = torch.Generator().manual_seed(7)
+    rand = lambda n: torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
+    shared = rand(13)  # a system prompt: across adapters it must not be shared, within one it may
+    prompts, names, params = [], [], []
+    for i in range(22):
+        name = ORDER[i]
+        head = shared if i % 3 else []
+        prompts.append(head + rand(3 + (i * 7) % 30))  # up to 45 tokens: longer than the 24-token budget
+        names.append(name)
+        params.append(SamplingParams(max_new_tokens=4 + i % 5, stop_token_ids=(i % 2 and 5,) if i % 2 else ()))
+    prompts.append(list(prompts[1]))  # the very same request again: a full prefix hit
+    names.append(names[1])
+    params.append(params[1])
+    return prompts, names, params
+
+
+def make_engine(base, adapter_dirs, config=CONFIG, policies=EnginePolicies()):
+    llm = LLM(copy.deepcopy(base), config, device=DEVICE, policies=policies)
+    for name, path in adapter_dirs.items():
+        llm.register_adapter(name, path)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def engine_run(base, adapter_dirs):
+    llm = make_engine(base, adapter_dirs)
+    prompts, names, params = workload()
+    return llm, llm.generate(prompts, params, lora_request=names)
+
+
+def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
+    llm, outs = engine_run
+    prompts, names, params = workload()
+    base_tokens = {}
+    for out, prompt, name, p in zip(outs, prompts, names, params):
+        assert out.error is None
+        want = peft_greedy(peft_model, prompt, name, p)
+        assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
+        base_tokens.setdefault(tuple(prompt), {})[name] = want
+    # the adapters matter: some request's tokens differ from the base model's for the same prompt
+    differs = sum(peft_greedy(peft_model, pr, None, p) != o.token_ids for pr, n, p, o in zip(prompts, names, params, outs)
+                  if n is not None)
+    assert differs >= 5
+
+
+def test_the_workload_exercised_every_mechanism(engine_run):
+    llm, _ = engine_run
+    s = llm.stats
+    assert s["preemptions"] >= 1, s
+    assert s["prefix_hit_tokens"] > 0 and 0 < s["prefix_hit_rate"] < 1, s
+    assert {"evict", "cpu_evict"} <= set(s["pool_events"]), s["pool_events"]
+    prompts = workload()[0]
+    chunks = [e for e in llm.scheduler.events if e[0] == "prefill" and e[3] - e[2] < len(prompts[e[1]])]
+    assert chunks, "no prompt was prefilled in chunks"
+    # admission preferring resident adapters groups the requests by adapter, so each was loaded from
+    # disk once; an adapter evicted from its slot but still in the CPU tier comes back from there
+    cached = [u for u in llm.pool.cpu_cache if u not in llm.pool.uid_to_buffer_id]
+    assert cached, list(llm.pool.cpu_cache)
+    name = cached[0].split("@")[0]
+    mark = len(llm.pool.events)
+    llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1), lora_request=[name])
+    assert ("load", cached[0]) == tuple(e for e in llm.pool.events[mark:] if e[0] == "load")[0][:2]
+    assert [e[3] for e in llm.pool.events[mark:] if e[0] == "load"] == ["cpu"]
+
+
+def test_an_adapter_blind_prefix_cache_serves_another_adapters_kv(base, adapter_dirs, peft_model):
+    """The unsafe key (tokens only) lets a request reuse blocks another adapter computed: wrong tokens."""
+    blind = EnginePolicies(block_hashes=lambda tokens, adapter_id, bs: block_hashes(tokens, "any", bs))
+    prompt = list(range(40, 57))
+    params = SamplingParams(max_new_tokens=6)
+    config = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, num_kv_blocks=24, block_size=4, max_num_seqs=1)
+    outs = {}
+    for label, policies in (("isolated", EnginePolicies()), ("blind", blind)):
+        llm = make_engine(base, adapter_dirs, config, policies)
+        outs[label] = llm.generate([prompt, prompt], params, lora_request=["a1", "a6"])  # one after the other
+    want = peft_greedy(peft_model, prompt, "a6", params)
+    assert outs["isolated"][1].token_ids == want
+    assert outs["blind"][1].token_ids != want  # a6 read a1's K/V for the shared 16 tokens
+
+
+def test_bad_requests_get_an_error_and_disturb_nothing(base, adapter_dirs, engine_run, tmp_path):
+    _, good = engine_run
+    prompts, names, params = workload()
+    llm = make_engine(base, adapter_dirs)
+    bad = [([1, 2, 3], "no-such-adapter", SamplingParams(max_new_tokens=3), "no adapter named"),
+           (list(range(60)), None, SamplingParams(max_new_tokens=8), "context"),
+           ([1, 2], None, SamplingParams(max_new_tokens=0), "max_new_tokens"),
+           ([], None, SamplingParams(max_new_tokens=2), "empty"),
+           ([1, 500], None, SamplingParams(max_new_tokens=2), "token ids")]
+    mixed_prompts = [b[0] for b in bad[:2]] + prompts + [b[0] for b in bad[2:]]
+    mixed_names = [b[1] for b in bad[:2]] + names + [b[1] for b in bad[2:]]
+    mixed_params = [b[2] for b in bad[:2]] + params + [b[2] for b in bad[2:]]
+    outs = llm.generate(mixed_prompts, mixed_params, lora_request=mixed_names)
+    refused = outs[:2] + outs[-3:]
+    for out, (_, _, _, words) in zip(refused, bad):
+        assert out.error and words in out.error and out.token_ids == []
+    assert [o.token_ids for o in outs[2:-3]] == [o.token_ids for o in good]
+
+
+def test_a_malformed_adapter_folder_changes_nothing(base, adapter_dirs, tmp_path):
+    llm = make_engine(base, adapter_dirs)
+    before = (dict(llm.registry._current), llm.pool.snapshot())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                                              "peft_type": "LORA"}))
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError):
+        llm.register_adapter("a0", broken)
+    with pytest.raises(FileNotFoundError):
+        llm.register_adapter("a9", tmp_path / "missing")
+    assert dict(llm.registry._current) == before[0]
+    from reference.mem_pool import snapshot_diff
+    assert snapshot_diff(before[1], llm.pool.snapshot()) == []
+
+
+def test_a_re_registered_name_serves_its_new_weights_and_never_the_old_kv(base, adapter_dirs, peft_model):
+    llm = make_engine(base, adapter_dirs)
+    prompt, params = list(range(10, 27)), SamplingParams(max_new_tokens=5)
+    first = llm.generate([prompt], params, lora_request=["a0"])[0].token_ids
+    assert first == peft_greedy(peft_model, prompt, "a0", params)
+    old_uid = llm.registry.uid_of("a0")
+    new_uid = llm.register_adapter("a0", adapter_dirs["a6"])  # the name now means other weights
+    assert new_uid != old_uid
+    again = llm.generate([prompt], params, lora_request=["a0"])[0].token_ids
+    assert again == peft_greedy(peft_model, prompt, "a6", params)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(base, adapter_dirs):
+    llm = make_engine(base, adapter_dirs)
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+    alone = llm.generate([[3, 4, 5]], p, lora_request=["a2"])[0].token_ids
+    crowd = llm.generate([[9, 9], [3, 4, 5], [1]], [SamplingParams(max_new_tokens=3, temperature=0.7, seed=1), p,
+                                                      SamplingParams(max_new_tokens=4)], lora_request=[None, "a2", "a5"])
+    assert crowd[1].token_ids == alone
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=0.5).check()  # sampling needs a seed
