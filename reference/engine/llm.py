@@ -17,6 +17,7 @@ Source: vLLM ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LoRARequest``), na
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from reference.engine.model_runner import ModelRunner, SeqWork, sample
 from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
 from reference.engine.sequence import SamplingParams, Sequence
 from reference.layers import LoRAContext, wrap_llama
-from reference.mem_pool import AdapterRegistry, LoRAMemoryPool
+from reference.mem_pool import AdapterRegistry, LoRAAdapter, LoRAMemoryPool
 from reference.tp_model import llama_checkpoint, llama_pool_modules
 
 __all__ = ["EngineConfig", "EnginePolicies", "RequestOutput", "LLM"]
@@ -73,6 +74,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    token_times: list[float] = field(default_factory=list)  # seconds after generate() began, one per token
 
 
 class LLM:
@@ -131,6 +133,16 @@ class LLM:
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter needs a non-empty name, got {name!r}")
         adapter = load_peft_adapter(path, self.modules, self.num_layers, self.config.max_lora_rank, uid=name)
+        return self.register_adapter_weights(name, adapter)
+
+    def register_adapter_weights(self, name: str, adapter: LoRAAdapter) -> str:
+        """Register an adapter already in the pool's layout (``LoRAAdapter``: rank, scaling and
+        weights keyed by (layer, pool module)) under ``name``; returns its uid.
+        Raises:
+            ValueError: an empty name; an adapter the pool would refuse (see ``LoRAMemoryPool.validate``).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter needs a non-empty name, got {name!r}")
         self.pool.validate(adapter)
         return self.registry.register(name, adapter.rank, adapter.scaling, adapter.weights)
 
@@ -178,6 +190,7 @@ class LLM:
         if len(params) != n or len(names) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} lora requests")
         self._reset_step_state()
+        self._t0 = time.perf_counter()
         pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
         device = next(self.model.parameters()).device  # a generator lives where the logits are
         gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
@@ -187,6 +200,7 @@ class LLM:
         for out, seq in pairs:
             if seq is not None:
                 out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
+                out.token_times = self._token_times.pop(seq.seq_id, [])
         self._collect_stats()
         return [out for out, _ in pairs]
 
@@ -194,6 +208,7 @@ class LLM:
         self._marks = (len(self.pool.events), len(self.scheduler.events), self.blocks.hit_tokens,
                        self.blocks.query_tokens)
         self.steps = Counter()
+        self._token_times: dict[int, list[float]] = {}
 
     def _step(self, gens: dict) -> None:
         kind, work = self.scheduler.schedule()
@@ -204,7 +219,11 @@ class LLM:
         self.pool.prepare_lora_batch([w.seq.uid for w in work], running=running)
         logits = self.runner.forward([SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
                                       for w in work])
-        self.scheduler.postprocess(work, self._sample(work, logits, gens))
+        tokens = self._sample(work, logits, gens)
+        self.scheduler.postprocess(work, tokens)
+        now = time.perf_counter() - self._t0  # the tokens exist once sampled (sample reads them to the host)
+        for seq_id in tokens:
+            self._token_times.setdefault(seq_id, []).append(now)
 
     def _sample(self, work: list[Work], logits: torch.Tensor, gens: dict) -> dict[int, int]:
         tokens = {}
