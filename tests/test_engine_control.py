@@ -240,3 +240,18 @@ def test_add_refuses_a_request_larger_than_the_cache():
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add(seq(0, [1, 2, 3], n=3))
     assert not sched.has_unfinished()
+
+
+# ---- the cluster simulation ------------------------------------------------------------------
+def test_adapter_affinity_beats_round_robin_on_swap_ins_and_prefix_hits():
+    from reference.engine.cluster import simulate_cluster, zipf_trace
+
+    trace = zipf_trace(160, 24, seed=3)
+    rr = simulate_cluster(trace, 4, "round_robin")
+    aff = simulate_cluster(trace, 4, "affinity")
+    assert sum(rr["per_instance"]) == sum(aff["per_instance"]) == 160
+    assert aff["swap_ins"] < rr["swap_ins"], (aff, rr)
+    assert aff["prefix_hit_rate"] > rr["prefix_hit_rate"], (aff, rr)
+    assert aff["adapters_per_batch"] < rr["adapters_per_batch"], (aff, rr)
+    with pytest.raises(ValueError):
+        simulate_cluster(trace, 4, "random")
