@@ -25,7 +25,7 @@ from reference.engine.scheduler import Scheduler, SchedulerConfig
 from reference.engine.sequence import SamplingParams, Sequence
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
 
-__all__ = ["TraceRequest", "zipf_trace", "simulate_cluster"]
+__all__ = ["TraceRequest", "zipf_trace", "SimulatedEngine", "simulate_cluster"]
 
 _SPEC = ModuleSpec("qkv_proj", 4, (4,))
 
@@ -66,13 +66,18 @@ def _fake_token(tokens: Seq[int]) -> int:
     return h % 1000
 
 
-class _Instance:
+class SimulatedEngine:
+    """One engine's control plane with a fake model (a token that depends on the whole sequence):
+    a ``Scheduler`` over a ``BlockManager``, and a ``LoRAMemoryPool`` of tiny buffers whose
+    bookkeeping (slots, tiers, events) is the real one. ``step()`` runs one scheduler step."""
+
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_loaded: Optional[int]) -> None:
         self.pool = LoRAMemoryPool([_SPEC], 1, config.max_loras_per_batch, 1, adapter_source=_tiny_adapter,
                                    max_loaded_loras=max_loaded)
         self.blocks = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(config, self.blocks, lambda: self.pool.uid_to_buffer_id.keys())
         self.batch_adapters: list[int] = []
+        self.last_step: tuple = ("idle", [])
 
     @property
     def load(self) -> int:
@@ -80,8 +85,10 @@ class _Instance:
 
     def step(self) -> None:
         if not self.sched.has_unfinished():
+            self.last_step = ("idle", [])
             return
-        _, work = self.sched.schedule()
+        kind, work = self.sched.schedule()
+        self.last_step = (kind, [w.seq.seq_id for w in work])
         uids = [w.seq.uid for w in work]
         self.pool.prepare_lora_batch(uids, running=[s.uid for s in self.sched.running])
         self.batch_adapters.append(len(set(uids)))
@@ -101,7 +108,7 @@ def simulate_cluster(trace: Seq[TraceRequest], num_instances: int, policy: str, 
     if policy not in ("affinity", "round_robin") or num_instances < 1:
         raise ValueError(f"policy 'affinity' or 'round_robin' and num_instances >= 1, got {policy!r}, {num_instances}")
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_loras_per_batch=max_loras_per_batch)
-    instances = [_Instance(config, num_blocks, block_size, max_loaded_loras) for _ in range(num_instances)]
+    instances = [SimulatedEngine(config, num_blocks, block_size, max_loaded_loras) for _ in range(num_instances)]
     pending = sorted(enumerate(trace), key=lambda p: (p[1].arrival, p[0]))
     sent, step, rr = Counter(), 0, 0
     while pending or any(i.sched.has_unfinished() for i in instances):
