@@ -7,7 +7,8 @@ resident adapters first, a drained adapter held back), within ``max_num_batched_
 With nothing to prefill, every running sequence decodes one token; when a sequence needs a new
 block and none is free, the most recently admitted sequence is preempted (its blocks released, its
 tokens recomputed later: vLLM's recompute preemption). A request that waits past
-``drain_threshold`` steps while the cap keeps it out starts a drain (``choose_drain``).
+``drain_threshold`` steps while the cap keeps it out starts a drain (``choose_drain``): the chosen
+running adapter takes no new requests until the starving request's adapter is running.
 
 The log ``events`` records every decision as tuples of host values, which chapter 11's graders
 compare: ("admit", seq_id), ("prefill", seq_id, start, end), ("decode", seq_id), ("preempt",
@@ -77,7 +78,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.step_no = 0
-        self.drain_active, self.draining = False, None
+        self.drain_active, self.draining, self.drain_for = False, None, None
         self.events: list[tuple] = []
 
     def add(self, seq: Sequence) -> None:
@@ -110,21 +111,27 @@ class Scheduler:
         remaining: dict = {}
         for s in self.running:
             remaining[s.uid] = max(remaining.get(s.uid, 0), s.params.max_new_tokens - len(s.output))
-        if self.drain_active and self.draining not in remaining:
+        # a drain lasts until the adapter it frees a slot for is running: ending it when the drained
+        # adapter merely stops running would hand the slot straight back to it, since admission
+        # prefers resident adapters and the drained one still is
+        if self.drain_active and self.drain_for in remaining:
             self.events.append(("drain_end", self.draining))
-            self.drain_active, self.draining = False, None
+            self.drain_active, self.draining, self.drain_for = False, None, None
         if self.drain_active or self.config.drain_threshold is None:
             return
-        active, uid = self.drain_fn(self._candidates(), remaining, self.config.max_loras_per_batch,
+        candidates = self._candidates()
+        active, uid = self.drain_fn(candidates, remaining, self.config.max_loras_per_batch,
                                     self.config.drain_threshold)
         if active:
+            starving = [c for c in candidates if c.waited > self.config.drain_threshold and c.uid not in remaining]
+            self.drain_for = max(starving, key=lambda c: c.waited).uid if starving else None
             self.drain_active, self.draining = True, uid
             self.events.append(("drain", uid))
 
     def _prefill_work(self) -> list[Work]:
         budget, work = self.config.max_num_batched_tokens, []
-        for seq in self.running:  # partly computed prompts first
-            if seq.num_pending > 1 and budget > 0:
+        for seq in self.running:  # partly computed prompts first (even with one token left)
+            if seq.in_prefill and budget > 0:
                 work.append(self._chunk(seq, budget))
                 budget -= work[-1].end - work[-1].start
         if budget > 0:
@@ -148,7 +155,7 @@ class Scheduler:
                 break
             self.blocks.allocate(seq)
             self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
+            seq.status, seq.in_prefill = SeqStatus.RUNNING, True
             self.running.append(seq)
             self.events.append(("admit", seq_id))
             work.append(self._chunk(seq, budget))
@@ -174,7 +181,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
-        seq.status, seq.enqueued_step = SeqStatus.WAITING, self.step_no
+        seq.status, seq.enqueued_step, seq.in_prefill = SeqStatus.WAITING, self.step_no, False
         self.waiting.appendleft(seq)
         self.events.append(("preempt", seq.seq_id))
 
@@ -187,6 +194,7 @@ class Scheduler:
             self.blocks.mark_computed(seq)
             if end < seq.num_tokens:
                 continue
+            seq.in_prefill = False
             token = next_tokens[seq.seq_id]
             seq.output.append(token)
             reason = ("stop" if token in seq.params.stop_token_ids else

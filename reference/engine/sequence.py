@@ -64,6 +64,7 @@ class Sequence:
     num_computed: int = 0
     num_hashed: int = 0
     finish_reason: Optional[str] = None
+    in_prefill: bool = False  # admitted, and its prompt (or recomputed tokens) not all computed yet
 
     @property
     def tokens(self) -> list[int]:
