@@ -93,7 +93,8 @@ def _hash_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
                   _hash_case(f"random_{i}_same_tokens_base", exact, None, bs),
                   _hash_case(f"random_{i}_repeated_blocks", repeated, uid, bs),
                   _hash_case(f"random_{i}_short", prefix[:rng.randrange(bs)] if bs > 1 else [], uid, bs)]
-    cases.append(_hash_case("random_bad_block_size", [1, 2, 3], rng.choice(_UIDS), -rng.randint(0, 3)))
+    cases.append(_hash_case("random_block_size_0", [1, 2, 3], rng.choice(_UIDS), 0))
+    cases.append(_hash_case("random_negative_block_size", [1, 2, 3], rng.choice(_UIDS), -rng.randint(1, 3)))
     return cases
 
 
@@ -241,14 +242,16 @@ def _admit_draw(rng: random.Random, name: str) -> Case:
 
 
 def _admit_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [(0, 5, 5), (2, -rng.randint(1, 9), 5), (2, 5, -rng.randint(1, 9))]
     return _admit_families(rng, "family") + [_admit_draw(rng, f"random_{i}") for i in range(12)] + [
-        _admit_case("random_bad_limits", [_r(0, rng.choice(_UIDS))], [], [], *rng.choice(
-            [(0, 5, 5), (2, -rng.randint(1, 9), 5), (2, 5, -rng.randint(1, 9))]))]
+        _admit_case(f"random_bad_limits_{k}", [_r(0, rng.choice(_UIDS))], [], [], *b) for k, b in enumerate(bad)]
 
 
 def _admit_variant(rows, running, resident, cap, free, max_new, draining, active, **wrong) -> list:
     """``admit_requests`` with one named mistake switched on (for hints)."""
-    warm = set(running) | (set() if wrong.get("resident_only") else set(resident))
+    warm = set(running) | set(resident)
+    if wrong.get("resident_only"):
+        warm = set(resident)
     if wrong.get("running_only"):
         warm = set(running)
     order = rows if wrong.get("no_order") else sorted(rows, key=lambda r: r[1] not in warm)
@@ -288,12 +291,12 @@ _ADMIT_MISTAKES = [
                                "resident uids first, not only the resident ones"),
     (dict(running_only=True), "a RESIDENT uid is warm too (its weights sit in a slot already): order running or "
                               "resident uids first"),
+    (dict(kv_first=True), "check the drain and the adapter cap before KV: a candidate the cap skips must not stop "
+                          "admission because it would not fit"),
     (dict(break_on_cap=True), "a candidate over the adapter cap is skipped, not a reason to stop: a later request "
                               "of an adapter already in the set still fits"),
     (dict(skip_on_kv=True), "when a candidate needs more blocks than are free, STOP (break): later requests wait "
                             "too, so a big request is never overtaken forever by small ones"),
-    (dict(kv_first=True), "check the drain and the adapter cap before KV: a candidate the cap skips must not stop "
-                          "admission because it would not fit"),
     (dict(base_free=True), "the base model (uid None) takes a slot like any adapter: count None among the distinct "
                            "uids"),
     (dict(none_ignored=True), "None is a real uid (the base model): when drain_active is True and draining is None, "
@@ -316,13 +319,13 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     ids = [r[0] for r in case.args[0]]
     if any(g not in ids for g in got):
         return "return the seq_ids of the admitted candidates (ints from the waiting list), not candidates or uids"
-    if sorted(got) == sorted(expected):
-        return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
-                "resident uids first, each part in arrival order)")
     for flags, msg in _ADMIT_MISTAKES:
         value = _admit_variant(*case.args, **flags)
         if got == value and value != expected:
             return msg
+    if sorted(got) == sorted(expected):
+        return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
+                "resident uids first, each part in arrival order)")
     running, cap = case.args[1], case.args[3]
     if len(running) != len(set(running)) and got != expected:
         return "the cap counts DISTINCT uids: a uid running twice takes one slot"
@@ -408,8 +411,9 @@ def _drain_draw(rng: random.Random, name: str) -> Case:
 
 
 def _drain_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [(0, rng.randint(0, 5)), (rng.randint(1, 3), -rng.randint(1, 5))]
     return _drain_families(rng, "family") + [_drain_draw(rng, f"random_{i}") for i in range(12)] + [
-        _drain_case("random_bad_limits", [_w(1, "c", 9)], [("a", 3)], *rng.choice([(0, 3), (2, -rng.randint(1, 5))]))]
+        _drain_case(f"random_bad_limits_{k}", [_w(1, "c", 9)], [("a", 3)], *b) for k, b in enumerate(bad)]
 
 
 def _drain_variant(rows, pairs, cap, threshold, **wrong):
@@ -429,7 +433,7 @@ def _drain_variant(rows, pairs, cap, threshold, **wrong):
         return (True, min(remaining, key=lambda x: (remaining[x], str(x))))
     if wrong.get("last"):
         return (True, max(remaining, key=lambda x: (-remaining[x], uid_sort_key(x))))
-    return choose_drain([Candidate(*r) for r in rows], remaining, cap, threshold)
+    return (True, min(remaining, key=lambda x: (remaining[x], uid_sort_key(x))))
 
 
 _DRAIN_MISTAKES = [
@@ -439,12 +443,13 @@ _DRAIN_MISTAKES = [
                         "free slot the starving request is admitted without a drain"),
     (dict(uid_ignored=True), "a waiting request whose uid is already running is not starved by the cap (it can "
                              "join its adapter's slot): only uids not in running_remaining count"),
-    (dict(most=True), "drain the running uid whose requests finish SOONEST (the smallest remaining), not the one "
-                      "with the most left"),
+    (dict(as_text=True), "ties go by uid_sort_key (ints compare by value, base first), not by the uids as text"),
     (dict(insertion=True), "ties on the remaining tokens go by uid_sort_key (base first, then type name, then "
                            "value), not by the dict's insertion order"),
-    (dict(as_text=True), "ties go by uid_sort_key (ints compare by value, base first), not by the uids as text"),
     (dict(last=True), "ties go to the SMALLEST uid_sort_key (base first)"),
+    # last: on a tie, the most-loaded uid is also the largest uid_sort_key
+    (dict(most=True), "drain the running uid whose requests finish SOONEST (the smallest remaining), not the one "
+                      "with the most left"),
 ]
 
 
@@ -470,8 +475,9 @@ def _drain_hint(case: Case, expected, got) -> Optional[str]:
 def _route_case(name, key, loads, vnodes, cf, replicas=None) -> Case:
     args = [key, list(loads), vnodes, cf] + ([] if replicas is None else [replicas])
     walk = ring_walk(key, len(loads), vnodes) if loads and vnodes >= 1 else "-"
+    bound = f"; bound ceil({cf} * ({sum(loads)} + 1) / {len(loads)}) = {_bound(loads, cf)}" if loads else ""
     describe = (f"adapter_key {key!r}, loads {list(loads)}, vnodes {vnodes}, capacity_factor {cf}"
-                f"{'' if replicas is None else f', replicas {replicas}'} (ring_walk of the key: {walk})")
+                f"{'' if replicas is None else f', replicas {replicas}'} (ring_walk of the key: {walk}{bound})")
     return Case(name, args, describe, op="exact")
 
 
@@ -495,15 +501,15 @@ def _wrapping_key(rng: random.Random, n: int, vnodes: int):
 
 
 def _plus_one_loads(rng: random.Random, key, n, vnodes, cf):
-    """Loads whose first instance of the walk is one below the bound, where the bound without the
-    request's own +1 would call it full."""
+    """Loads whose first instance of the walk is one below the bound (and at least 1), where the
+    bound without the request's own +1 (even floored at 1) would call it full."""
     walk = ring_walk(key, n, vnodes)
     for _ in range(500):
         loads = [rng.randint(0, 6) for _ in range(n)]
         for v in range(0, 30):
             loads[walk[0]] = v
             b = _bound(loads, cf)
-            if v == b - 1 and math.ceil(cf * sum(loads) / n) <= v and _bounds_agree(loads, cf):
+            if v >= 1 and v == b - 1 and math.ceil(cf * sum(loads) / n) <= v and _bounds_agree(loads, cf):
                 return loads
     raise RuntimeError("no loads found")  # pragma: no cover
 
@@ -520,20 +526,31 @@ def _tie(n: int, vnodes: int, higher: bool, prefix: str = "tie"):
 
 
 def _wrap_replica_case(rng: random.Random, n: int, vnodes: int):
-    """(key, loads, vnodes, capacity_factor, replicas) for a key after which only ONE instance has
-    ring points: its second instance comes from the wrap, and is the lighter of two replicas."""
+    """(key, loads, vnodes, capacity_factor, replicas) for a key after which every instance but one
+    has a ring point: that one comes only from the wrap, last in the walk, and is the least loaded."""
     points = sorted((stable_hash((i, v)), i) for i in range(n) for v in range(vnodes))
     base = rng.randrange(10**6)
     for k in range(10**6):
         key = f"adapter-{base + k}"
         at = stable_hash(key)
-        after = {i for p, i in points if p >= at}
-        if len(after) == 1:
+        if len({i for p, i in points if p >= at}) == n - 1:
             w = ring_walk(key, n, vnodes)
-            loads = [3] * n
-            loads[w[0]], loads[w[1]] = 2, 0
-            return key, loads, vnodes, 2.0, 2
+            loads = [1] * n
+            loads[w[0]], loads[w[-1]] = 2, 0
+            return key, loads, vnodes, 2.0, n
     raise RuntimeError("no key found")  # pragma: no cover
+
+
+def _at_bound_loads(rng: random.Random, key, n, vnodes, cf):
+    """Loads whose first instance of the walk is exactly at the bound (full), the others below it."""
+    walk = ring_walk(key, n, vnodes)
+    for _ in range(500):
+        loads = [rng.randint(0, 3) for _ in range(n)]
+        for v in range(0, 30):
+            loads[walk[0]] = v
+            if v == _bound(loads, cf) and _bounds_agree(loads, cf):
+                return loads
+    raise RuntimeError("no loads found")  # pragma: no cover
 
 
 def _route_edge() -> list[Case]:
@@ -562,6 +579,8 @@ def _route_edge() -> list[Case]:
         c("first_of_the_walk_one_below_the_bound", k4, _plus_one_loads(random.Random(1), k4, 4, 8, 1.0), 8, 1.0, 1),
         c("one_below_the_bound_factor_1_25", "chat@2", _plus_one_loads(random.Random(2), "chat@2", 4, 8, 1.25), 8,
           1.25, 1),
+        c("first_of_the_walk_exactly_at_the_bound", k4, _at_bound_loads(random.Random(4), k4, 4, 8, 1.0), 8, 1.0, 1),
+        c("at_the_bound_factor_1_5", "chat@2", _at_bound_loads(random.Random(5), "chat@2", 4, 8, 1.5), 8, 1.5, 1),
         c("bound_with_factor_2", k4, [6, 0, 0, 0], 8, 2.0, 1),
         c("a_large_factor_keeps_the_key_home", k4, [40, 0, 7, 3], 8, 64.0, 1),
         c("the_walk_wraps_past_the_last_point", *_wrap_replica_case(random.Random(3), 3, 2)),
@@ -603,6 +622,7 @@ def _route_families(rng: random.Random, tag: str) -> list[Case]:
     cases = [
         c(f"{tag}_idle", key, [0] * n, vn, cf, 1),
         c(f"{tag}_plus_one", key, _plus_one_loads(rng, key, n, vn, cf), vn, cf, 1),
+        c(f"{tag}_at_the_bound", key, _at_bound_loads(rng, key, n, vn, cf), vn, cf, 1),
         c(f"{tag}_replicas_lighter_second", key, two, vn, 2.0, 2),
         c(f"{tag}_replicas_tie_higher_index_first", tie_hi_key, tie_hi, vn, 2.0, 2),
         c(f"{tag}_replicas_tie_lower_index_first", tie_lo_key, tie_lo, vn, 2.0, 2),
@@ -626,9 +646,10 @@ def _route_draw(rng: random.Random, name: str) -> Case:
 
 
 def _route_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [([], 4, 1.5, 1), ([1, 2], 4, rng.choice([0.5, 0.99]), 1), ([1, 2], 4, 1.5, 0),
+           ([rng.randint(0, 3), -rng.randint(1, 3)], 4, 1.5, 1), ([1, 2], 0, 1.5, 1)]
     return _route_families(rng, "family") + [_route_draw(rng, f"random_{i}") for i in range(14)] + [
-        _route_case("random_bad_arguments", "k", *rng.choice([([], 4, 1.5, 1), ([1, 2], 4, 0.5, 1), ([1, 2], 4, 1.5, 0),
-                                                                 ([3, -2], 4, 1.5, 1), ([1, 2], 0, 1.5, 1)]))]
+        _route_case(f"random_bad_arguments_{k}", f"k{rng.randrange(99)}", *b) for k, b in enumerate(bad)]
 
 
 def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
@@ -639,8 +660,10 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         walk = list(dict.fromkeys(i for p, i in points if p >= stable_hash(key)))
     if wrong.get("by_index"):
         walk = list(range(n))
-    s = sum(loads) + (0 if wrong.get("no_plus_one") else 1)
+    s = sum(loads) + (0 if wrong.get("no_plus_one") or wrong.get("patched") else 1)
     bound = math.inf if wrong.get("no_bound") else math.ceil(cf * s / n)
+    if wrong.get("patched"):
+        bound = max(bound, 1)
     if wrong.get("le"):
         bound += 1
     reps = 1 if wrong.get("no_replicas") else replicas
@@ -664,18 +687,20 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
 _ROUTE_MISTAKES = [
     (dict(no_plus_one=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
                              "load AFTER it is placed"),
+    (dict(patched=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
+                         "load AFTER it is placed (then it is never 0, and no floor of 1 is needed)"),
     (dict(le=True), "an instance is open while loads[i] < bound (strictly): at the bound it is full"),
     (dict(no_bound=True), "skip the instances at or over the bound: without it a hot adapter overloads its home"),
     (dict(least_loaded=True), "follow the key's walk round the ring (consistent hashing), not the least loaded "
                               "instance overall: a key must keep its instance while it has room"),
-    (dict(no_wrap=True), "the walk wraps round the ring: use ring_walk (a key past the last point starts at the "
-                         "first)"),
-    (dict(by_index=True), "walk the instances in ring_walk(adapter_key, ...) order, not 0, 1, 2, ..."),
     (dict(no_replicas=True), "with replicas > 1 the candidates are the first `replicas` open instances of the walk; "
                              "return the least loaded of them"),
     (dict(first=True), "among the candidates (open[:replicas]) return the one with the SMALLEST load"),
     (dict(slice_first=True), "filter by the bound first, then take [:replicas]: a full instance does not use up a "
                              "replica"),
+    (dict(no_wrap=True), "the walk wraps round the ring: use ring_walk (a key past the last point starts at the "
+                         "first)"),
+    (dict(by_index=True), "walk the instances in ring_walk(adapter_key, ...) order, not 0, 1, 2, ..."),
     (dict(tie_high=True), "ties go to the earliest candidate in the walk, not the highest instance index"),
     (dict(tie_low=True), "ties go to the earliest candidate in the WALK, not the lowest instance index"),
 ]
