@@ -62,6 +62,10 @@ POINTS: dict[str, dict[str, float]] = {
     "ch10.2": dict(_STANDARD),
     "ch10.3": dict(_STANDARD),
     "ch10.4": dict(_STANDARD),
+    "ch11.1": dict(_STANDARD),
+    "ch11.2": dict(_STANDARD),
+    "ch11.3": dict(_STANDARD),
+    "ch11.4": dict(_STANDARD),
 }
 
 

@@ -54,4 +54,8 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch10.2": ("reference.tp_lora:fully_sharded_A", "reference.tp_lora:_fully_sharded_A"),
     "ch10.3": ("reference.tp_lora:row_parallel_lora", "reference.tp_lora:_per_token", "reference.tp_lora:_expand_rows"),
     "ch10.4": ("reference.tp_lora:fully_sharded_column_lora",),
+    "ch11.1": ("reference.engine.policies:block_hashes",),
+    "ch11.2": ("reference.engine.policies:admit_requests",),
+    "ch11.3": ("reference.engine.policies:choose_drain",),
+    "ch11.4": ("reference.engine.policies:route",),
 }

@@ -27,9 +27,10 @@ ORDER = ["ch01.1", "ch01.2", "ch01.3", "ch01.4", "ch01.5", "ch01.6",
          "ch03.1", "ch03.2", "ch03.3", "ch04.1", "ch04.2", "ch04.3", "ch04.4",
          "ch05.1", "ch05.2", "ch05.3", "ch05.4", "ch05.5",
          "ch06.1", "ch06.2", "ch06.3", "ch06.4", "ch07.1", "ch07.2", "ch07.3", "ch08.1", "ch08.2", "ch08.3",
-         "ch08.4", "ch09.1", "ch09.2", "ch09.3", "ch09.4", "ch09.5", "ch10.1", "ch10.2", "ch10.3", "ch10.4"]
+         "ch08.4", "ch09.1", "ch09.2", "ch09.3", "ch09.4", "ch09.5", "ch10.1", "ch10.2", "ch10.3", "ch10.4",
+         "ch11.1", "ch11.2", "ch11.3", "ch11.4"]
 EXPECTED = {
-    "all_correct":        [3] * 47,
+    "all_correct":        [3] * 51,
     # plausible_mistakes is built from the mutant catalogue (one `plausible=True` mutant per exercise,
     # tests/mutants/chNN.py); every exercise now has one, and the case design rule (every clause, both
     # sides of every error, every layout, tile-crossing sizes in every draw) makes each lose all three
@@ -43,8 +44,11 @@ EXPECTED = {
     # ch09: expert-major virtual ids, padding with -1, down reading token rows, global ids kept, B read
     # in blocks like A. ch10: a replicated kv head chosen by rank % heads (every draw has a rank where
     # that differs from rank // (tp / heads)), parts read at the max rank, the shrink output not
-    # reduced, the gathered pieces in rank order (every draw has packed parts).
-    "plausible_mistakes": [0] * 47,
+    # reduced, the gathered pieces in rank order (every draw has packed parts). ch11: the adapter left
+    # out of the block key, a KV shortfall skipped instead of stopping admission, the most-loaded adapter
+    # drained, the routing bound without the request's own +1 (floored at 1; every draw has an instance
+    # one below the bound).
+    "plausible_mistakes": [0] * 51,
     # raises; hangs; returns str; int64; wrong shape; os._exit; NaN; patches torch; patches graders
     # during the call; patches graders at top level (ch02.8) and so forges ch02.8-ch02.9 in the kernel;
     # Triton: a kernel that writes nothing; a launch with an argument missing; ch03.3 left as the stub;
@@ -57,8 +61,10 @@ EXPECTED = {
     # ch09: a nested list; a 2-tuple; a wrong tensor returned without touching out; raises; a generator
     # ch10: widths as a list of lists; the whole buffer returned; a rank that os._exit()s before the
     # all-reduce; ranks returning different kinds of things
+    # ch11: a generator of keys; Candidates returned (and the caller's list sorted); the victim popped
+    # from the caller's dict and returned alone; an instance's name for its index
     "broken_code":        [0, 3, 3, 0, 0, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
 }
 
 

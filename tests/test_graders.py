@@ -48,7 +48,10 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   "ch09.3": ("reference.moe_lora", "fused_moe_lora_torch"),
                   # graded in real ranks; the Exercise's reference is the graders' one-process simulation
                   "ch10.3": ("reference.tp_lora", "row_parallel_lora"),
-                  "ch10.4": ("reference.tp_lora", "fully_sharded_column_lora")}
+                  "ch10.4": ("reference.tp_lora", "fully_sharded_column_lora"),
+                  # Candidates built by a driver: the reference function under its own name
+                  "ch11.2": ("reference.engine.policies", "admit_requests"),
+                  "ch11.3": ("reference.engine.policies", "choose_drain")}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))

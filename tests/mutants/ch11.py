@@ -1,0 +1,152 @@
+"""Wrong answers for chapter 11 (block keys, admission, the drain, routing), each the solution cell with
+one realistic edit (graders.mutation.Mutant).
+
+ch11.1: no chaining, the adapter left out of the key (the chapter's unsafe key), the partial last
+block hashed, the last full block dropped, Python's hash() instead of stable_hash, the block as a
+list, a concatenated string, no check of a negative block size. ch11.2: no warm-first order, only
+resident (not running) uids warm, break instead of skip on the cap, skip instead of break on KV, KV
+checked before the cap, the base not counted, None never drained, the drain flag ignored, free
+blocks not decremented, one admission too many. ch11.3: >= instead of >, the cap check missing, a
+running uid counted as starving, the most-loaded adapter drained, ties by insertion order, ties by
+the uid's text, no threshold check. ch11.4: the bound without the +1, <= instead of <, a walk without
+wrap-around, replicas ignored (the same function as returning the first open instance), ties to the
+highest index, ties to the lowest index, no load check.
+"""
+from graders.mutation import Mutant
+
+_HASH = "        parent = stable_hash((parent, adapter_id, block))\n"
+_CAP = ("        if len(chosen | {c.uid}) > max_loras_per_batch:\n"
+        "            continue\n")
+_KV = ("        if c.blocks_needed > free_blocks:\n"
+       "            break\n")
+_TIE = "    victim = min(running_remaining, key=lambda u: (running_remaining[u], uid_sort_key(u)))\n"
+_PICK = "    return min(candidates, key=lambda i: (loads[i], candidates.index(i)))\n"
+
+MUTANTS = [
+    # ch11.1 block_hashes
+    Mutant("ch11.1", "adapter-left-out",
+           ((_HASH, "        parent = stable_hash((parent, block))\n"),),
+           "the adapter's uid belongs in every key", "clause", plausible=True),
+    Mutant("ch11.1", "no-chaining",
+           ((_HASH, "        parent = stable_hash((None, adapter_id, block))\n"),),
+           "chain the keys", "clause"),
+    Mutant("ch11.1", "partial-last-block-hashed",
+           (("    for start in range(0, len(token_ids) - block_size + 1, block_size):\n",
+             "    for start in range(0, len(token_ids), block_size):\n"),),
+           "hash FULL blocks only", "clause"),
+    Mutant("ch11.1", "last-full-block-dropped",
+           (("    for start in range(0, len(token_ids) - block_size + 1, block_size):\n",
+             "    for start in range(0, len(token_ids) - block_size, block_size):\n"),),
+           "the last full block needs its key too", "clause"),
+    Mutant("ch11.1", "python-hash",
+           ((_HASH, "        parent = hash((parent, adapter_id, block))\n"),),
+           "PYTHONHASHSEED", "math"),
+    Mutant("ch11.1", "block-as-a-list",
+           (("        block = tuple(token_ids[start:start + block_size])\n",
+             "        block = list(token_ids[start:start + block_size])\n"),),
+           "hash the block as a tuple", "layout"),
+    Mutant("ch11.1", "concatenated-string",
+           ((_HASH, "        parent = stable_hash(f\"{parent}{adapter_id}{block}\")\n"),),
+           "not a concatenated string", "math"),
+    Mutant("ch11.1", "only-zero-block-size-refused",
+           (("    if block_size < 1:\n", "    if block_size == 0:\n"),),
+           "negative_block_size_raises_value_error", "error"),
+
+    # ch11.2 admit_requests
+    Mutant("ch11.2", "skip-instead-of-break-on-kv",
+           ((_KV, "        if c.blocks_needed > free_blocks:\n            continue\n"),),
+           "STOP (break)", "clause", plausible=True),
+    Mutant("ch11.2", "arrival-order-only",
+           (("    order = sorted(waiting, key=lambda c: c.uid not in warm)  # stable: arrival order in each part\n",
+             "    order = list(waiting)\n"),),
+           "running or resident", "clause"),
+    Mutant("ch11.2", "only-resident-is-warm",
+           (("    warm = set(running_uids) | set(resident_uids)\n", "    warm = set(resident_uids)\n"),),
+           "RUNNING is warm too", "clause"),
+    Mutant("ch11.2", "break-on-the-cap",
+           ((_CAP, "        if len(chosen | {c.uid}) > max_loras_per_batch:\n            break\n"),),
+           "skipped, not a reason to stop", "clause"),
+    Mutant("ch11.2", "kv-checked-before-the-cap",
+           ((_CAP + _KV, _KV + _CAP),),
+           "before KV", "clause"),
+    Mutant("ch11.2", "base-not-counted",
+           (("        if len(chosen | {c.uid}) > max_loras_per_batch:\n",
+             "        if len({u for u in chosen | {c.uid} if u is not None}) > max_loras_per_batch:\n"),),
+           "takes a slot like any adapter", "clause"),
+    Mutant("ch11.2", "none-never-drained",
+           (("        if drain_active and c.uid == draining:\n",
+             "        if draining is not None and c.uid == draining:\n"),),
+           "None is a real uid", "state"),
+    Mutant("ch11.2", "drain-flag-ignored",
+           (("        if drain_active and c.uid == draining:\n", "        if c.uid == draining:\n"),),
+           "only while drain_active is True", "state"),
+    Mutant("ch11.2", "free-blocks-not-decremented",
+           (("        free_blocks -= c.blocks_needed\n", ""),),
+           "subtract each admitted", "state"),
+    Mutant("ch11.2", "one-admission-too-many",
+           (("        if len(admitted) == max_new_seqs:\n", "        if len(admitted) > max_new_seqs:\n"),),
+           "one too many", "clause"),
+    Mutant("ch11.2", "negative-free-blocks-accepted",
+           (("    if max_loras_per_batch < 1 or free_blocks < 0 or max_new_seqs < 0:\n",
+             "    if max_loras_per_batch < 1 or max_new_seqs < 0:\n"),),
+           "negative_free_blocks_raises_value_error", "error"),
+
+    # ch11.3 choose_drain
+    Mutant("ch11.3", "most-loaded-drained",
+           ((_TIE, "    victim = max(running_remaining, key=lambda u: (running_remaining[u], uid_sort_key(u)))\n"),),
+           "SOONEST", "math", plausible=True),
+    Mutant("ch11.3", "waited-at-the-threshold-starves",
+           (("    if not any(c.waited > threshold and c.uid not in running_remaining for c in waiting):\n",
+             "    if not any(c.waited >= threshold and c.uid not in running_remaining for c in waiting):\n"),),
+           "(strictly)", "clause"),
+    Mutant("ch11.3", "no-cap-check",
+           (("    if len(running_remaining) < max_loras_per_batch:\n        return False, None\n", ""),),
+           "while the slots are full", "clause"),
+    Mutant("ch11.3", "running-uid-counted-as-starving",
+           (("    if not any(c.waited > threshold and c.uid not in running_remaining for c in waiting):\n",
+             "    if not any(c.waited > threshold for c in waiting):\n"),),
+           "already running is not starved", "clause"),
+    Mutant("ch11.3", "ties-by-insertion-order",
+           ((_TIE, "    victim = min(running_remaining, key=running_remaining.get)\n"),),
+           "not by the dict's insertion order", "clause"),
+    Mutant("ch11.3", "ties-by-text",
+           ((_TIE, "    victim = min(running_remaining, key=lambda u: (running_remaining[u], str(u)))\n"),),
+           "not by the uids as text", "clause"),
+    Mutant("ch11.3", "negative-threshold-accepted",
+           (("    if threshold < 0 or max_loras_per_batch < 1:\n", "    if max_loras_per_batch < 1:\n"),),
+           "negative_threshold_raises_value_error", "error"),
+
+    # ch11.4 route
+    Mutant("ch11.4", "bound-without-the-plus-one",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    bound = math.ceil(capacity_factor * sum(loads) / len(loads))\n"),),
+           "min() arg is an empty sequence", "math"),
+    Mutant("ch11.4", "bound-without-the-plus-one-floored-at-1",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    bound = max(1, math.ceil(capacity_factor * sum(loads) / len(loads)))\n"),),
+           "the load AFTER it is placed", "math", plausible=True),
+    Mutant("ch11.4", "open-at-the-bound",
+           (("    candidates = [i for i in walk if loads[i] < bound][:replicas]\n",
+             "    candidates = [i for i in walk if loads[i] <= bound][:replicas]\n"),),
+           "(strictly)", "clause"),
+    Mutant("ch11.4", "walk-without-wrap-around",
+           (("    walk = ring_walk(adapter_key, len(loads), vnodes)\n",
+             "    from reference.engine.policies import stable_hash\n"
+             "    points = sorted((stable_hash((i, v)), i) for i in range(len(loads)) for v in range(vnodes))\n"
+             "    walk = list(dict.fromkeys(i for p, i in points if p >= stable_hash(adapter_key)))\n"),),
+           "the walk wraps round the ring", "layout"),
+    Mutant("ch11.4", "replicas-ignored",
+           (("    candidates = [i for i in walk if loads[i] < bound][:replicas]\n",
+             "    candidates = [i for i in walk if loads[i] < bound][:1]\n"),),
+           "the first `replicas` open instances", "clause"),
+    Mutant("ch11.4", "ties-to-the-highest-index",
+           ((_PICK, "    return min(candidates, key=lambda i: (loads[i], -i))\n"),),
+           "not the highest instance index", "clause"),
+    Mutant("ch11.4", "ties-to-the-lowest-index",
+           ((_PICK, "    return min(candidates, key=lambda i: (loads[i], i))\n"),),
+           "not the lowest instance index", "clause"),
+    Mutant("ch11.4", "negative-load-accepted",
+           (("    if not loads or capacity_factor < 1 or replicas < 1 or min(loads) < 0:\n",
+             "    if not loads or capacity_factor < 1 or replicas < 1:\n"),),
+           "negative_load_raises_value_error", "error"),
+]

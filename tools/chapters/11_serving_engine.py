@@ -1,0 +1,630 @@
+# %% [markdown]
+# # 11 · A small multi-LoRA serving engine
+#
+# The chapters so far built the data plane: LoRA kernels, a slot pool, the batch info, CUDA graphs,
+# tensor parallelism. A server also needs a **control plane** that decides, every step, which
+# requests run, where their KV cache lives, which adapters occupy the GPU's slots, and (with several
+# engine instances) which instance a request goes to. Adapters change each of those decisions: two
+# adapters must never share KV, a batch can hold only as many distinct adapters as there are slots,
+# a popular adapter can starve a rare one, and a router that ignores adapters makes every instance
+# load every adapter. This chapter walks one request through that control plane, on the book's
+# engine in `reference/engine/` (Python ints, lists and sets only, no tensors), driven by a fake
+# model so every decision can be replayed and checked.
+#
+# **What you will learn**
+# - The engine's two planes and a request's life: waiting, running, finished; prefill, chunked
+#   prefill, decode; recompute preemption.
+# - Paged KV and the prefix cache: why a block's key is chained over the prompt and must include the
+#   adapter's uid, and what an unsafe key (tokens only) shares.
+# - Admission under the adapter cap (`max_loras_per_batch`, the base model taking a slot), resident
+#   adapters first, KV stopping in arrival order.
+# - Starvation and SGLang's drain: a trace where a rare adapter waits forever, and the same trace
+#   with the drain.
+# - Routing across instances: consistent hashing with bounded load, replicas for hot adapters, and
+#   what it saves against round robin on a Zipf trace.
+#
+# **Exercises**: ch11.1 `block_hashes`, ch11.2 `admit_requests`, ch11.3 `choose_drain`, ch11.4
+# `route`. All four are pure functions of host values: the scheduler, the block manager and the
+# router call them, and the graders replay them.
+
+# %%
+import random
+import statistics
+
+import reference  # first: device choice
+
+import graders
+from reference.engine import policies
+from reference.engine.block_manager import BlockManager
+from reference.engine.scheduler import Scheduler, SchedulerConfig
+from reference.engine.sequence import SamplingParams, Sequence, SeqStatus
+
+V = 97  # the fake model's vocabulary
+
+
+def fake_next(tokens, uid) -> int:
+    """The fake model: its next token is a function of the whole sequence and of the adapter, so a
+    scheduling mistake that loses, repeats or reorders a token changes the output."""
+    h = policies.stable_hash(uid) % 3
+    for t in tokens:
+        h = (h * 31 + t + 7) % 1_000_003
+    return h % V
+
+
+def step(sched):
+    """One engine step: schedule, 'run the model' on every sequence that reached its last token, record."""
+    kind, work = sched.schedule()
+    next_tokens = {w.seq.seq_id: fake_next(w.seq.tokens, w.seq.uid) for w in work if w.end == w.seq.num_tokens}
+    sched.postprocess(work, next_tokens)
+    return kind, work
+
+# %% [markdown]
+# ## 1. Two planes, and a request's life
+#
+# nano-vllm's split, which this book follows from chapter 02 on:
+#
+# - the **data plane** is tensors only: the model's forward, the LoRA kernels, the KV cache. It
+#   never sees a uid or a policy;
+# - the **control plane** is host values only: the adapter registry and slot pool (chapter 05), the
+#   block manager (which KV blocks a sequence owns), the scheduler (which sequences run this step and
+#   what each computes) and, above several engines, the router. It never sees a tensor.
+#
+# One struct crosses per step: the scheduler's list of `Work(seq, start, end)` ("compute
+# `tokens[start:end]` of this sequence"), from which the engine builds the batch info of chapter 07.
+#
+# A request (`Sequence`) is **waiting** until the scheduler admits it, then **running** until it
+# finishes (a stop token or `max_new_tokens`). Each step is one of two kinds (nano-vllm's rule:
+# prefill first):
+#
+# - a **prefill** step computes prompts: first the rest of prompts that were only partly computed,
+#   then newly admitted ones, within `max_num_batched_tokens` tokens. A prompt longer than what is
+#   left of that budget is computed in pieces over several steps: **chunked prefill**;
+# - a **decode** step, when nothing is left to prefill, computes one token for every running sequence.
+#
+# When a decoding sequence needs a new KV block and none is free, the most recently admitted one is
+# **preempted**: its blocks are freed and it goes back to the front of the waiting queue, to be
+# recomputed later (vLLM's recompute preemption). Three requests, a token budget of 8 and a KV cache
+# of 6 blocks of 4 positions:
+
+# %%
+config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_loras_per_batch=2)
+sched = Scheduler(config, BlockManager(num_blocks=6, block_size=4))
+prompts = {0: (list(range(1, 14)), "sql@1"), 1: ([5, 6, 7], "sql@1"), 2: ([9, 9], None)}
+seqs = [Sequence(seq_id, prompt, uid, SamplingParams(max_new_tokens=6)) for seq_id, (prompt, uid) in prompts.items()]
+for seq in seqs:
+    sched.add(seq)
+print("prompt lengths:", {i: len(p) for i, (p, _) in prompts.items()})
+n = 0
+while sched.has_unfinished():
+    kind, work = step(sched)
+    n += 1
+    done = ", ".join(f"seq {w.seq.seq_id} [{w.start}:{w.end})" for w in work)
+    print(f"step {n:2d} {kind:7s} {done:52s} free blocks {sched.blocks.num_free}")
+kinds = [e[0] for e in sched.events]
+print("preemptions:", kinds.count("preempt"), "| finished:", [e[1:] for e in sched.events if e[0] == "finish"])
+
+
+def alone(prompt, uid, max_new_tokens=6):
+    """The same request generated on its own, one token at a time."""
+    out = []
+    while len(out) < max_new_tokens:
+        out.append(fake_next(prompt + out, uid))
+    return out
+
+
+print("every output equal to generating its request alone:", all(s.output == alone(s.prompt, s.uid) for s in seqs))
+
+# %% [markdown]
+# The 13-token prompt of sequence 0 took two prefill steps (`[0:8)` then `[8:13)`); sequence 1 was
+# admitted in the second step, beside the rest of sequence 0, within the budget. When the six blocks
+# ran out during decode, the most recently admitted sequences were preempted and later recomputed
+# (the prefill steps after the first decodes). Every output is still the one the fake model gives
+# each request alone: chunking and preemption change when tokens are computed, never what they are
+# (tests/test_engine_control.py checks this over seeded traces).
+
+# %% [markdown]
+# ## 2. Paged KV and the prefix cache
+#
+# The KV cache is a pool of fixed-size **blocks** (vLLM's PagedAttention); a sequence owns a block
+# table, block `j` holding positions `[j B, (j+1) B)`. Requests that start with the same tokens (a
+# system prompt, a few-shot header) can share the blocks of that prefix instead of computing them
+# again: the **prefix cache** finds a block by a key of its contents, and a sequence whose first
+# blocks' keys are cached takes those blocks (reference counted) and starts computing after them.
+#
+# What must the key contain? Everything the block's KV depends on:
+#
+# - **every token before it**, not just its own: the K and V of a token are computed from its whole
+#   prefix (attention). So the key is **chained**: `h[i] = hash(h[i-1], ..., block i's tokens)`;
+# - **the adapter**: LoRA on q, k and v changes K and V themselves, so the same tokens under two
+#   adapters have different KV. The key includes the adapter's **uid**, not its display name: a name
+#   re-registered with new weights gets a new uid and never hits the old version's blocks;
+# - only **full** blocks get a key: a trailing partial block's KV is still being written.
+#
+# The hash itself must be the same in every process (a router, two engines, a grader and its child):
+# Python's `hash` of a string changes with `PYTHONHASHSEED`, so `policies.stable_hash` hashes the
+# `repr` with blake2b instead. And a key is registered only once every position of its block has
+# been computed, so a hit never reads KV that a chunked prefill has yet to write.
+#
+# Two requests of adapter `sql@1` with a common 8-token system prompt, then a request of `chat@2`
+# with the very same prompt, through `BlockManager` with this key:
+
+# %%
+def computed(bm, seq):
+    """Allocate ``seq``, note the prompt tokens it found cached (``seq.hit``), and mark its whole
+    prompt as computed (as a finished prefill would)."""
+    bm.allocate(seq)
+    seq.hit = seq.num_computed
+    seq.num_computed = seq.num_tokens
+    bm.mark_computed(seq)
+    return seq
+
+
+system = [11, 12, 13, 14, 15, 16, 17, 18]
+bm = BlockManager(num_blocks=16, block_size=4)
+a = computed(bm, Sequence(0, system + [21, 22, 23], "sql@1", SamplingParams()))
+b = computed(bm, Sequence(1, system + [31, 32], "sql@1", SamplingParams()))
+c = computed(bm, Sequence(2, system + [21, 22, 23], "chat@2", SamplingParams()))
+print("block tables:", {s.uid + f"#{s.seq_id}": s.block_table for s in (a, b, c)})
+print(f"sql@1 #1 reused {b.hit} prompt tokens of #0; chat@2 reused {c.hit}")
+
+# %% [markdown]
+# The second `sql@1` request shares the two blocks of the system prompt; `chat@2` shares nothing.
+# With an **unsafe key**, the tokens alone (here: every block keyed as if under one adapter), the
+# `chat@2` request finds `sql@1`'s blocks and attends over KV that `sql@1`'s LoRA computed:
+
+# %%
+def tokens_only(token_ids, adapter_id, block_size):
+    return policies.block_hashes(token_ids, None, block_size)  # the adapter left out of the key
+
+
+unsafe = BlockManager(num_blocks=16, block_size=4, hash_fn=tokens_only)
+a2 = computed(unsafe, Sequence(0, system + [21, 22, 23], "sql@1", SamplingParams()))
+c2 = computed(unsafe, Sequence(2, system + [21, 22, 23], "chat@2", SamplingParams()))
+shared = sorted(set(a2.block_table) & set(c2.block_table))
+print(f"unsafe key: chat@2 reused {c2.hit} tokens; blocks shared with sql@1: {shared}")
+print("safe key:   blocks shared between sql@1 and chat@2:", sorted(set(a.block_table) & set(c.block_table)))
+
+# %% [markdown]
+# Nothing crashes and the hit rate even looks better; the outputs of `chat@2` are silently computed
+# from another adapter's keys and values. And without chaining, a block equal to another in its own
+# tokens but after a different prefix would collide:
+
+# %%
+p1, p2 = [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 9, 9, 9, 9]
+unchained = [[policies.stable_hash((None, "sql@1", tuple(p[i:i + 4]))) for i in (0, 4)] for p in (p1, p2)]
+print("unchained second-block keys equal:", unchained[0][1] == unchained[1][1])
+print("chained second-block keys equal:  ", policies.block_hashes(p1, "sql@1", 4)[1] == policies.block_hashes(p2, "sql@1", 4)[1])
+
+# %% [markdown]
+# ### Exercise ch11.1: `block_hashes`
+#
+# Write `block_hashes(token_ids, adapter_id, block_size)`: the prefix-cache key of every **full**
+# block of `token_ids` (a sequence of ints) under the adapter with uid `adapter_id` (None is the base
+# model), as a list of ints:
+#
+# ```
+# h[-1] = None
+# h[i]  = stable_hash((h[i-1], adapter_id, tuple(token_ids[i*B:(i+1)*B])))   for each full block i
+# ```
+#
+# with `stable_hash` from `reference.engine.policies` (imported in the cell). A trailing partial
+# block has no key. Raise `ValueError` when `block_size < 1`. Example: block size 2, tokens
+# `[5, 6, 7]` give one key, `stable_hash((None, adapter_id, (5, 6)))`.
+
+# %% exercise="ch11.1" role="answer"
+from reference.engine.policies import stable_hash
+
+
+def block_hashes(token_ids, adapter_id, block_size):
+    """The prefix-cache key of every full block, chained over (adapter uid, the block's tokens)."""
+    ### BEGIN SOLUTION
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    keys, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = tuple(token_ids[start:start + block_size])
+        parent = stable_hash((parent, adapter_id, block))
+        keys.append(parent)
+    return keys
+    ### END SOLUTION
+
+
+# %% exercise="ch11.1" role="test"
+graders.check("ch11.1", block_hashes)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch11.1")
+
+# %% [markdown]
+# ## 3. Admission: KV blocks and the adapter cap
+#
+# In a prefill step the scheduler admits waiting requests. Two resources limit it:
+#
+# - **KV blocks**: a request needs blocks for its whole prompt (fewer when its prefix is cached);
+# - **adapter slots**: the pool has `max_loras_per_batch` GPU slots (SGLang's name; vLLM's is
+#   `max_loras`), and every adapter of a running request must sit in one for the whole step. The
+#   **base model takes a slot** like any adapter (a rank-0 slot: chapter 05), so a batch of the base
+#   model and two adapters needs 3.
+#
+# `policies.admit_requests` decides, in this order:
+#
+# 1. **Warm first**: candidates whose adapter is running or resident (already in a slot) before the
+#    others, each part in arrival order (a stable sort). A warm request costs no load; a cold one may
+#    evict an adapter from its slot.
+# 2. A candidate of the **drained** adapter (section 4) is skipped.
+# 3. A candidate whose uid would push the distinct uids (running, admitted, its own) past the cap is
+#    **skipped**, and admission goes on: a later request of an adapter already in the set still fits.
+# 4. A candidate that needs more KV blocks than are free **stops** admission: later requests wait
+#    too, so a big request is never overtaken forever by small ones (the cap skips; KV stops).
+#
+# The docstring's example: two slots, the base model running, adapter `a` resident, waiting
+# `[b, a, a]`: the order is `a, a, b`; both `a` requests join, and `b` is skipped (the base, `a`
+# and `b` would need three slots):
+
+# %%
+C = policies.Candidate
+waiting = [C(0, "b", 1, 0), C(1, "a", 1, 0), C(2, "a", 1, 0)]
+print("admitted:", policies.admit_requests(waiting, [None], {"a"}, max_loras_per_batch=2, free_blocks=10,
+                                           max_new_seqs=8))
+print("KV stops, the small one behind waits:",
+      policies.admit_requests([C(0, "a", 3, 0), C(1, "a", 1, 0)], [], set(), 2, free_blocks=2, max_new_seqs=8))
+
+# %% [markdown]
+# ### Exercise ch11.2: `admit_requests`
+#
+# Write `admit_requests(waiting, running_uids, resident_uids, max_loras_per_batch, free_blocks,
+# max_new_seqs, draining=None, drain_active=False)`. `waiting` is a list of `Candidate` (fields
+# `seq_id`, `uid`, `blocks_needed`, `waited`) in arrival order; `running_uids` the uids of the running
+# requests (a list: a uid may appear more than once); `resident_uids` a set. Return the `seq_id`s of
+# the admitted candidates, in the order they are admitted:
+#
+# ```
+# order: candidates whose uid is running or resident first, then the others; each part keeps
+#        arrival order
+# for c in that order, until max_new_seqs are admitted:
+#     skip c if drain_active and c.uid == draining        (None is a real uid: the base model)
+#     skip c if the distinct uids of running_uids, the admitted ones and c.uid exceed max_loras_per_batch
+#     stop if c.blocks_needed > the blocks still free
+#     admit c (the free blocks go down by c.blocks_needed)
+# ```
+#
+# Raise `ValueError` when `max_loras_per_batch < 1`, or `free_blocks` or `max_new_seqs` is negative.
+
+# %% exercise="ch11.2" role="answer"
+def admit_requests(waiting, running_uids, resident_uids, max_loras_per_batch, free_blocks, max_new_seqs,
+                   draining=None, drain_active=False):
+    """The seq_ids of the waiting candidates that start now, in the order they are admitted."""
+    ### BEGIN SOLUTION
+    if max_loras_per_batch < 1 or free_blocks < 0 or max_new_seqs < 0:
+        raise ValueError("need max_loras_per_batch >= 1, free_blocks >= 0 and max_new_seqs >= 0")
+    warm = set(running_uids) | set(resident_uids)
+    order = sorted(waiting, key=lambda c: c.uid not in warm)  # stable: arrival order in each part
+    chosen, admitted = set(running_uids), []
+    for c in order:
+        if len(admitted) == max_new_seqs:
+            break
+        if drain_active and c.uid == draining:
+            continue
+        if len(chosen | {c.uid}) > max_loras_per_batch:
+            continue
+        if c.blocks_needed > free_blocks:
+            break
+        admitted.append(c.seq_id)
+        chosen.add(c.uid)
+        free_blocks -= c.blocks_needed
+    return admitted
+    ### END SOLUTION
+
+
+# %% exercise="ch11.2" role="test"
+graders.check("ch11.2", admit_requests)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch11.2")
+
+# %% [markdown]
+# ## 4. Starvation, and the drain
+#
+# The cap has a failure mode. Suppose two slots, a long request of adapter `b` decoding for 60
+# steps, and a hot adapter `a` whose requests keep arriving. Whenever an `a` request finishes,
+# another `a` request is already waiting, and it is warm (its adapter runs), so it is admitted first;
+# a request of a third adapter `c` can only start when `a` **or** `b` has no request left running,
+# which with this traffic does not happen. Nothing is wrong with any single decision; `c` starves.
+#
+# SGLang's `LoRADrainer` fixes it: when a waiting request has waited more than a threshold, the cap
+# (not KV) keeps it out (its adapter is not running and the slots are full), a running adapter is
+# **drained**: it takes no new requests until its running ones finish, which frees its slot for the
+# starving adapter. The adapter drained is the one whose requests finish soonest (the smallest
+# "most tokens any of its requests still has to generate"), ties broken by `uid_sort_key` (base
+# first). This book drains one adapter at a time and holds all of its requests; SGLang may drain one
+# per starving adapter and still admits a drained adapter's requests short enough to finish within
+# its remaining time.
+#
+# The trace above, through the `Scheduler` with the fake model, without a drain and with a threshold
+# of 4 steps:
+
+# %%
+def drain_trace(threshold, steps=90):
+    """Cap 2: 'b' decodes for 60 steps, a hot 'a' gets a request every 3 steps, 'c' waits for a slot.
+    Returns the scheduler and, per request, (arrival step, admission step, finish step) (None: not
+    within the trace)."""
+    sched = Scheduler(SchedulerConfig(8, 64, 2, drain_threshold=threshold), BlockManager(256, 4))
+    first = [Sequence(0, [0, 1], "a", SamplingParams(max_new_tokens=10)),
+             Sequence(100, [5, 5], "b", SamplingParams(max_new_tokens=60)),
+             Sequence(101, [7, 7], "c", SamplingParams(max_new_tokens=2))]
+    life = {}
+    for s in first:
+        sched.add(s)
+        life[s.seq_id] = [1, None, None]
+    for t in range(1, steps):
+        if t % 3 == 0:
+            sched.add(Sequence(t, [t % 50, 1], "a", SamplingParams(max_new_tokens=10)))
+            life[t] = [t, None, None]
+        seen = len(sched.events)
+        step(sched)
+        for e in sched.events[seen:]:
+            if e[0] in ("admit", "finish") and life[e[1]][1 if e[0] == "admit" else 2] is None:
+                life[e[1]][1 if e[0] == "admit" else 2] = t
+    return sched, life
+
+
+for threshold in (None, 4):
+    s, life = drain_trace(threshold)
+    arrival, admitted, finished = life[101]
+    a_waits = [adm - arr for i, (arr, adm, _) in life.items() if i not in (100, 101) and adm is not None]
+    drains = [e for e in s.events if e[0] in ("drain", "drain_end")][:2]
+    print(f"drain threshold {threshold}: 'c' admitted at step {admitted}, finished at step {finished} "
+          f"(None: not within 89 steps); 'a': {len(a_waits)} requests admitted, longest wait "
+          f"{max(a_waits)} steps; first drain events {drains}")
+
+
+# %% [markdown]
+# Without the drain `c` never runs within the trace. With it, `a` is drained (its requests have at
+# most 10 tokens left, `b`'s request 60), the new `a` requests wait while the running ones finish,
+# and once `a` has nothing running the drain ends and `c` takes its slot. The price is a longer
+# wait for some of `a`'s requests (the longest `a` wait above): a bounded wait for everyone instead
+# of an unbounded one for the rare adapter.
+
+# %% [markdown]
+# ### Exercise ch11.3: `choose_drain`
+#
+# Write `choose_drain(waiting, running_remaining, max_loras_per_batch, threshold)`. `waiting` is a
+# list of `Candidate`; `running_remaining` maps each running uid to the most tokens any of its
+# requests still has to generate. Return `(True, uid)` to drain `uid`, or `(False, None)`:
+#
+# ```
+# running = the uids of running_remaining
+# starved = the waiting candidates with waited > threshold whose uid is not running, while
+#           len(running) >= max_loras_per_batch
+# if none: (False, None)
+# else: (True, the running uid with the smallest remaining, ties broken by uid_sort_key)
+# ```
+#
+# `uid_sort_key` (from `reference.mem_pool`, imported in the cell) orders any uids: the base model
+# (None) first, then by type name, then by value. Raise `ValueError` when `threshold < 0` or
+# `max_loras_per_batch < 1`. Example: cap 2, running `{a: 30, b: 4}`, waiting `[c waited 5]`,
+# threshold 4: `(True, "b")`.
+
+# %% exercise="ch11.3" role="answer"
+from reference.mem_pool import uid_sort_key
+
+
+def choose_drain(waiting, running_remaining, max_loras_per_batch, threshold):
+    """(True, the running uid to drain) when a request starves behind the adapter cap, else (False, None)."""
+    ### BEGIN SOLUTION
+    if threshold < 0 or max_loras_per_batch < 1:
+        raise ValueError("need threshold >= 0 and max_loras_per_batch >= 1")
+    if len(running_remaining) < max_loras_per_batch:
+        return False, None
+    if not any(c.waited > threshold and c.uid not in running_remaining for c in waiting):
+        return False, None
+    victim = min(running_remaining, key=lambda u: (running_remaining[u], uid_sort_key(u)))
+    return True, victim
+    ### END SOLUTION
+
+
+# %% exercise="ch11.3" role="test"
+graders.check("ch11.3", choose_drain)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch11.3")
+
+# %% [markdown]
+# ## 5. Routing across instances
+#
+# With several engine instances (data parallelism: each a whole copy of the model with its own slot
+# pool and prefix cache), a router picks the instance of each request. Round robin balances load
+# perfectly and ignores adapters: every instance ends up serving every adapter, so each one loads
+# adapters into its slots over and over and its prefix cache holds every adapter's prompts.
+# **Consistent hashing** on the adapter keeps an adapter on one instance:
+#
+# - the ring holds `vnodes` points per instance at `stable_hash((instance, v))`; a key sits at
+#   `stable_hash(key)` and walks clockwise to the first point at or after it, **wrapping** past the
+#   last point to the first; `policies.ring_walk` lists the instances in the order the walk meets
+#   them. Adding or removing an instance moves only the keys next to its points;
+# - **bounded load** (Mirrokni, Thorup and Zadimoghaddam, 2018): an instance is full when its load
+#   reaches `ceil(capacity_factor * (sum(loads) + 1) / n)`, the average load after this request
+#   times the factor; a full instance is passed over, so a hot adapter spills to the next instances
+#   of its walk instead of overloading its home;
+# - **replicas**: a hot adapter can be given several instances, the first `replicas` open ones of its
+#   walk, and each request goes to the least loaded of them.
+
+# %%
+key = "sql@1"
+print("ring walk of", key, "over 4 instances:", policies.ring_walk(key, 4, vnodes=8))
+loads = [0, 0, 0, 0]
+placed = []
+for _ in range(12):  # one hot adapter, nothing finishing: the bound spreads it
+    bound = -(-1.25 * (sum(loads) + 1) // 4)
+    i = policies.route(key, loads, vnodes=8, capacity_factor=1.25)
+    loads[i] += 1
+    placed.append((i, int(bound)))
+print("12 requests of one adapter, (instance, bound):", placed, "-> loads", loads)
+
+# %% [markdown]
+# A small simulation: 4000 requests of 32 adapters whose popularity follows a Zipf law (adapter k
+# drawn with weight 1/(k+1)), over N = 4 simulated instances. Each request stays on its instance for
+# the next 8 arrivals (its load), and per window of 200 arrivals we count each instance's distinct
+# adapters: roughly the adapters it had to load into its slots in that window, and the prompts its
+# prefix cache must hold. Round robin against `route` (vnodes 8, capacity factor 1.25), and `route`
+# with 2 replicas for the two hottest adapters:
+
+# %%
+def simulate(choose, trace, num_instances=4, duration=8, window=200):
+    """Route ``trace`` (adapter keys, one per arrival); returns (mean distinct adapters per instance
+    per window, the largest load any instance had, requests per instance)."""
+    loads, ends, counts = [0] * num_instances, [], [0] * num_instances
+    seen, per_window, peak = [set() for _ in range(num_instances)], [], 0
+    for t, key in enumerate(trace):
+        while ends and ends[0][0] <= t:  # requests that finished by now
+            loads[ends.pop(0)[1]] -= 1
+        i = choose(key, loads, t)
+        loads[i] += 1
+        counts[i] += 1
+        peak = max(peak, loads[i])
+        ends.append((t + duration, i))
+        seen[i].add(key)
+        if (t + 1) % window == 0:
+            per_window += [len(s) for s in seen]
+            seen = [set() for _ in range(num_instances)]
+    return statistics.mean(per_window), peak, counts
+
+
+rng = random.Random(0)
+adapters = [f"adapter-{k}" for k in range(32)]
+trace = rng.choices(adapters, weights=[1 / (k + 1) for k in range(32)], k=4000)
+hot = set(adapters[:2])
+policies_compared = {
+    "round robin": lambda key, loads, t: t % len(loads),
+    "route, replicas 1": lambda key, loads, t: policies.route(key, loads, 8, 1.25),
+    "route, 2 replicas for the 2 hottest": lambda key, loads, t: policies.route(key, loads, 8, 1.25,
+                                                                                replicas=2 if key in hot else 1),
+}
+print(f"{'policy':38s} {'distinct adapters / instance / window':>38s} {'peak load':>10s}  requests per instance")
+results = {}
+for name, choose in policies_compared.items():
+    results[name] = simulate(choose, trace)
+    distinct, peak, counts = results[name]
+    print(f"{name:38s} {distinct:38.2f} {peak:10d}  {counts}")
+saving = 1 - results["route, replicas 1"][0] / results["round robin"][0]
+print(f"route cuts the distinct adapters per instance by {saving:.0%} against round robin")
+
+# %% [markdown]
+# Round robin spreads every adapter over every instance; `route` keeps most of each adapter's
+# requests on its home instance and spills the rest along its walk only when the home is full, at
+# a peak load the bound keeps close to round robin's. How many distinct adapters an instance sees
+# is what decides its slot swaps (chapter 05) and whether its prefix cache holds an adapter's
+# prompts at all (section 2). Replicas for the two hottest adapters even out the requests per
+# instance (compare the smallest count in the last column) at almost no cost in distinct adapters.
+
+# %% [markdown]
+# ### Exercise ch11.4: `route`
+#
+# Write `route(adapter_key, loads, vnodes, capacity_factor, replicas=1)`: the instance (an index
+# into `loads`, the current load of each instance) for a request of `adapter_key`:
+#
+# ```
+# walk = ring_walk(adapter_key, len(loads), vnodes)
+# bound = ceil(capacity_factor * (sum(loads) + 1) / len(loads))     (the load after this request)
+# open = [i for i in walk if loads[i] < bound]
+# candidates = open[:replicas]
+# return the candidate with the smallest load, ties to the earliest in the walk
+# ```
+#
+# `ring_walk` is given (imported in the cell). Raise `ValueError` when `loads` is empty,
+# `capacity_factor < 1`, `replicas < 1` or a load is negative (`ring_walk` raises for `vnodes < 1`).
+# With `capacity_factor >= 1`, `open` is never empty (the least loaded instance is below the
+# average, hence below the bound).
+
+# %% exercise="ch11.4" role="answer"
+import math
+
+from reference.engine.policies import ring_walk
+
+
+def route(adapter_key, loads, vnodes, capacity_factor, replicas=1):
+    """The instance for a request of adapter_key: its ring walk, bounded load, the least loaded of `replicas`."""
+    ### BEGIN SOLUTION
+    if not loads or capacity_factor < 1 or replicas < 1 or min(loads) < 0:
+        raise ValueError("need instances, capacity_factor >= 1, replicas >= 1 and loads >= 0")
+    walk = ring_walk(adapter_key, len(loads), vnodes)
+    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))
+    candidates = [i for i in walk if loads[i] < bound][:replicas]
+    return min(candidates, key=lambda i: (loads[i], candidates.index(i)))
+    ### END SOLUTION
+
+
+# %% exercise="ch11.4" role="test"
+graders.check("ch11.4", route)
+
+# %% [markdown]
+# The reference (shown once your check passed):
+
+# %%
+graders.show_reference("ch11.4")
+
+# %% [markdown]
+# ## 6. The whole engine, against PEFT
+#
+# *This section is to be filled in by the book's lead: the scheduler, the block manager and the
+# chapter 07 layers run as one engine on a tiny Llama with several PEFT adapters, its outputs
+# checked against PEFT.*
+
+# %% [markdown]
+# ## How production systems do it
+#
+# - **vLLM**: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`: the parent block's hash, the
+#   block's token ids and *extra keys*, which include the LoRA request's id, so two adapters never
+#   share a cached block; multimodal hashes and a cache salt go there too) and
+#   `vllm/v1/core/block_pool.py` (the free queue in eviction order, blocks freed tail first);
+#   `vllm/v1/core/sched/scheduler.py` (one token budget for prefill and decode, chunked prefill,
+#   recompute preemption, and a request skipped when admitting its LoRA would exceed `max_loras`).
+# - **SGLang**: `python/sglang/srt/managers/scheduler.py` (admission under `max_loras_per_batch`,
+#   the base model counted as an adapter), `python/sglang/srt/lora/lora_drainer.py` (`LoRADrainer`:
+#   starvation past a threshold while the slots are full, the running adapter with the smallest
+#   maximum remaining tokens drained), and the radix cache, whose keys carry the LoRA id as an
+#   `extra_key` so that prefixes of different adapters live in separate subtrees.
+# - **nano-vllm**: `nanovllm/engine/block_manager.py` (chained xxhash block keys, reference counts,
+#   keys registered once a block is full) and `nanovllm/engine/scheduler.py` (prefill first, then
+#   decode; preemption of the most recently admitted sequence). It serves no adapters; this book's
+#   engine is its shape with the adapter added to every decision.
+#
+# ## Summary
+#
+# - The control plane is host values only; one list of `Work(seq, start, end)` per step crosses to
+#   the data plane. Steps are prefill (chunked within a token budget) or decode; a sequence without a
+#   KV block to grow into is preempted and recomputed.
+# - A prefix-cache key is chained over every earlier block, covers full blocks only, and includes
+#   the adapter's uid: a tokens-only key shares KV between adapters without any error.
+# - Admission orders warm adapters first, skips a candidate the adapter cap keeps out (the base model
+#   takes a slot), and stops at the first that KV cannot hold.
+# - A hot adapter can starve a rare one behind the cap; draining the running adapter that finishes
+#   soonest bounds the wait.
+# - Consistent hashing with bounded load keeps each adapter on few instances (fewer distinct adapters
+#   per instance than round robin), the bound caps the load, and replicas spread a hot adapter.
+#
+# ## Review questions
+#
+# 1. An adapter `sql` is re-registered with retrained weights under the same name. What goes wrong if
+#    the block key uses the name, and what does using the uid cost the prefix cache?
+# 2. Why is a partly computed block never registered, and what would a chunked prefill of a long
+#    prompt read if it were?
+# 3. With a cap of 4 slots, the base model and three adapters are running, and the waiting queue is
+#    `[d (cold), a (running), d]`. Which are admitted, in which order, and why is `d` skipped rather
+#    than stopping admission, while a request too big for the free KV does stop it?
+# 4. The drain threshold is 0. What happens to throughput when a rare adapter's requests arrive
+#    steadily? What does a very large threshold cost?
+# 5. A router uses bounded load with `capacity_factor` 1.0. What happens to adapter locality when
+#    every instance is at the average load? What does a factor of 2 trade?
+# 6. One adapter receives half of all requests. Compare replicas 1 with a large capacity factor,
+#    replicas 1 with factor 1.25, and replicas 2: where do its requests go, and what happens to the
+#    other adapters that hash to its home instance?
