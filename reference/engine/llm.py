@@ -96,7 +96,7 @@ class LLM:
                  device: Union[str, torch.device, None] = None, policies: EnginePolicies = EnginePolicies()) -> None:
         if isinstance(model, (str, Path)):
             import transformers
-            model = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype)
+            model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model, self.config, self.policies = model.to(device).eval(), config, policies
         self.max_context = model.config.max_position_embeddings
