@@ -226,11 +226,14 @@ class LLM:
             self._token_times.setdefault(seq_id, []).append(now)
 
     def _sample(self, work: list[Work], logits: torch.Tensor, gens: dict) -> dict[int, int]:
-        tokens = {}
-        for i, w in enumerate(work):
-            if w.end == w.seq.num_tokens:
-                p = w.seq.params
-                tokens[w.seq.seq_id] = int(sample(logits[i], p.temperature, gens.get(w.seq.seq_id)))
+        rows = [i for i, w in enumerate(work) if w.end == w.seq.num_tokens]  # chunks that reached the end
+        greedy = [i for i in rows if work[i].seq.params.temperature == 0]
+        # one argmax and one device->host copy for every greedy row, not one per sequence
+        tokens = dict(zip((work[i].seq.seq_id for i in greedy), sample(logits[greedy], 0.0).tolist())) if greedy else {}
+        for i in rows:
+            seq = work[i].seq
+            if seq.params.temperature > 0:
+                tokens[seq.seq_id] = int(sample(logits[i], seq.params.temperature, gens[seq.seq_id]))
         return tokens
 
     def _collect_stats(self) -> None:
