@@ -231,3 +231,25 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(base, adap
     assert crowd[1].token_ids == alone
     with pytest.raises(ValueError):
         SamplingParams(temperature=0.5).check()  # sampling needs a seed
+
+
+def test_malformed_sampling_params_and_requests_are_refused_alone_and_the_engine_stays_usable(base, adapter_dirs):
+    llm = make_engine(base, adapter_dirs)
+    good = SamplingParams(max_new_tokens=3)
+    bad = [SamplingParams(max_new_tokens=3, stop_token_ids=28), SamplingParams(temperature=float("nan"), seed=1),
+           SamplingParams(temperature=float("inf"), seed=1), SamplingParams(temperature=0.5, seed="1"),
+           SamplingParams(max_new_tokens=2.5), SamplingParams(max_new_tokens=True)]
+    outs = llm.generate([[1, 2, 3]] * (len(bad) + 1) + [[1.7, 2.2]], bad + [good, good], lora_request=None)
+    assert all(o.error and o.token_ids == [] for o in outs[:len(bad)]), [o.error for o in outs]
+    assert outs[-1].error and "int token ids" in outs[-1].error
+    assert outs[len(bad)].error is None and len(outs[len(bad)].token_ids) == 3
+    with pytest.raises(ValueError, match="not a string"):
+        llm.generate([[1], [2]], good, lora_request="a0")
+    # an error escaping a step (here: a broken runner) leaves nothing queued or held behind
+    real = llm.runner.forward
+    llm.runner.forward = lambda work: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3]], good, lora_request=["a0"])
+    llm.runner.forward = real
+    assert not llm.scheduler.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks
+    assert llm.generate([[1, 2, 3]], good)[0].token_ids == outs[len(bad)].token_ids

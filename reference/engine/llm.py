@@ -17,6 +17,7 @@ Source: vLLM ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LoRARequest``), na
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -149,6 +150,11 @@ class LLM:
     # ---- requests --------------------------------------------------------------------------
     def _check_request(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
         params.check()
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
+            raise ValueError("a prompt is a sequence of int token ids (the engine has no tokenizer)")
         tokens = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not tokens:
@@ -161,7 +167,7 @@ class LLM:
         return tokens
 
     def _new_sequence(self, prompt, params: SamplingParams, adapter: Optional[str]) -> tuple[RequestOutput, Optional[Sequence]]:
-        out = RequestOutput(self._next_id, list(prompt), adapter)
+        out = RequestOutput(self._next_id, prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt), adapter)
         self._next_id += 1
         try:
             tokens = self._check_request(prompt, params)
@@ -185,24 +191,43 @@ class LLM:
             ValueError: ``lora_request`` or a list of ``sampling_params`` of another length than ``prompts``.
         """
         n = len(prompts)
+        if isinstance(lora_request, str):
+            raise ValueError("lora_request is one adapter name (or None) per prompt: a list, not a string")
         params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         names = [None] * n if lora_request is None else list(lora_request)
         if len(params) != n or len(names) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} lora requests")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be a SamplingParams or one per prompt")
         self._reset_step_state()
         self._t0 = time.perf_counter()
         pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
-        device = next(self.model.parameters()).device  # a generator lives where the logits are
-        gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
-                if seq is not None and seq.params.temperature > 0}
-        while self.scheduler.has_unfinished():
-            self._step(gens)
+        try:
+            device = next(self.model.parameters()).device  # a generator lives where the logits are
+            gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
+                    if seq is not None and seq.params.temperature > 0}
+            while self.scheduler.has_unfinished():
+                self._step(gens)
+        except BaseException:
+            self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
+            raise
         for out, seq in pairs:
             if seq is not None:
                 out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
                 out.token_times = self._token_times.pop(seq.seq_id, [])
         self._collect_stats()
         return [out for out, _ in pairs]
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        """Drop this call's unfinished sequences from the queues and release their blocks."""
+        sched = self.scheduler
+        for seq in seqs:
+            if seq in sched.running:
+                sched.running.remove(seq)
+                self.blocks.release(seq)
+            elif seq in sched.waiting:
+                sched.waiting.remove(seq)
+        sched.drain_active, sched.draining, sched.drain_for = False, None, None
 
     def _reset_step_state(self) -> None:
         self._marks = (len(self.pool.events), len(self.scheduler.events), self.blocks.hit_tokens,

@@ -6,6 +6,8 @@ Control plane only (no tensors). Source: nano-vllm ``nanovllm/engine/sequence.py
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -28,13 +30,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def check(self) -> None:
-        """Raises ValueError: max_new_tokens < 1, a negative temperature, or sampling without a seed."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.temperature > 0 and self.seed is None:
-            raise ValueError("sampling (temperature > 0) needs a seed, so every run draws the same tokens")
+        """Raises ValueError: max_new_tokens not an int >= 1; temperature not a finite number >= 0;
+        sampling without an int seed; stop_token_ids not a tuple or list of ints."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > 0 and not _is_int(self.seed):
+            raise ValueError(f"sampling (temperature > 0) needs an int seed, so every run draws the same tokens; "
+                             f"got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class SeqStatus(enum.Enum):
