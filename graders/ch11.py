@@ -136,9 +136,10 @@ def _hash_hint(case: Case, expected, got) -> Optional[str]:
     if len(got) == full - 1:
         return f"{len(tokens)} tokens hold {full} full blocks of {bs}: the last full block needs its key too"
     if got and expected and got[0] != expected[0]:
-        return ("the first key already differs: it is stable_hash((None, adapter_id, tuple(token_ids[:block_size]))), "
-                "the same in every process (Python's hash() of a str changes with PYTHONHASHSEED, so two engines, "
-                "or the grader and your process, would disagree)")
+        return ("the first key already differs: it is stable_hash((None, adapter_id, tuple(token_ids[:block_size]))) "
+                "exactly: the parent None first, then the uid as given (not str(uid), not `uid or None`), then the "
+                "block as a tuple of ints; and stable_hash, not hash() (Python's hash of a str changes with "
+                "PYTHONHASHSEED, so two engines, or the grader and your process, would disagree)")
     return None
 
 
@@ -151,6 +152,8 @@ def drive_admit(fn, rows, running_uids, resident_uids, max_loras_per_batch, free
     """Call ``fn`` as the scheduler does: Candidates from ``rows``, running uids as a list, resident
     uids as a set."""
     waiting = [Candidate(*row) for row in rows]
+    if isinstance(draining, tuple):  # equal to the rows' uid, not the same object (a scheduler may rebuild it)
+        draining = tuple(list(draining))
     return fn(waiting, list(running_uids), set(resident_uids), max_loras_per_batch, free_blocks, max_new_seqs,
               draining, drain_active)
 
@@ -171,6 +174,11 @@ def _admit_edge() -> list[Case]:
     c = _admit_case
     return [
         c("docstring_example", [_r(0, "b"), _r(1, "a"), _r(2, "a")], [None], ["a"], 2, 10, 8),
+        c("arrival_is_list_order_not_seq_id", [_r(7, "a", 2), _r(3, "a", 2)], [], [], 2, 2, 8),
+        c("preempted_at_the_front_keeps_its_place", [_r(9, "b"), _r(2, "a"), _r(5, "b")], [], ["b"], 2, 10, 8),
+        c("resident_adapters_take_no_slot_until_they_run", [_r(0, "c"), _r(1, "d")], [], ["a", "b"], 2, 10, 8),
+        c("draining_a_tuple_uid_compares_by_value", [_r(0, ("lora", 3)), _r(1, "b")], [], [], 3, 10, 8,
+          ("lora", 3), True),
         c("all_cold_arrival_order", [_r(0, "b"), _r(1, "a")], [], [], 2, 10, 8),
         c("warm_first_each_part_in_arrival_order", [_r(0, "c"), _r(1, "a"), _r(2, "b"), _r(3, "a")], ["b"], ["a"],
           3, 10, 8),
@@ -236,7 +244,9 @@ def _admit_draw(rng: random.Random, name: str) -> Case:
     if rng.random() < 0.5 and running:
         running.append(rng.choice(running))  # a uid running twice
     resident = rng.sample(pool, rng.randint(0, len(pool)))
-    rows = [_r(i, rng.choice(pool), rng.choice([0, 1, 1, 2, 3, 5]), rng.randint(0, 9)) for i in range(rng.randint(3, 12))]
+    n = rng.randint(3, 12)
+    ids = rng.sample(range(100), n)  # arrival order is the list's, never the ids'
+    rows = [_r(ids[i], rng.choice(pool), rng.choice([0, 1, 1, 2, 3, 5]), rng.randint(0, 9)) for i in range(n)]
     draining, active = (rng.choice(pool), rng.random() < 0.7) if rng.random() < 0.5 else (None, rng.random() < 0.3)
     return _admit_case(name, rows, running, resident, cap, rng.randint(0, 14), rng.randint(0, 9), draining, active)
 
@@ -255,7 +265,9 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
     if wrong.get("running_only"):
         warm = set(running)
     order = rows if wrong.get("no_order") else sorted(rows, key=lambda r: r[1] not in warm)
-    chosen, admitted, seen = set(running), [], 0
+    if wrong.get("by_seq_id"):
+        order = sorted(rows, key=lambda r: (r[1] not in warm, r[0]))
+    chosen, admitted, seen = set(running) | (set(resident) if wrong.get("resident_counted") else set()), [], 0
     for seq_id, uid, blocks, _ in order:
         if len(admitted) == max_new + wrong.get("off", 0) or wrong.get("count_seen") and seen == max_new:
             break
@@ -285,6 +297,10 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
 
 
 _ADMIT_MISTAKES = [
+    (dict(by_seq_id=True), "arrival order is the order of the waiting list, not of seq_id (a preempted request "
+                           "goes back to the FRONT of the queue): sort stably on \"not warm\" only"),
+    (dict(resident_counted=True), "only RUNNING uids (and the ones admitted now) take slots in the cap; a resident "
+                                  "adapter with no running request can be evicted, so it takes none"),
     (dict(no_order=True), "candidates whose uid is running or resident go first (a stable sort on \"not running "
                           "and not resident\"), then the others, each part in arrival order"),
     (dict(resident_only=True), "a uid that is RUNNING is warm too (its weights are in a slot): order running or "
@@ -553,6 +569,15 @@ def _at_bound_loads(rng: random.Random, key, n, vnodes, cf):
     raise RuntimeError("no loads found")  # pragma: no cover
 
 
+def _factor_inside_loads(key, n, vnodes) -> list:
+    """Loads where ceil(1.25 * (S + 1) / n) = 2 but 1.25 * ceil((S + 1) / n) = 2.5: the walk's first
+    instance at load 2 is full under the contract and open under the wrong order of operations."""
+    w = ring_walk(key, n, vnodes)
+    loads = [1] * n
+    loads[w[0]], loads[w[-1]] = 2, 0  # S + 1 = n + 1
+    return loads
+
+
 def _route_edge() -> list[Case]:
     c = _route_case
     k4 = "a@0"
@@ -582,6 +607,7 @@ def _route_edge() -> list[Case]:
         c("first_of_the_walk_exactly_at_the_bound", k4, _at_bound_loads(random.Random(4), k4, 4, 8, 1.0), 8, 1.0, 1),
         c("at_the_bound_factor_1_5", "chat@2", _at_bound_loads(random.Random(5), "chat@2", 4, 8, 1.5), 8, 1.5, 1),
         c("bound_with_factor_2", k4, [6, 0, 0, 0], 8, 2.0, 1),
+        c("factor_inside_the_ceiling", k4, _factor_inside_loads(k4, 4, 8), 8, 1.25, 1),
         c("a_large_factor_keeps_the_key_home", k4, [40, 0, 7, 3], 8, 64.0, 1),
         c("the_walk_wraps_past_the_last_point", *_wrap_replica_case(random.Random(3), 3, 2)),
         c("key_past_every_ring_point_wraps", wrap, wrap_loads, 2, 1.0, 1),
@@ -623,6 +649,7 @@ def _route_families(rng: random.Random, tag: str) -> list[Case]:
         c(f"{tag}_idle", key, [0] * n, vn, cf, 1),
         c(f"{tag}_plus_one", key, _plus_one_loads(rng, key, n, vn, cf), vn, cf, 1),
         c(f"{tag}_at_the_bound", key, _at_bound_loads(rng, key, n, vn, cf), vn, cf, 1),
+        c(f"{tag}_factor_inside_the_ceiling", key, _factor_inside_loads(key, n, vn), vn, 1.25, 1),
         c(f"{tag}_replicas_lighter_second", key, two, vn, 2.0, 2),
         c(f"{tag}_replicas_tie_higher_index_first", tie_hi_key, tie_hi, vn, 2.0, 2),
         c(f"{tag}_replicas_tie_lower_index_first", tie_lo_key, tie_lo, vn, 2.0, 2),
@@ -662,6 +689,8 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         walk = list(range(n))
     s = sum(loads) + (0 if wrong.get("no_plus_one") or wrong.get("patched") else 1)
     bound = math.inf if wrong.get("no_bound") else math.ceil(cf * s / n)
+    if wrong.get("factor_outside"):
+        bound = cf * math.ceil(s / n)
     if wrong.get("patched"):
         bound = max(bound, 1)
     if wrong.get("le"):
@@ -689,6 +718,8 @@ _ROUTE_MISTAKES = [
                              "load AFTER it is placed"),
     (dict(patched=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
                          "load AFTER it is placed (then it is never 0, and no floor of 1 is needed)"),
+    (dict(factor_outside=True), "the factor goes inside the ceiling: ceil(capacity_factor * (sum(loads) + 1) / n), "
+                                "not capacity_factor * ceil((sum(loads) + 1) / n)"),
     (dict(le=True), "an instance is open while loads[i] < bound (strictly): at the bound it is full"),
     (dict(no_bound=True), "skip the instances at or over the bound: without it a hot adapter overloads its home"),
     (dict(least_loaded=True), "follow the key's walk round the ring (consistent hashing), not the least loaded "

@@ -6,11 +6,12 @@ block hashed, the last full block dropped, Python's hash() instead of stable_has
 list, a concatenated string, no check of a negative block size. ch11.2: no warm-first order, only
 resident (not running) uids warm, break instead of skip on the cap, skip instead of break on KV, KV
 checked before the cap, the base not counted, None never drained, the drain flag ignored, free
-blocks not decremented, one admission too many. ch11.3: >= instead of >, the cap check missing, a
+blocks not decremented, one admission too many, arrival taken as seq_id order, resident
+adapters counted in the cap. ch11.3: >= instead of >, the cap check missing, a
 running uid counted as starving, the most-loaded adapter drained, ties by insertion order, ties by
 the uid's text, no threshold check. ch11.4: the bound without the +1, <= instead of <, a walk without
 wrap-around, replicas ignored (the same function as returning the first open instance), ties to the
-highest index, ties to the lowest index, no load check.
+highest index, ties to the lowest index, no load check, the factor outside the ceiling.
 """
 from graders.mutation import Mutant
 
@@ -53,6 +54,14 @@ MUTANTS = [
            "negative_block_size_raises_value_error", "error"),
 
     # ch11.2 admit_requests
+    Mutant("ch11.2", "arrival-taken-as-seq-id-order",
+           (("    order = sorted(waiting, key=lambda c: c.uid not in warm)  # stable: arrival order in each part\n",
+             "    order = sorted(waiting, key=lambda c: (c.uid not in warm, c.seq_id))\n"),),
+           "arrival order is the order of the waiting list, not of seq_id", "clause"),
+    Mutant("ch11.2", "resident-adapters-counted-in-the-cap",
+           (("    chosen, admitted = set(running_uids), []\n",
+             "    chosen, admitted = set(running_uids) | set(resident_uids), []\n"),),
+           "only RUNNING uids (and the ones admitted now) take slots", "clause"),
     Mutant("ch11.2", "skip-instead-of-break-on-kv",
            ((_KV, "        if c.blocks_needed > free_blocks:\n            continue\n"),),
            "STOP (break)", "clause", plausible=True),
@@ -117,6 +126,10 @@ MUTANTS = [
            "negative_threshold_raises_value_error", "error"),
 
     # ch11.4 route
+    Mutant("ch11.4", "factor-outside-the-ceiling",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    bound = capacity_factor * math.ceil((sum(loads) + 1) / len(loads))\n"),),
+           "the factor goes inside the ceiling", "math"),
     Mutant("ch11.4", "bound-without-the-plus-one",
            (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
              "    bound = math.ceil(capacity_factor * sum(loads) / len(loads))\n"),),

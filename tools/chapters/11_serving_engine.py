@@ -118,6 +118,8 @@ print("every output equal to generating its request alone:", all(s.output == alo
 # The 13-token prompt of sequence 0 took two prefill steps (`[0:8)` then `[8:13)`); sequence 1 was
 # admitted in the second step, beside the rest of sequence 0, within the budget. When the six blocks
 # ran out during decode, the most recently admitted sequences were preempted and later recomputed
+# (from the first block the prefix cache of section 2 no longer holds: a preempted sequence re-finds
+# its own full blocks if nobody took them meanwhile)
 # (the prefill steps after the first decodes). Every output is still the one the fake model gives
 # each request alone: chunking and preemption change when tokens are computed, never what they are
 # (tests/test_engine_control.py checks this over seeded traces).
@@ -348,8 +350,9 @@ graders.show_reference("ch11.2")
 #
 # SGLang's `LoRADrainer` fixes it: when a waiting request has waited more than a threshold, the cap
 # (not KV) keeps it out (its adapter is not running and the slots are full), a running adapter is
-# **drained**: it takes no new requests until its running ones finish, which frees its slot for the
-# starving adapter. The adapter drained is the one whose requests finish soonest (the smallest
+# **drained**: it takes no new requests, so its slot frees once its running ones finish, and the
+# drain lasts until the starving adapter is running (ended earlier, the slot would go straight back
+# to the drained adapter: it is still resident, and admission prefers resident adapters). The adapter drained is the one whose requests finish soonest (the smallest
 # "most tokens any of its requests still has to generate"), ties broken by `uid_sort_key` (base
 # first). This book drains one adapter at a time and holds all of its requests; SGLang may drain one
 # per starving adapter and still admits a drained adapter's requests short enough to finish within
@@ -387,7 +390,7 @@ for threshold in (None, 4):
     s, life = drain_trace(threshold)
     arrival, admitted, finished = life[101]
     a_waits = [adm - arr for i, (arr, adm, _) in life.items() if i not in (100, 101) and adm is not None]
-    drains = [e for e in s.events if e[0] in ("drain", "drain_end")][:2]
+    drains = [e for e in s.events if e[0] in ("drain", "drain_end")][:3]
     print(f"drain threshold {threshold}: 'c' admitted at step {admitted}, finished at step {finished} "
           f"(None: not within 89 steps); 'a': {len(a_waits)} requests admitted, longest wait "
           f"{max(a_waits)} steps; first drain events {drains}")
@@ -396,7 +399,8 @@ for threshold in (None, 4):
 # %% [markdown]
 # Without the drain `c` never runs within the trace. With it, `a` is drained (its requests have at
 # most 10 tokens left, `b`'s request 60), the new `a` requests wait while the running ones finish,
-# and once `a` has nothing running the drain ends and `c` takes its slot. The price is a longer
+# `c` is admitted into the freed slot, and then the drain ends. The next event is a drain again, now
+# of `c` itself (it runs and `a` waits past the threshold), so the slots keep turning over. The price is a longer
 # wait for some of `a`'s requests (the longest `a` wait above): a bounded wait for everyone instead
 # of an unbounded one for the rare adapter.
 
@@ -468,18 +472,25 @@ graders.show_reference("ch11.3")
 #   walk, and each request goes to the least loaded of them.
 
 # %%
+import math
+
 key = "sql@1"
 print("ring walk of", key, "over 4 instances:", policies.ring_walk(key, 4, vnodes=8))
 loads = [0, 0, 0, 0]
 placed = []
 for _ in range(12):  # one hot adapter, nothing finishing: the bound spreads it
-    bound = -(-1.25 * (sum(loads) + 1) // 4)
+    bound = math.ceil(1.25 * (sum(loads) + 1) / len(loads))  # what route computes: the load after this request
     i = policies.route(key, loads, vnodes=8, capacity_factor=1.25)
     loads[i] += 1
     placed.append((i, int(bound)))
 print("12 requests of one adapter, (instance, bound):", placed, "-> loads", loads)
 
 # %% [markdown]
+# The key's home (the first instance of its walk) takes requests until it reaches the bound, then the
+# next instances of the walk take the overflow. The last instance of the walk is never needed here:
+# the bound grows with the total load (a factor 1.25 over the average), so three instances stay open
+# for all twelve requests. A smaller factor spreads the key wider; a larger one keeps it closer to home.
+#
 # A small simulation: 4000 requests of 32 adapters whose popularity follows a Zipf law (adapter k
 # drawn with weight 1/(k+1)), over N = 4 simulated instances. Each request stays on its instance for
 # the next 8 arrivals (its load), and per window of 200 arrivals we count each instance's distinct
@@ -610,7 +621,7 @@ graders.show_reference("ch11.4")
 #
 # The judge of this chapter (and of the book): every request's greedy tokens equal PEFT's own greedy
 # `generate` of that request alone. A tiny Llama, four PEFT adapters of different ranks and targets,
-# a pool of 2 GPU slots (one of them the base model's) and a CPU tier of 2 copies, a KV cache of 12
+# a pool of 2 GPU slots (the base model takes one while it runs) and a CPU tier of 2 copies, a KV cache of 12
 # blocks of 4 positions, prompts that share a prefix:
 
 # %%
@@ -690,15 +701,18 @@ assert all(agree)
 
 # %% [markdown]
 # Everything the chapters built was exercised on the way: the stats above count the steps (prefill
-# and decode), the preemptions the small KV cache forced, the pool's loads from each tier and its
-# evictions, and the prefix cache's hit tokens (the qv requests share the system prompt's blocks;
-# the kv, mlp and all requests with the same prompt do not). The scheduler's log tells the story of
-# the first steps:
+# and decode), the preemptions the small KV cache forced, the pool's loads and evictions (the tier
+# of each load is in the pool's log below), and the prefix cache's hit tokens: the qv requests share
+# the system prompt's blocks, preempted requests re-find their own blocks when they come back, and
+# the kv, mlp and all requests with the same prompt share nothing. The base model is a uid like the
+# others: it takes one of the two slots only while a base request runs. The scheduler's log tells
+# the story of the first steps:
 
 # %%
 for event in llm.scheduler.events[:16]:
     print(event)
-print("pool:", llm.pool.events[:10])
+print("pool loads (uid, slot, tier):", [e[1:] for e in llm.pool.events if e[0] == "load"])
+print("pool evictions:", [e[1:] for e in llm.pool.events if e[0] in ("evict", "cpu_evict")])
 
 # %% [markdown]
 # What the adapter in the key buys: the same engine with an adapter-blind key (tokens only), two
