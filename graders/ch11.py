@@ -704,6 +704,11 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         return None
     if wrong.get("least_loaded"):
         return min(range(n), key=lambda i: (loads[i], i))
+    if wrong.get("all_open"):
+        opened = [i for i in walk if loads[i] < bound]
+        return min(opened, key=lambda i: (loads[i], opened.index(i)))
+    if wrong.get("tie_last"):
+        return min(cands, key=lambda i: (loads[i], -cands.index(i)))
     if wrong.get("tie_high"):
         return max(cands, key=lambda i: (-loads[i], i))
     if wrong.get("tie_low"):
@@ -734,6 +739,10 @@ _ROUTE_MISTAKES = [
     (dict(by_index=True), "walk the instances in ring_walk(adapter_key, ...) order, not 0, 1, 2, ..."),
     (dict(tie_high=True), "ties go to the earliest candidate in the walk, not the highest instance index"),
     (dict(tie_low=True), "ties go to the earliest candidate in the WALK, not the lowest instance index"),
+    (dict(all_open=True), "the candidates are only the first `replicas` open instances of the walk "
+                          "(open[:replicas]), not every open instance"),
+    (dict(tie_last=True), "on equal loads take the candidate EARLIEST in the walk (a strict <, or min over "
+                          "(load, position in the walk))"),
 ]
 
 
