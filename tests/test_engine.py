@@ -247,7 +247,7 @@ def test_malformed_sampling_params_and_requests_are_refused_alone_and_the_engine
         llm.generate([[1], [2]], good, lora_request="a0")
     # an error escaping a step (here: a broken runner) leaves nothing queued or held behind
     real = llm.runner.forward
-    llm.runner.forward = lambda work: (_ for _ in ()).throw(RuntimeError("boom"))
+    llm.runner.forward = lambda work, running=(): (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[1, 2, 3]], good, lora_request=["a0"])
     llm.runner.forward = real

@@ -241,9 +241,8 @@ class LLM:
         if not work:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug, not input
         running = [s.uid for s in self.scheduler.running]
-        self.pool.prepare_lora_batch([w.seq.uid for w in work], running=running)
         logits = self.runner.forward([SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
-                                      for w in work])
+                                      for w in work], running=running)
         tokens = self._sample(work, logits, gens)
         self.scheduler.postprocess(work, tokens)
         now = time.perf_counter() - self._t0  # the tokens exist once sampled (sample reads them to the host)

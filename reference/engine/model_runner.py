@@ -309,8 +309,11 @@ class ModelRunner:
         if names and names != {backend.name}:
             raise ValueError(f"the model's LoRA layers use backend {sorted(names)}, not {backend.name!r}")
 
-    def forward(self, work: Sequence[SeqWork]) -> torch.Tensor:
+    def forward(self, work: Sequence[SeqWork], running: Sequence[Hashable] = ()) -> torch.Tensor:
         """Logits [len(work), vocab] float32 of each SeqWork's last token (see the class docstring).
+
+        ``running``: uids of sequences that run but compute nothing this step (an engine's decoding
+        sequences during a prefill step); the pool keeps them resident beside the batch's own.
 
         Everything that can fail is checked first, so a ValueError leaves the cache (and the pool)
         unchanged.
@@ -321,7 +324,7 @@ class ModelRunner:
         work = list(work)
         check_work(work, self.kv_cache.num_blocks, self.kv_cache.block_size, self.max_positions, self.vocab_size)
         with torch.inference_mode():
-            self._set_lora_batch(work)
+            self._set_lora_batch(work, running)
             meta = build_attention_metadata(work, self.kv_cache.block_size, self.device)
             ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
             h = self._decoder(ids, meta)  # [num_tokens, hidden]
@@ -330,7 +333,7 @@ class ModelRunner:
 
     __call__ = forward
 
-    def _set_lora_batch(self, work: list[SeqWork]) -> None:
+    def _set_lora_batch(self, work: list[SeqWork], running: Sequence[Hashable] = ()) -> None:
         """Make the batch's adapters resident and give the layers its LoRABatchInfo (host lists only)."""
         uids = [w.uid for w in work]
         if self.pool is None:
@@ -338,7 +341,7 @@ class ModelRunner:
                 raise ValueError(f"adapter uids {sorted({repr(u) for u in uids if u is not None})} but the "
                                  "runner has no pool (base model only)")
             return
-        uid_to_slot = self.pool.prepare_lora_batch(list(dict.fromkeys(uids)))
+        uid_to_slot = self.pool.prepare_lora_batch(list(dict.fromkeys(uids)), running=running)
         info = batch_info_from_requests(uids, [len(w.token_ids) for w in work], uid_to_slot,
                                         self.pool.lora_ranks_host, self.pool.scalings_host, self.device)
         self.context.set_batch(info)
