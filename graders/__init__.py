@@ -34,7 +34,7 @@ import inspect
 import linecache
 import os
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import reference  # noqa: F401  (device choice before anything imports triton)
 
@@ -96,20 +96,27 @@ def _bound_name(fn: Callable, caller_globals: dict, default: str) -> str:
     return next((k for k, v in caller_globals.items() if v is fn and k.isidentifier()), default)
 
 
-def check(exercise_id: str, fn: Callable) -> float:
+def check(exercise_id: str, fn: Callable, uses: Sequence[Callable] = ()) -> float:
     """Grade ``fn`` (a function, a lambda, or a class for stateful exercises) for ``exercise_id``;
     print the report (stdout only) and return the score.
 
-    Works in the answer cell itself too (the grader re-runs the cell, where ``check`` does nothing).
-    Never raises for a learner's mistake: a broken function costs only its own exercise.
+    ``uses``: for an exercise that runs your answers of other exercises too (chapter 11's capstone,
+    ``graders.check("ch11.5", engine_step, uses=(block_hashes, admit_requests, choose_drain))``),
+    those functions, in the order the exercise names them; the grader re-runs the answer cell of
+    each (``graders.needs``). Works in the answer cell itself too (the grader re-runs the cell, where
+    ``check`` does nothing). Never raises for a learner's mistake: a broken function costs only its
+    own exercise.
     """
     if os.environ.get("LORA_BOOK_GRADER_CHILD"):  # inside a grader's child: never grade recursively
         return 0.0
     if exercise_id not in POINTS:
         print(f"graders.check: unknown exercise id {exercise_id!r}; known: {', '.join(POINTS)}")
         return 0.0
+    caller = inspect.currentframe().f_back
+    caller_globals = caller.f_globals if caller else {}
     try:
         source = answer_source(fn)
+        source = _with_uses(exercise_id, source, uses, caller_globals)
     except (TypeError, OSError) as exc:
         print(f"{exercise_id}: 0 / {total_points(exercise_id):g} points: {exc}")
         return 0.0
@@ -117,13 +124,44 @@ def check(exercise_id: str, fn: Callable) -> float:
         warnings.simplefilter("ignore")  # anything on stderr would zero the cell in nbgrader
         from graders.exercises import EXERCISES
 
-        caller = inspect.currentframe().f_back
-        name = _bound_name(fn, caller.f_globals if caller else {}, EXERCISES[exercise_id].func_name)
+        name = _bound_name(fn, caller_globals, EXERCISES[exercise_id].func_name)
         result = grade_source(exercise_id, source, func_name=name)
     print(result.report)
     if result.score == result.max_score:
         _PASSED.add(exercise_id)
     return result.score
+
+
+def _with_uses(exercise_id: str, source: str, uses: Sequence[Callable], caller_globals: dict) -> str:
+    """``source`` as the grader takes it: for an exercise with needs, the answer bundle of ``source``
+    and the answer cells of ``uses`` (graders.needs); else ``source`` itself.
+
+    A function of ``uses`` bound under another name than its exercise's gets an alias line, so the
+    grader finds it under the exercise's name.
+    Raises:
+        TypeError: ``uses`` given to an exercise without needs, of the wrong length, or holding
+            something that is not a function.
+        OSError: the source of a function of ``uses`` cannot be found.
+    """
+    from graders.exercises import EXERCISES
+    from graders.needs import bundle
+
+    needs = EXERCISES[exercise_id].needs
+    if not needs:
+        if uses:
+            raise TypeError(f"{exercise_id} runs only its own answer: call graders.check({exercise_id!r}, fn)")
+        return source
+    names = [EXERCISES[n].func_name for n in needs]
+    if isinstance(uses, (str, bytes)) or not isinstance(uses, Sequence) or len(uses) != len(needs):
+        raise TypeError(f"{exercise_id} runs your answers of {', '.join(needs)} too: pass them, "
+                        f"graders.check({exercise_id!r}, <your function>, uses=({', '.join(names)}))")
+    needed = {}
+    for need, name, used in zip(needs, names, uses):
+        if _first_code(used) is None:
+            raise TypeError(f"uses: expected your {need} function {name}, got {type(used).__name__}")
+        bound = _bound_name(used, caller_globals, name)
+        needed[need] = answer_source(used) + ("" if bound == name else f"\n{name} = {bound}\n")
+    return bundle(exercise_id, source, needed)
 
 
 def show_reference(exercise_id: str, reveal: bool = False) -> None:

@@ -91,6 +91,19 @@ class Exercise:
     # the CPU can observe (ch02.8's stable sort: on an H200, torch.sort(stable=False) returned the
     # stable order for every graded case, so an unstable sort passed there by luck).
     grade_on: Optional[str] = None
+    # Exercises whose answer cells this one runs too, by id (chapter 11's capstone runs the learner's
+    # ch11.1-ch11.3 functions in the engine): it is graded from an answer bundle (graders.needs), the
+    # child loads each needed cell on its own, and the driver is called as
+    # ``driver(learner_object, pieces, *case_args)`` with ``pieces`` = {id: the needed cell's function,
+    # or a graders.needs.PieceUnavailable saying why there is none}.
+    needs: tuple[str, ...] = ()
+    # Replaces the generic comparison of the returned value: ``compare(case, expected, got)`` with
+    # ``got`` decoded as plain data (lists, tuples, dicts, numbers, strings); returns what differs in
+    # the learner's terms, or None. The hint runs after it as usual, on the same plain data.
+    compare: Optional[Callable[[Case, Any, Any], Optional[str]]] = None
+    # Modules the child imports before it runs any answer (once, before it forks the answers of a
+    # mutation batch): heavy imports a driver needs (chapter 11's capstone: transformers' Llama).
+    child_imports: tuple[str, ...] = ()
 
 
 @dataclass
@@ -475,6 +488,8 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
             name = ex.arg_names[case.out_index]
             msg = (f"{name} is right, but the function returned {got}: the contract returns {name} itself, the "
                    f"tensor it updated in place (callers chain it: y = op(..., {name}))")
+    elif ex.compare is not None:
+        msg = _custom_compare(ex, case, expected, result["returned"], tensors)
     else:
         msg = _compare_returned(ex, case, expected, result["returned"], tensors, device)
     msg = msg or _unchanged_inputs(ex, case, result, tensors)
@@ -484,6 +499,8 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
                "the contract asks for a new tensor: a caller that later writes one changes the other")
     if msg and with_hint and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
+        if ex.compare is not None:  # the hint sees what compare saw: plain data
+            got = _plain(got, tensors)
         try:
             # hints see the case as built, on the CPU: the learner's result comes back there, and a hint
             # that mixed a CUDA input with it would raise and be silently dropped (seen on the H200)
@@ -496,6 +513,20 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         if hint:
             msg += "\n  hint: " + hint
     return msg
+
+
+def _plain(desc: Any, tensors: dict) -> Any:
+    """The returned value decoded as data (on the CPU); None when it holds something undecodable."""
+    try:
+        return decode(desc, tensors, "cpu")
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _custom_compare(ex: Exercise, case: Case, expected: Any, desc: Any, tensors: dict) -> Optional[str]:
+    if isinstance(desc, dict) and "unsupported" in desc:
+        return f"returned a {desc['unsupported']}, which the grader cannot read ({desc.get('repr', '')[:80]})"
+    return ex.compare(case, expected, _plain(desc, tensors))
 
 
 def _compare_returned(ex: Exercise, case: Case, expected: Any, desc: Any, tensors: dict,
@@ -533,7 +564,9 @@ def grade_source(exercise_id: str, source: str, func_name: Optional[str] = None,
     """Grade the answer cell ``source`` for ``exercise_id``.
 
     Runs the cell in a child process (``graders.runner``) and calls ``func_name`` (default: the
-    exercise's function name) on every case; compares with the reference here.
+    exercise's function name) on every case; compares with the reference here. For an exercise that
+    needs other exercises' answers (``Exercise.needs``: chapter 11's capstone), ``source`` is an
+    answer bundle of those cells and its own (``graders.needs.bundle``).
 
     Returns:
         GradeResult with ``score`` (float, never above the exercise's points) and ``report``.
@@ -565,15 +598,17 @@ def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: 
 
     ex = EXERCISES[exercise_id]
     device = _grading_device(ex, device)
-    if device.type != "cpu" or ex.requires and not all(ex.requires[0] in src for src in sources):
+    split = [_split(ex, src) for src in sources]
+    if device.type != "cpu" or ex.requires and not all(ex.requires[0] in own for own, _ in split):
         return [grade_under_secrets(exercise_id, src, secrets, device=device) for src in sources]
     timeout = default_timeout(device) * (1 + 0.5 * (len(secrets) - 1))
     cases = _build_cases(ex, list(secrets))
     expected = [_expected(ex, c) for c in cases]
     with tempfile.TemporaryDirectory(prefix=f"grade-many-{exercise_id}-") as tmp:
         workdir = Path(tmp)
-        _write_job(ex, cases, workdir, device, {"sources": list(sources), "func_name": ex.func_name,
-                                                 "timeout": timeout})
+        _write_job(ex, cases, workdir, device, {"sources": [own for own, _ in split],
+                                                 "needed_per_source": [needed for _, needed in split],
+                                                 "func_name": ex.func_name, "timeout": timeout})
         start = time.perf_counter()
         _, job_timed_out, job_stderr = _run_child(workdir, timeout * len(sources) + 60)
         elapsed = (time.perf_counter() - start) / max(len(sources), 1)
@@ -594,6 +629,18 @@ def _grading_device(ex: Exercise, device: Optional[torch.device]) -> torch.devic
     return torch.device(ex.grade_on) if ex.grade_on else (device or default_device())
 
 
+def _split(ex: Exercise, source: str) -> tuple[str, list[dict]]:
+    """``(own cell, needed cells as the job lists them)``: for an exercise with ``needs``, ``source``
+    is an answer bundle (graders.needs); for any other, its own cell and nothing needed."""
+    if not ex.needs:
+        return source, []
+    from graders.exercises import EXERCISES
+    from graders.needs import split_bundle
+
+    own, needed = split_bundle(ex.id, source)
+    return own, [{"id": i, "source": src, "func_name": EXERCISES[i].func_name} for i, src in needed.items()]
+
+
 def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.device, extra: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
     job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)], "out_index": c.out_index}
@@ -602,7 +649,8 @@ def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.dev
     driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
     write_json({"exercise_id": ex.id, "driver": driver, "no_device_reads": ex.no_device_reads,
                 "fresh_result": ex.fresh_result and all(c.out_index is None for c in cases),
-                "device": str(device), "cases": job_cases, **extra}, workdir / "job.json")
+                "device": str(device), "cases": job_cases, "needs": list(ex.needs),
+                "child_imports": list(ex.child_imports), **extra}, workdir / "job.json")
 
 
 def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
@@ -615,13 +663,15 @@ def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     for case in cases:
         case.args = _to(case.args, device)
     keys = secrets if secrets is not None else [None]
-    if ex.requires and ex.requires[0] not in source:
+    own, needed = _split(ex, source)
+    if ex.requires and ex.requires[0] not in own:
         verdicts = [ex.requires[1]] * len(cases)
         return {k: _result(ex, cases, verdicts, device, 0.0, k) for k in keys}
     expected = [_expected(ex, c) for c in cases]
     with tempfile.TemporaryDirectory(prefix=f"grade-{exercise_id}-") as tmp:
         workdir = Path(tmp)
-        _write_job(ex, cases, workdir, device, {"source": source, "func_name": func_name or ex.func_name})
+        _write_job(ex, cases, workdir, device, {"source": own, "needed": needed,
+                                                 "func_name": func_name or ex.func_name})
         start = time.perf_counter()
         code, timed_out, stderr = _run_child(workdir, timeout)
         elapsed = time.perf_counter() - start

@@ -66,6 +66,7 @@ POINTS: dict[str, dict[str, float]] = {
     "ch11.2": dict(_STANDARD),
     "ch11.3": dict(_STANDARD),
     "ch11.4": dict(_STANDARD),
+    "ch11.5": dict(_STANDARD),
 }
 
 

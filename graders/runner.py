@@ -159,12 +159,12 @@ def _is_constexpr(annotation, tl) -> bool:
     return annotation is tl.constexpr or isinstance(annotation, str) and "constexpr" in annotation
 
 
-def _load_function(source: str, func_name: str, exercise_id: str):
+def _load_function(source: str, func_name: str, exercise_id: str, module_name: str = "__learner__"):
     filename = f"<answer cell {exercise_id}>"
     # @triton.jit and inspect read a function's source through linecache.
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    module = types.ModuleType("__learner__")  # dataclasses and pickle look classes up in sys.modules
-    sys.modules["__learner__"] = module
+    module = types.ModuleType(module_name)  # dataclasses and pickle look classes up in sys.modules
+    sys.modules[module_name] = module
     namespace = module.__dict__
     exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
     with compiled_once_per_dtype():
@@ -174,18 +174,45 @@ def _load_function(source: str, func_name: str, exercise_id: str):
     return namespace[func_name]
 
 
-def _driven(target, driver: str | None):
-    """The callable to grade: the learner's function, or a grader's driver bound to their class."""
+def _driven(target, driver: str | None, pieces: dict | None = None):
+    """The callable to grade: the learner's function, or a grader's driver bound to their class (and,
+    for an exercise with needs, to the needed answers' functions: ``pieces``)."""
     if not driver:
         return target
     module, _, name = driver.partition(":")
-    return functools.partial(getattr(importlib.import_module(module), name), target)
+    bound = (target,) if pieces is None else (target, pieces)
+    return functools.partial(getattr(importlib.import_module(module), name), *bound)
 
 
-def _error_text(exc: BaseException) -> str:
+def _load_needed(job: dict) -> dict | None:
+    """For an exercise with needs (graders.needs): {id: the function of that needed answer cell, run
+    on its own like any answer, or a PieceUnavailable saying why there is none}; else None."""
+    if not job.get("needs"):
+        return None
+    from graders.needs import PieceUnavailable
+
+    given = {piece["id"]: piece for piece in job.get("needed") or []}
+    pieces: dict = {}
+    for exercise_id in job["needs"]:
+        piece = given.get(exercise_id)
+        if piece is None:
+            pieces[exercise_id] = PieceUnavailable(exercise_id, f"no answer cell of {exercise_id} was given to the grader")
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                pieces[exercise_id] = _load_function(piece["source"], piece["func_name"], exercise_id,
+                                                     "__learner_" + exercise_id.replace(".", "_") + "__")
+        except BaseException as exc:  # that cell failed: the driver says so under its id
+            pieces[exercise_id] = PieceUnavailable(
+                exercise_id, f"running your {exercise_id} answer cell failed: "
+                             + _error_text(exc, f"your {exercise_id} answer cell"))
+    return pieces
+
+
+def _error_text(exc: BaseException, cell: str = "answer cell") -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     learner = [f for f in frames if f.filename.startswith("<answer cell")]
-    where = f" (answer cell line {learner[-1].lineno}: {learner[-1].line})" if learner else ""
+    where = f" ({cell} line {learner[-1].lineno}: {learner[-1].line})" if learner else ""
     return f"{type(exc).__name__}: {exc}{where}"
 
 
@@ -201,6 +228,8 @@ def main(workdir: Path) -> None:
     _set_parent_death_signal()  # a child never outlives the process that waits for it
     job = read_json(workdir / "job.json")
     inputs = load_tensors(workdir / "inputs.safetensors")
+    for module in job.get("child_imports") or []:  # heavy imports of a driver, once (before any fork)
+        importlib.import_module(module)
     if "sources" in job:
         run_many(job, inputs, workdir)
     else:
@@ -225,7 +254,8 @@ def run_many(job: dict, inputs: dict, workdir: Path) -> None:
                 os.setpgid(0, 0)
                 err = os.open(out / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
                 os.dup2(err, 2)
-                run_one({**job, "source": source}, inputs, out)
+                needed = job["needed_per_source"][k] if "needed_per_source" in job else []
+                run_one({**job, "source": source, "needed": needed}, inputs, out)
             except BaseException:
                 code = 1
             finally:
@@ -269,8 +299,10 @@ def wait_for_group(pid: int, timeout: float, stop=None) -> tuple[Optional[int], 
 def run_one(job: dict, inputs: dict, workdir: Path) -> None:
     device = torch.device(job["device"])
     try:
+        pieces = _load_needed(job)  # the needed cells first, as the notebook runs them
         with contextlib.redirect_stdout(io.StringIO()):
-            fn = _driven(_load_function(job["source"], job["func_name"], job["exercise_id"]), job.get("driver"))
+            fn = _driven(_load_function(job["source"], job["func_name"], job["exercise_id"]), job.get("driver"),
+                         pieces)
     except BaseException as exc:  # the cell itself failed: every case fails with this message
         write_json({"error": "running the answer cell failed: " + _error_text(exc)}, workdir / "load.json")
         return

@@ -58,4 +58,5 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "ch11.2": ("reference.engine.policies:admit_requests",),
     "ch11.3": ("reference.engine.policies:choose_drain",),
     "ch11.4": ("reference.engine.policies:route",),
+    "ch11.5": ("reference.engine.llm:engine_step",),
 }

@@ -36,7 +36,7 @@ from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import AdapterRegistry, LoRAAdapter, LoRAMemoryPool
 from reference.tp_model import llama_checkpoint, llama_pool_modules
 
-__all__ = ["EngineConfig", "EnginePolicies", "RequestOutput", "LLM"]
+__all__ = ["EngineConfig", "EnginePolicies", "RequestOutput", "LLM", "engine_step", "StepFn"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,41 @@ class EnginePolicies:
     block_hashes: Callable = block_hashes
     admit_requests: Callable = admit_requests
     choose_drain: Callable = choose_drain
+
+
+#: One engine step: ``step(scheduler, runner) -> kind`` ("prefill", "decode" or "idle"); see :func:`engine_step`.
+StepFn = Callable[[Scheduler, ModelRunner], str]
+
+
+def engine_step(scheduler: Scheduler, runner: ModelRunner) -> str:
+    """One step of the engine with greedy decoding: the control plane picks the work, the data plane
+    computes it, the control plane records the tokens (chapter 11's capstone, ch11.5).
+
+    Semantics:
+        kind, work = scheduler.schedule()            # Work(seq, start, end): compute seq.tokens[start:end]
+        if not work: return kind                     # "idle": nothing could run
+        batch = [SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
+                 for w in work]
+        logits = runner.forward(batch, running=[s.uid for s in scheduler.running])   # [len(work), vocab]
+        next_tokens = {w.seq.seq_id: argmax(logits[i])   for each i whose w.end == w.seq.num_tokens}
+        scheduler.postprocess(work, next_tokens)
+        return kind
+    ``running`` keeps the adapters of every running sequence resident, also those that compute nothing
+    this step (decoding sequences during a prefill step); a chunk that ends before its sequence's last
+    token has logits nobody samples. Greedy: ties go to the lowest token id (``torch.argmax``).
+    Source: nano-vllm ``nanovllm/engine/llm_engine.py`` (``LLMEngine.step``: schedule, run, postprocess).
+    Raises:
+        ValueError: from ``runner.forward`` (see ``check_work``; more distinct adapters than slots).
+    """
+    kind, work = scheduler.schedule()
+    if not work:
+        return kind
+    batch = [SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid) for w in work]
+    logits = runner.forward(batch, running=[s.uid for s in scheduler.running])  # [len(work), vocab]
+    rows = [i for i, w in enumerate(work) if w.end == w.seq.num_tokens]  # chunks that reached the end
+    picked = logits[rows].argmax(dim=-1).tolist() if rows else []  # one device-to-host copy for the step
+    scheduler.postprocess(work, {work[i].seq.seq_id: token for i, token in zip(rows, picked)})
+    return kind
 
 
 @dataclass
@@ -180,15 +215,21 @@ class LLM:
         return out, seq
 
     def generate(self, prompts: Seq[Seq[int]], sampling_params: Union[SamplingParams, Seq[SamplingParams]] = SamplingParams(),
-                 lora_request: Optional[Seq[Optional[str]]] = None) -> list[RequestOutput]:
+                 lora_request: Optional[Seq[Optional[str]]] = None, step: Optional[StepFn] = None) -> list[RequestOutput]:
         """Run every request to completion; outputs in the order of ``prompts``.
 
         ``lora_request[i]``: the adapter name of request i, or None for the base model. A request
         that is refused (unknown adapter name, empty or out-of-vocabulary prompt, prompt +
         max_new_tokens past the model's context or the KV cache, max_new_tokens < 1) gets
         ``error`` set and no tokens; the others run as if it had never been sent.
+        ``step``: a function that runs one engine step (:data:`StepFn`, e.g. :func:`engine_step`;
+        chapter 11's capstone passes the learner's), called until every request finished; None runs
+        the engine's own step (greedy and seeded sampling, per-token times). With ``step``, every
+        request must be greedy (temperature 0) and ``token_times`` stay empty.
         Raises:
-            ValueError: ``lora_request`` or a list of ``sampling_params`` of another length than ``prompts``.
+            ValueError: ``lora_request`` or a list of ``sampling_params`` of another length than
+                ``prompts``; a request that samples (temperature > 0) with ``step``.
+            Whatever ``step`` raises (the call's sequences are released first).
         """
         n = len(prompts)
         if isinstance(lora_request, str):
@@ -199,6 +240,8 @@ class LLM:
             raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} lora requests")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be a SamplingParams or one per prompt")
+        if step is not None and any(isinstance(p.temperature, (int, float)) and p.temperature > 0 for p in params):
+            raise ValueError("a custom step decodes greedily: every request needs temperature 0")
         self._reset_step_state()
         self._t0 = time.perf_counter()
         pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
@@ -207,7 +250,10 @@ class LLM:
             gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
                     if seq is not None and seq.params.temperature > 0}
             while self.scheduler.has_unfinished():
-                self._step(gens)
+                if step is None:
+                    self._step(gens)
+                else:
+                    self.steps[step(self.scheduler, self.runner)] += 1
         except BaseException:
             self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
             raise
