@@ -575,16 +575,16 @@ def _step_variant(**wrong) -> Callable:
     return step
 
 
+_RUNNING = ("pass running=[s.uid for s in scheduler.running] to runner.forward, the uid of every RUNNING "
+            "sequence, not only of this step's batch: in a prefill step the decoding sequences compute nothing, "
+            "and their adapters must stay resident (the pool may evict an adapter it is not told is in use)")
 _STEP_MISTAKES = [
     (dict(start0=True), "a SeqWork's start is w.start, the position of its first token: a later chunk, a decode "
                         "and a recomputed sequence do not start at 0 (rotary positions and KV slots come from it)"),
     (dict(whole=True), "compute only w.seq.tokens[w.start:w.end]: the tokens before w.start have their KV in the "
                        "cache already (an earlier chunk, a prefix hit, earlier decodes)"),
-    (dict(batch_running=True), "running is the uid of every RUNNING sequence (scheduler.running), not only this "
-                               "step's batch: in a prefill step the decoding sequences compute nothing, and their "
-                               "adapters must stay resident (the pool evicts an adapter it is not told about)"),
-    (dict(no_running=True), "pass running=[s.uid for s in scheduler.running] to runner.forward: in a prefill step "
-                            "the decoding sequences compute nothing, and their adapters must stay resident"),
+    (dict(batch_running=True), _RUNNING),
+    (dict(no_running=True), _RUNNING),
     (dict(decode_only=True), "a prefill chunk that reaches its sequence's end gives that sequence's first token: "
                              "pick a token for every row with w.end == w.seq.num_tokens, in prefill steps too"),
     (dict(row_keys=True), "key next_tokens by w.seq.seq_id (postprocess looks each finished row's token up by its "
@@ -606,10 +606,11 @@ def _same_run(a: tuple, b: Any) -> bool:
 def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
     d = _first_difference(expected[0], list(got[0]))
     line = got[0][d] if d is not None and d < len(got[0]) else ""
+    last = got[0][-1] if got[0] else ""
     if "(returned " in line:
         return ("return the step's kind: the first value scheduler.schedule() returned ('prefill', 'decode' or "
                 "'idle'; the engine counts its steps by it)")
-    if "changed nothing" in line:
+    if last.startswith("error") and "changed nothing" in last:
         return ("end the step with scheduler.postprocess(work, next_tokens): it records the computed KV and the "
                 "new tokens; without it the scheduler hands out the same work again")
     for flags, message in _STEP_MISTAKES:
@@ -703,11 +704,13 @@ def _slots(rng: random.Random, tag: str, names: list) -> Case:
 
 
 def _preemption(rng: random.Random, tag: str, names: list) -> Case:
-    """A KV cache of 9 blocks of 4 for three requests that grow past it: recompute preemption, and a
-    request whose KV does not fit stopping admission."""
+    """A KV cache of 9 blocks of 4 for requests that grow past it: recompute preemption, and a
+    17-token prompt (5 blocks) that does not fit stopping admission, the small request behind it
+    waiting too."""
     a, b = names[:2]
-    reqs = [(_tokens(rng, rng.randint(9, 11)), a, 8, []), (_tokens(rng, rng.randint(7, 9)), None, 8, []),
-            (_tokens(rng, rng.randint(6, 8)), b, 7, []), (_tokens(rng, 13), a, 3, [])]
+    reqs = [(_tokens(rng, rng.randint(9, 11)), a, 10, []), (_tokens(rng, rng.randint(7, 9)), None, 10, []),
+            (_tokens(rng, rng.randint(6, 8)), b, 7, []), (_tokens(rng, 17), a, 3, []),
+            (_tokens(rng, rng.randint(2, 4)), a, 2, [])]
     return workload_case(f"{tag}_small_kv_cache_preempts", {a: rng.choice(sorted(ADAPTER_KINDS)),
                                                             b: rng.choice(sorted(ADAPTER_KINDS))},
                          _engine_config(num_kv_blocks=9, max_num_batched_tokens=32), reqs)

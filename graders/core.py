@@ -499,15 +499,15 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
                "the contract asks for a new tensor: a caller that later writes one changes the other")
     if msg and with_hint and ex.hint is not None:
         got = result["args_after"][case.out_index] if case.out_index is not None else result["returned"]
-        if ex.compare is not None:  # the hint sees what compare saw: plain data
-            got = _plain(got, tensors)
+        # the hint sees what compare saw (plain data), else the result materialized
+        got = _plain(got, tensors) if ex.compare is not None else _materialize(got, tensors)
         try:
             # hints see the case as built, on the CPU: the learner's result comes back there, and a hint
             # that mixed a CUDA input with it would raise and be silently dropped (seen on the H200)
             cpu = torch.device("cpu")
             hint_case = replace(case, args=_to(case.args, cpu), defined=_to(case.defined, cpu),
                                 exact=_to(case.exact, cpu))
-            hint = ex.hint(hint_case, _to(expected, cpu), _to(_materialize(got, tensors), cpu))
+            hint = ex.hint(hint_case, _to(expected, cpu), _to(got, cpu))
         except Exception:  # a hint is a courtesy: it must never cost a verdict
             hint = None
         if hint:

@@ -16,10 +16,11 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import nbformat
 
-__all__ = ["Mutant", "apply_edits", "solution_answers", "load_catalogue", "sample_learner",
+__all__ = ["Mutant", "apply_edits", "solution_answers", "load_catalogue", "sample_learner", "graded_source",
            "CATALOGUE_DIR", "SAMPLE_LEARNERS"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,11 @@ class Mutant:
             error): proof that the report names this mistake and not a wrong cause.
         kind: the contract clause or case family that should catch it: ``tiling``, ``layout``,
             ``poison``, ``error``, ``clause``, ``dtype``, ``device-read``, ``state``, ``math``.
-        plausible: part of the ``plausible_mistakes`` sample learner (at most one per exercise).
+        plausible: part of the ``plausible_mistakes`` sample learner (at most one per exercise, and
+            only an edit of the exercise's own cell).
+        part: for an exercise that runs other exercises' answers too (``Exercise.needs``, chapter 11's
+            capstone), the needed exercise whose solution cell ``edits`` change (its own cell stays
+            the solution); None: the exercise's own cell.
     """
 
     exercise: str
@@ -50,6 +55,7 @@ class Mutant:
     expect: str
     kind: str
     plausible: bool = False
+    part: Optional[str] = None
 
     @property
     def id(self) -> str:
@@ -70,6 +76,27 @@ def apply_edits(source: str, edits, label: str = "") -> str:
                              f"(expected once): {old!r}")
         source = source.replace(old, new)
     return source
+
+
+def graded_source(exercise_id: str, solutions: dict[str, str], mutant: Optional[Mutant] = None) -> str:
+    """What the grader takes for ``exercise_id`` from the solution cells ``solutions`` (with
+    ``mutant``'s edits applied to the cell it names): the exercise's cell, or for an exercise with
+    needs its answer bundle (``graders.needs``).
+
+    Raises:
+        ValueError: an edit whose target is not in its cell exactly once; a ``part`` the exercise
+            does not need.
+    """
+    from graders.needs import bundle, needs_of
+
+    cells = {ex: solutions[ex] for ex in (*needs_of(exercise_id), exercise_id)}
+    if mutant is not None:
+        target = mutant.part or exercise_id
+        if target not in cells:
+            raise ValueError(f"{mutant.id}: part {target!r} is not a cell {exercise_id} runs")
+        cells[target] = apply_edits(cells[target], mutant.edits, mutant.id)
+    own = cells.pop(exercise_id)
+    return bundle(exercise_id, own, cells) if cells else own
 
 
 def solution_answers(notebooks: Path = ROOT / "notebooks") -> dict[str, str]:
@@ -119,6 +146,8 @@ def sample_learner(name: str, notebooks: Path = ROOT / "notebooks", folder: Path
             continue
         if m.exercise in answers:
             raise ValueError(f"two plausible mutants for {m.exercise}")
+        if m.part is not None:
+            raise ValueError(f"{m.id}: a plausible mutant edits its exercise's own cell (this one edits {m.part})")
         answers[m.exercise] = apply_edits(solutions[m.exercise], m.edits, m.id)
     # exercises without a plausible mistake are answered correctly, as a real learner would
     return {ex: answers.get(ex, src) for ex, src in solutions.items()}

@@ -13,7 +13,7 @@ import pytest
 
 from graders.core import grade_many_under_secrets
 from graders.exercises import EXERCISES
-from graders.mutation import apply_edits, load_catalogue, solution_answers
+from graders.mutation import graded_source, load_catalogue, solution_answers
 from graders.points import total_points
 from reference.device import default_device
 
@@ -32,6 +32,7 @@ def test_every_exercise_has_a_catalogue_of_different_kinds():
     by_exercise = collections.defaultdict(list)
     for m in CATALOGUE:
         assert m.exercise in EXERCISES, f"{m.id}: unknown exercise"
+        assert m.part is None or m.part in EXERCISES[m.exercise].needs, f"{m.id}: part {m.part!r} is not needed"
         assert m.kind in KINDS, f"{m.id}: kind {m.kind!r} not in {sorted(KINDS)}"
         assert m.expect.strip(), f"{m.id}: name the phrase the report must contain"
         by_exercise[m.exercise].append(m)
@@ -62,8 +63,8 @@ def _grade(exercise_id: str, source: str) -> dict:
     graded = _GRADED.setdefault(exercise_id, {})
     if source not in graded:
         if default_device().type == "cpu":
-            sources = [SOLUTIONS[exercise_id]] + [apply_edits(SOLUTIONS[m.exercise], m.edits, m.id)
-                                                  for m in CATALOGUE if m.exercise == exercise_id]
+            sources = [graded_source(exercise_id, SOLUTIONS)] + [graded_source(exercise_id, SOLUTIONS, m)
+                                                                 for m in CATALOGUE if m.exercise == exercise_id]
         else:
             sources = [source]
         sources = list(dict.fromkeys(sources))
@@ -72,14 +73,14 @@ def _grade(exercise_id: str, source: str) -> dict:
 
 
 def _check_solution(exercise_id: str) -> None:
-    results = _grade(exercise_id, SOLUTIONS[exercise_id])
+    results = _grade(exercise_id, graded_source(exercise_id, SOLUTIONS))
     for secret, r in results.items():
         assert r.score == total_points(exercise_id), f"secret {secret!r}:\n{r.report}"
 
 
 def _check_mutant(mutant) -> None:
-    source = apply_edits(SOLUTIONS[mutant.exercise], mutant.edits, mutant.id)
-    assert source != SOLUTIONS[mutant.exercise]
+    source = graded_source(mutant.exercise, SOLUTIONS, mutant)
+    assert source != graded_source(mutant.exercise, SOLUTIONS)
     results = _grade(mutant.exercise, source)
     scores = {secret: r.score for secret, r in results.items()}
     report = results[SECRETS[0]].report

@@ -26,3 +26,14 @@ def choose_drain(waiting, running_remaining, max_loras_per_batch, threshold):
 def route(adapter_key, loads, vnodes, capacity_factor, replicas=1):
     # the instance's name instead of its index
     return f"instance-{loads.index(min(loads))}"
+
+
+# %% ch11.5
+def engine_step(scheduler, runner):
+    # SeqWork used without importing it (a NameError once called); with this learner's ch11.1-ch11.3
+    # the engine fails earlier still: their admit_requests returns Candidates, not seq_ids
+    kind, work = scheduler.schedule()
+    batch = [SeqWork(w.seq.tokens[w.start:w.end], w.start, w.seq.block_table, w.seq.uid) for w in work]
+    logits = runner.forward(batch)
+    scheduler.postprocess(work, {w.seq.seq_id: int(row.argmax()) for w, row in zip(work, logits)})
+    return kind

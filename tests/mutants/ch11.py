@@ -12,6 +12,13 @@ running uid counted as starving, the most-loaded adapter drained, ties by insert
 the uid's text, no threshold check. ch11.4: the bound without the +1, <= instead of <, a walk without
 wrap-around, replicas ignored (the same function as returning the first open instance), ties to the
 highest index, ties to the lowest index, no load check, the factor outside the ceiling.
+ch11.5 (the capstone: the step, and the learner's ch11.1-ch11.3 cells run in the engine, ``part``):
+chunks computed at position 0, the whole sequence computed again, the batch's uids as the running
+ones, running left out, tokens only in decode steps, tokens keyed by row, postprocess forgotten, the
+kind not returned, every row reading the last row's logits; and in the needed cells: the adapter left
+out of the block key, unchained keys, the cap ignored, the base not counted, no warm-first order, a
+KV shortfall skipped, the most-loaded adapter drained, a drain never started, a drain that never
+returns (an endless loop), an admission that raises during a drain.
 """
 from graders.mutation import Mutant
 
@@ -162,4 +169,71 @@ MUTANTS = [
            (("    if not loads or capacity_factor < 1 or replicas < 1 or min(loads) < 0:\n",
              "    if not loads or capacity_factor < 1 or replicas < 1:\n"),),
            "negative_load_raises_value_error", "error"),
+]
+
+_STEP_BATCH = ("    batch = [SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid) "
+               "for w in work]\n")
+_STEP_FORWARD = "    logits = runner.forward(batch, running=[s.uid for s in scheduler.running])\n"
+_STEP_END = "    scheduler.postprocess(work, next_tokens)\n    return kind\n"
+
+MUTANTS += [
+    # ch11.5 engine_step: the step's own mistakes
+    Mutant("ch11.5", "chunks-at-position-0",
+           ((_STEP_BATCH, _STEP_BATCH.replace("w.start, list(", "0, list(")),),
+           "a SeqWork's start is w.start", "layout"),
+    Mutant("ch11.5", "whole-sequence-computed",
+           ((_STEP_BATCH, _STEP_BATCH.replace("SeqWork(w.seq.tokens[w.start:w.end], ", "SeqWork(w.seq.tokens, ")),),
+           "compute only w.seq.tokens[w.start:w.end]", "layout"),
+    Mutant("ch11.5", "batch-uids-as-running",
+           ((_STEP_FORWARD, "    logits = runner.forward(batch, running=[w.seq.uid for w in work])\n"),),
+           "the uid of every RUNNING sequence, not only of this step's batch", "state", plausible=True),
+    Mutant("ch11.5", "running-left-out",
+           ((_STEP_FORWARD, "    logits = runner.forward(batch)\n"),),
+           "pass running=[s.uid for s in scheduler.running] to runner.forward", "state"),
+    Mutant("ch11.5", "tokens-only-in-decode-steps",
+           (("        if w.end == w.seq.num_tokens:", "        if kind == \"decode\":"),),
+           "in prefill steps too", "clause"),
+    Mutant("ch11.5", "tokens-keyed-by-row",
+           (("            next_tokens[w.seq.seq_id] = ", "            next_tokens[i] = "),),
+           "key next_tokens by w.seq.seq_id", "clause"),
+    Mutant("ch11.5", "postprocess-forgotten",
+           ((_STEP_END, "    return kind\n"),),
+           "scheduler.postprocess(work, next_tokens)", "state"),
+    Mutant("ch11.5", "kind-not-returned",
+           ((_STEP_END, "    scheduler.postprocess(work, next_tokens)\n"),),
+           "return the step's kind", "clause"),
+    Mutant("ch11.5", "every-row-reads-the-last-logits",
+           (("int(logits[i].argmax())", "int(logits[-1].argmax())"),),
+           "row i of the logits belongs to work[i]", "math"),
+
+    # ch11.5 with a mistake in a needed cell (the step itself right): the capstone finds it in the engine
+    Mutant("ch11.5", "key-without-the-adapter", ((_HASH, "        parent = stable_hash((parent, block))\n"),),
+           "the adapter's uid belongs in every key", "clause", part="ch11.1"),
+    Mutant("ch11.5", "unchained-keys", ((_HASH, "        parent = stable_hash((None, adapter_id, block))\n"),),
+           "chain the keys", "clause", part="ch11.1"),
+    Mutant("ch11.5", "cap-ignored", ((_CAP, ""),), "your admit_requests (ch11.2)", "clause", part="ch11.2"),
+    Mutant("ch11.5", "base-not-counted-in-the-cap",
+           (("        if len(chosen | {c.uid}) > max_loras_per_batch:\n",
+             "        if len({u for u in chosen | {c.uid} if u is not None}) > max_loras_per_batch:\n"),),
+           "takes a slot like any adapter", "clause", part="ch11.2"),
+    Mutant("ch11.5", "no-warm-first-order",
+           (("    order = sorted(waiting, key=lambda c: c.uid not in warm)  # stable: arrival order in each part\n",
+             "    order = list(waiting)\n"),),
+           "running or resident", "clause", part="ch11.2"),
+    Mutant("ch11.5", "kv-shortfall-skipped",
+           ((_KV, "        if c.blocks_needed > free_blocks:\n            continue\n"),),
+           "STOP (break)", "clause", part="ch11.2"),
+    Mutant("ch11.5", "admission-raises-during-a-drain",
+           (("        if drain_active and c.uid == draining:\n", "        if drain_active and c.adapter == draining:\n"),),
+           "your admit_requests (ch11.2) raised AttributeError", "state", part="ch11.2"),
+    Mutant("ch11.5", "most-loaded-adapter-drained",
+           ((_TIE, "    victim = max(running_remaining, key=lambda u: (running_remaining[u], uid_sort_key(u)))\n"),),
+           "SOONEST", "math", part="ch11.3"),
+    Mutant("ch11.5", "drain-never-starts",
+           ((_TIE + "    return True, victim\n", "    return False, None\n"),),
+           "your choose_drain (ch11.3)", "clause", part="ch11.3"),
+    Mutant("ch11.5", "drain-never-returns",
+           ((_TIE, "    while len(running_remaining) >= max_loras_per_batch:  # wait for a slot to free\n        pass\n"
+                   + _TIE),),
+           "your choose_drain (ch11.3) did not return", "state", part="ch11.3"),
 ]
