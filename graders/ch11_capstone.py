@@ -628,10 +628,17 @@ def capstone_hint(case: Case, expected: tuple, got: Any) -> Optional[str]:
         return None
     d = _first_difference(expected[0], list(got[0]))
     last = (d + 1) if d is not None else len(got[0])
-    for suspect in _valid_suspects(got[2]):
-        if suspect[1] <= last:
-            return _suspect_hint(suspect)
+    suspects = [s for s in _valid_suspects(got[2]) if s[1] <= last]
+    if suspects:  # the piece the engine's error points at first, then by step
+        error = got[0][-1] if got[0] and got[0][-1].startswith("error") else ""
+        blamed = next((ex for where, ex in _WHERE if where in error), None)
+        suspects.sort(key=lambda s: (s[0] != blamed, s[1]))
+        return "\n".join(_suspect_hint(s) for s in suspects)
     return _step_hint(case, expected, got)
+
+
+#: Where in the engine an error points at a policy's result: (text of the error line, exercise).
+_WHERE = (("(_admit)", "ch11.2"), ("block_manager.py", "ch11.1"), ("(_update_drain)", "ch11.3"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from reference.engine.llm import LLM, EngineConfig, EnginePolicies
+from reference.engine.llm import LLM, EngineConfig, EnginePolicies, engine_step
 from reference.engine.policies import block_hashes
 from reference.engine.sequence import SamplingParams
 
@@ -253,3 +253,18 @@ def test_malformed_sampling_params_and_requests_are_refused_alone_and_the_engine
     llm.runner.forward = real
     assert not llm.scheduler.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks
     assert llm.generate([[1, 2, 3]], good)[0].token_ids == outs[len(bad)].token_ids
+
+
+def test_the_public_engine_step_runs_the_same_engine(base, adapter_dirs):
+    """generate(step=engine_step), chapter 11's capstone reference, gives the engine's own run: the same
+    tokens, scheduler log, pool log and step counts."""
+    prompts, names, params = workload()
+    own, stepped = make_engine(base, adapter_dirs), make_engine(base, adapter_dirs)
+    want = own.generate(prompts, params, lora_request=names)
+    got = stepped.generate(prompts, params, lora_request=names, step=engine_step)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert stepped.scheduler.events == own.scheduler.events and stepped.pool.events == own.pool.events
+    assert stepped.stats == own.stats
+    with pytest.raises(ValueError, match="greedily"):
+        stepped.generate([[1, 2]], SamplingParams(temperature=0.5, seed=1), step=engine_step)
+    assert not stepped.scheduler.has_unfinished()
