@@ -742,8 +742,10 @@ for label, engine_policies in (("adapter in the key", EnginePolicies()), ("token
 # its prefix cache with the first, the scheduler admits with the second and drains with the third,
 # with exactly the signatures of ch11.1-ch11.3. What is left is the code that joins the two planes
 # in every step, the `step` of this chapter's first cell with the fake model replaced by the paged
-# runner. Its inputs, on a fresh engine of section 6's configuration (a budget of 16 tokens) with
-# three requests: a 20-token prompt of `qv`, a 3-token prompt of `kv`, and a base request:
+# runner. Its inputs, on a fresh engine of section 6's configuration with three requests (a short
+# prompt of `kv`, a prompt of `qv` longer than the token budget, a base request), over two steps.
+# No model runs here: `postprocess` is handed a made-up token 0 for every row that reached its
+# sequence's end, only to move the scheduler on:
 
 # %%
 from reference.engine.sequence import Sequence as EngineSequence
@@ -751,27 +753,34 @@ from reference.engine.sequence import Sequence as EngineSequence
 demo = LLM(copy.deepcopy(tiny), engine_config)
 for name in ("qv", "kv"):
     demo.register_adapter(name, adapter_root / name)
-demo_prompts = [(list(range(40, 60)), "qv", 4), ([5, 6, 7], "kv", 3), ([9, 9, 9, 9], None, 2)]
+demo_prompts = [([5, 6, 7], "kv", 3), (list(range(40, 60)), "qv", 4), ([9, 9, 9, 9], None, 2)]
 for seq_id, (prompt, name, n) in enumerate(demo_prompts):
     uid = None if name is None else demo.registry.uid_of(name)
     demo.scheduler.add(EngineSequence(seq_id, prompt, uid, SamplingParams(max_new_tokens=n)))
-kind, work = demo.scheduler.schedule()
-print("schedule() ->", kind)
-for w in work:
-    print(f"  Work(seq {w.seq.seq_id}, adapter {w.seq.uid!r}, start {w.start}, end {w.end}): "
-          f"{w.end - w.start} of its {w.seq.num_tokens} tokens, blocks {w.seq.block_table}, "
-          f"reaches its end: {w.end == w.seq.num_tokens}")
-print("running uids:", [s.uid for s in demo.scheduler.running], "| waiting:", [s.seq_id for s in demo.scheduler.waiting])
+print("token budget per step:", engine_config.max_num_batched_tokens, "| GPU slots:", engine_config.max_loras_per_batch)
+for step_no in (1, 2):
+    kind, work = demo.scheduler.schedule()
+    print(f"step {step_no}: schedule() -> {kind!r}")
+    for w in work:
+        print(f"  Work(seq {w.seq.seq_id}, adapter {w.seq.uid!r}, start {w.start}, end {w.end}): "
+              f"{w.end - w.start} of its {w.seq.num_tokens} tokens, blocks {w.seq.block_table}, "
+              f"reaches its end: {w.end == w.seq.num_tokens}")
+    print(f"  uids of the running sequences: {[s.uid for s in demo.scheduler.running]}; of this step's work: "
+          f"{[w.seq.uid for w in work]}; waiting: {[s.seq_id for s in demo.scheduler.waiting]}")
+    demo.scheduler.postprocess(work, {w.seq.seq_id: 0 for w in work if w.end == w.seq.num_tokens})
 
 # %% [markdown]
-# The scheduler admitted what the cap and the budget allow (its log: `demo.scheduler.events`) and
-# cut the long prompt at the budget. Every `Work(seq, start, end)` asks for `seq.tokens[start:end]`;
-# the runner takes each as a `SeqWork(token_ids, start, block_table, uid)` (the tokens, the position
-# of the first one, where the sequence's KV lives, its adapter) and returns the logits of each one's
-# last token, one row per work item in work order. Only a row whose `end` is its sequence's last
-# token has a next token to pick: the chunk of the long prompt printed `False` above, and its row's
-# logits are discarded. `scheduler.postprocess(work, next_tokens)` then records the computed KV and
-# appends the picked tokens (`next_tokens[seq_id]` for every row that reached its end).
+# In the first step the scheduler admitted the short `kv` prompt whole and the `qv` prompt up to the
+# budget; the base request waits, as the two slots are taken (the cap of section 3). Every
+# `Work(seq, start, end)` asks for `seq.tokens[start:end]`; the runner takes each as a
+# `SeqWork(token_ids, start, block_table, uid)` (the tokens, the position of the first one, where
+# the sequence's KV lives, its adapter) and returns the logits of each one's last token, one row per
+# work item in work order. Only a row whose `end` is its sequence's last token has a next token to
+# pick (`reaches its end: True`); the `qv` chunk's row is discarded. `scheduler.postprocess(work,
+# next_tokens)` then records the computed KV and appends the picked tokens (`next_tokens[seq_id]`
+# for every row that reached its end). In the second step, prefill first: the rest of the `qv`
+# prompt runs, starting where the first chunk ended, and the `kv` sequence, which now decodes,
+# computes nothing.
 #
 # One more argument: in a prefill step the decoding sequences compute nothing, yet their adapters
 # must stay in their slots (the next decode step needs them, and the pool evicts whatever it is not
