@@ -271,7 +271,7 @@ def test_no_solution_cell_and_no_mutant_is_flagged():
     solutions = solution_answers()
     flagged = {ex: suspicious_code(src) for ex, src in solutions.items() if suspicious_code(src)}
     for m in load_catalogue():
-        if lines := suspicious_code(apply_edits(solutions[m.exercise], m.edits, m.id)):
+        if lines := suspicious_code(apply_edits(solutions[m.part or m.exercise], m.edits, m.id)):
             flagged[m.id] = lines
     assert flagged == {}
 
