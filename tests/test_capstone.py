@@ -154,10 +154,12 @@ def test_each_case_exercises_the_mechanism_it_is_named_for(cases_and_runs):
     assert len(families) == 8, families
 
 
-def test_a_case_runs_fast_and_the_check_fits_its_budget():
+def test_a_case_runs_in_a_fraction_of_a_second():
+    """One layer, one intra-op thread: a case's engine run stays far below the child's alarm (the
+    whole check's time against its budget: tests/test_graders.py)."""
     import time
 
-    case = _cases()[6]  # the drain family, among the longest
+    case = next(c for c in _cases() if c.name == "edge_starving_adapter_drained")  # among the longest
     start = time.perf_counter()
     cap._drive_reference(case.args[0])
     assert time.perf_counter() - start < 2.0
