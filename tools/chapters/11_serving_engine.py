@@ -801,27 +801,28 @@ for step_no in (1, 2):
 #
 # ### Exercise ch11.5: `engine_step` (capstone)
 #
-# Write `engine_step(scheduler, runner)`: one step of the engine with greedy decoding; return the
-# step's kind. `scheduler` is the engine's `Scheduler` (its policies are your ch11.1-ch11.3
-# functions), `runner` its `ModelRunner`:
+# Write `engine_step(scheduler, runner)`: one step of the engine with greedy decoding. `scheduler` is
+# the engine's `Scheduler` (its policies are your ch11.1-ch11.3 functions), `runner` its
+# `ModelRunner`. Semantics:
 #
 # ```
-# kind, work = scheduler.schedule()                # [Work(seq, start, end)]
-# if not work: return kind                         # "idle": nothing could run
-# batch = [SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
-#          for w in work]
-# logits = runner.forward(batch, running=[s.uid for s in scheduler.running])   # [len(work), vocab]
-# next_tokens = {w.seq.seq_id: argmax(logits[i])   for each i with w.end == w.seq.num_tokens}
-# scheduler.postprocess(work, next_tokens)
-# return kind
+# kind, work = scheduler.schedule()       # work: [Work(seq, start, end)]; no work: return kind ("idle")
+# for each work item, in work order, the runner computes seq.tokens[start:end]: positions start..end-1,
+#     KV written to and read from seq's blocks, under seq's adapter (one SeqWork per item)
+# every RUNNING sequence's adapter stays resident during the forward, also if it computes nothing now
+# the forward's logits: row i = the next-token logits after work item i's last token
+# for each item that reaches its sequence's end (end == seq.num_tokens): next token = argmax of its row
+#     (greedy, ties to the lowest token id); an item short of its end gives no token
+# scheduler.postprocess(work, {seq_id: next token}); return kind
 # ```
 #
-# `SeqWork` comes from `reference.engine.model_runner` (imported in the cell); the argmax is
-# greedy decoding (`int(logits[i].argmax())`: ties go to the lowest token id). The check runs the
-# engine with your `block_hashes`, `admit_requests` and `choose_drain` as its policies: their
-# answer cells are re-run beside this one, so a mistake there costs the capstone where the judge
-# sees it (wrong tokens, another schedule), and a function that raises or hangs is named in the
-# report. Finish ch11.1-ch11.3 first.
+# `SeqWork(token_ids, start, block_table, uid)` comes from `reference.engine.model_runner` (imported
+# in the cell); `runner.forward(batch, running=uids)` takes the step's SeqWorks and the uids to keep
+# resident, and returns the logits `[len(batch), vocab]`. The check runs the engine with your
+# `block_hashes`, `admit_requests` and `choose_drain` as its policies: their answer cells are re-run
+# beside this one, so a mistake there costs the capstone where the judge sees it (wrong tokens,
+# another schedule), and a function that raises or hangs is named in the report. Finish
+# ch11.1-ch11.3 first.
 
 # %% exercise="ch11.5" role="answer"
 from reference.engine.model_runner import SeqWork
