@@ -203,10 +203,6 @@ def _as_data(value: Any) -> Any:
     return f"<a {type(value).__name__}>"
 
 
-def _call_text(exercise_id: str, args: tuple) -> str:
-    """The call as the exercise's own grader describes its inputs."""
-    return _piece_case(exercise_id, _args_data(exercise_id, args)).describe
-
 
 def _args_data(exercise_id: str, args: tuple) -> list:
     """The policy's inputs as plain data, in the shape of the exercise's own cases (graders.ch11)."""
