@@ -168,7 +168,8 @@ class PagedDecodeGraphRunner:
     Attributes:
         max_blocks: columns of the static block tables: ceil(min(max_positions, num_blocks *
             block_size) / block_size), every block a sequence can hold.
-        steps: decode steps served; eager: Counter of the reasons steps were sent back to the eager path.
+        replays: Counter of (bucket, lora) graphs replayed (called, without CUDA graphs); ``steps``
+            is their total. eager: Counter of the reasons steps were sent back to the eager path.
         graphs: (bucket, lora) -> (CUDAGraph or None, its output logits [bucket, vocab] float32 or None).
     Raises:
         ValueError: max_seqs < 1; a bucket outside 1..max_seqs; use_graphs on a device that is not CUDA.
@@ -194,7 +195,12 @@ class PagedDecodeGraphRunner:
         self.base_info: dict[int, LoRABatchInfo] = {}  # bucket -> batch info of the base-only graph
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.mempool = None  # one graph memory pool shared by every bucket
-        self.steps, self.eager = 0, Counter()
+        self.replays, self.eager = Counter(), Counter()
+
+    @property
+    def steps(self) -> int:
+        """Decode steps this runner served."""
+        return sum(self.replays.values())
 
     # ---- which steps --------------------------------------------------------------------------
     def pad_slot(self) -> Optional[int]:
@@ -294,5 +300,5 @@ class PagedDecodeGraphRunner:
             graph.replay()
         else:
             out = self._step(bucket, lora)
-        self.steps += 1
+        self.replays[(bucket, lora)] += 1
         return out[:n].clone()
