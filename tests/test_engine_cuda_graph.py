@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from graders.tolerances import tolerance
+from reference.cuda_graph import bucket_for
 from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner, StaticDecodeInputs
 from reference.engine.model_runner import ModelRunner, SeqWork, sample
 from reference.layers import LoRAContext
@@ -143,6 +144,7 @@ def test_graph_decode_equals_eager_across_buckets_blocks_adapters_and_slot_chang
     seqs, loads = _trace(eager, graph, "triton" if backend == "triton" and CUDA else "matmul")
     assert g.steps == len(DECODES) and g.eager == {"prefill": len(PREFILLS)}, (g.steps, g.eager)
     assert {b for b, _ in g.replays} == set(BUCKETS) and (2, False) in g.replays, g.replays
+    assert g.padding_rows == sum(bucket_for(len(s), BUCKETS) - len(s) for s in DECODES) > 0
     if CUDA:
         assert all(gr is not None for gr, _ in g.graphs.values()), "no CUDA graph was captured"
     assert len(g.graphs) == 2 * len(BUCKETS)  # a LoRA graph and a base-only graph per bucket

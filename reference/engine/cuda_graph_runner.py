@@ -169,7 +169,8 @@ class PagedDecodeGraphRunner:
         max_blocks: columns of the static block tables: ceil(min(max_positions, num_blocks *
             block_size) / block_size), every block a sequence can hold.
         replays: Counter of (bucket, lora) graphs replayed (called, without CUDA graphs); ``steps``
-            is their total. eager: Counter of the reasons steps were sent back to the eager path.
+            is their total. padding_rows: padding rows replayed in all. eager: Counter of the
+            reasons steps were sent back to the eager path.
         graphs: (bucket, lora) -> (CUDAGraph or None, its output logits [bucket, vocab] float32 or None).
     Raises:
         ValueError: max_seqs < 1; a bucket outside 1..max_seqs; use_graphs on a device that is not CUDA.
@@ -195,7 +196,7 @@ class PagedDecodeGraphRunner:
         self.base_info: dict[int, LoRABatchInfo] = {}  # bucket -> batch info of the base-only graph
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.mempool = None  # one graph memory pool shared by every bucket
-        self.replays, self.eager = Counter(), Counter()
+        self.replays, self.eager, self.padding_rows = Counter(), Counter(), 0
 
     @property
     def steps(self) -> int:
@@ -301,4 +302,5 @@ class PagedDecodeGraphRunner:
         else:
             out = self._step(bucket, lora)
         self.replays[(bucket, lora)] += 1
+        self.padding_rows += bucket - n
         return out[:n].clone()
