@@ -395,8 +395,10 @@ class ModelRunner:
         """embed -> decoder layers (paged attention) over the flat token stream: [num_tokens, hidden]."""
         inner = self.model.model
         h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, meta.positions)  # [num_tokens, hd]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        # HF's rotary embedding takes position_ids [batch, seq] (transformers 5.17 indexes
+        # position_ids[:, None, :]; a flat [num_tokens] raised there): one batch row of the stream
+        cos, sin = inner.rotary_emb(h[None], meta.positions[None])  # [1, num_tokens, hd]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, hd]: broadcast over heads
         for i, layer in enumerate(inner.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, i, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
