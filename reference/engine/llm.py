@@ -93,12 +93,14 @@ class LLM:
         policies: :class:`EnginePolicies` (the reference's by default).
     Attributes:
         stats: counters of the last ``generate`` (steps, prefill/decode steps, preemptions, adapter
-            loads from each tier, prefix-cache hit rate; ``graph_decode_steps``: decode steps served
-            by the graph runner, ``graph_fallbacks``: decode steps it sent back to the eager path,
+            loads from each tier, prefix-cache hit rate; ``graph_decode_steps``: steps served by
+            the graph runner (every sequence computing one token: the decode steps, or a prefill
+            of one-token prompts), ``graph_fallbacks``: such steps it sent back to the eager path,
             by reason; ``decode_mode``: "cuda_graph", "static" (the graph path without capture) or
             "eager").
     Raises:
-        ValueError: see ``llama_checkpoint`` (models this forward does not serve) and the configs' checks.
+        ValueError: see ``llama_checkpoint`` (models this forward does not serve) and the configs'
+        checks; ``cuda_graph`` not None or a bool.
     """
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), dtype: torch.dtype = torch.float32,
