@@ -2,6 +2,7 @@
 distinct adapters, beside the base model alone and HF PEFT's mixed-adapter batches.
 
     python benchmarks/benchmark_engine.py [--layers 8] [--requests 256] [--adapters 1 8 32 64 256] [--peft]
+    python benchmarks/benchmark_engine.py --no-cuda-graph  # the same, every decode step eager
     python benchmarks/benchmark_engine.py --smoke          # tiny model, CPU or GPU, about a minute
 
 Model (full run): Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate 14336,
@@ -18,10 +19,15 @@ preemptions, adapter loads, prefix-cache hit rate. ``--peft``: the same workload
 (``adapter_names`` mixed batches of ``--peft-batch`` requests, left-padded, ``generate`` greedy),
 at 1 adapter and at 64 (or the largest D asked for): output tokens/s.
 
+Decode: on CUDA the engine's decode steps replay CUDA graphs (``EngineConfig.cuda_graph``, the
+default there: ``reference/engine/cuda_graph_runner.py``, buckets up to ``max_num_seqs``, captured
+when the engine is built, outside the timed ``generate``); ``--no-cuda-graph`` runs them eagerly.
+The result JSON records which (``decode``, and per row ``decode_mode``, ``graph_decode_steps`` and
+``graph_fallbacks``); its file name gets ``_eager`` without graphs. With graphs the pool has one
+slot more, pinned to the base model (the padding rows' rank-0 slot); the scheduler's cap is the same.
+
 Targets (issue #15): at 64 adapters, >= 80% of the single-adapter throughput and >= 70% of the base
-model's; the engine >= 20x PEFT's throughput at 64. The script prints which are met. Known limit:
-the engine decodes eagerly (chapter 08's CUDA-graph runner is not wired into the paged engine yet),
-so at small batches its steps are bound by Python and launch overhead.
+model's; the engine >= 20x PEFT's throughput at 64. The script prints which are met.
 """
 from __future__ import annotations
 
@@ -153,6 +159,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--peft", action="store_true", help="also time HF PEFT's mixed-adapter batches")
     ap.add_argument("--peft-batch", type=int, default=16)
+    ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,7 +177,9 @@ def main() -> None:
     engine_cfg = EngineConfig(max_loras_per_batch=33 if not args.smoke else 4, max_lora_rank=args.rank,
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
                               max_num_seqs=n, max_num_batched_tokens=8192 if not args.smoke else 64,
-                              backend="triton" if device.type == "cuda" else "torch")
+                              backend="triton" if device.type == "cuda" else "torch",
+                              cuda_graph=False if args.no_cuda_graph else None)
+    decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}
     adapters = {k: type(a)(a.uid, a.rank, a.scaling, {key: (A.to(dtype), B.to(dtype)) for key, (A, B) in a.weights.items()})
@@ -188,7 +197,8 @@ def main() -> None:
         rows.append(row)
         tqdm.write(f"engine  D={D:4d}: {row['tokens_per_s']:9.1f} tok/s, TPOT p50 {row['tpot_ms_p50']:.2f} ms "
                    f"p99 {row['tpot_ms_p99']:.2f} ms, TTFT p50 {row['ttft_s_p50']:.2f} s, steps {row['steps']}, "
-                   f"preemptions {row['preemptions']}, loads {row['adapter_loads']}")
+                   f"preemptions {row['preemptions']}, loads {row['adapter_loads']}, "
+                   f"graph decode steps {row['graph_decode_steps']}/{row['decode_steps']}")
     if args.peft:
         for D in sorted({1, min(64, max(adapter_counts))}):
             names = [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(2), n, D)]
@@ -205,10 +215,11 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
                   smoke=args.smoke, model=cfg, layers=layers, requests=n, prompt_lens=[lo, hi], new_tokens=new,
-                  rank=args.rank, engine_config=engine_cfg.__dict__, rows=rows, targets=met,
+                  rank=args.rank, decode=decode, engine_config=engine_cfg.__dict__, rows=rows, targets=met,
                   method="one generate() per row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
                          "between a request's consecutive tokens; Zipf(1.0) adapter popularity")
-    out = args.out or ROOT / "benchmarks" / "results" / ("engine_smoke.json" if args.smoke else "engine_h200.json")
+    stem = ("engine_smoke" if args.smoke else "engine_h200") + ("_eager" if args.no_cuda_graph else "")
+    out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
