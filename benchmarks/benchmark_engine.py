@@ -2,6 +2,7 @@
 distinct adapters, beside the base model alone and HF PEFT's mixed-adapter batches.
 
     python benchmarks/benchmark_engine.py [--layers 8] [--requests 256] [--adapters 1 8 32 64 256] [--peft]
+    python benchmarks/benchmark_engine.py --no-cuda-graph  # the same, every decode step eager
     python benchmarks/benchmark_engine.py --smoke          # tiny model, CPU or GPU, about a minute
 
 Model (full run): Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate 14336,
@@ -16,12 +17,25 @@ Reported per run: output tokens/s over the whole ``generate`` wall time; time pe
 gap between a request's consecutive tokens) P50 / P99; time to first token P50 / P99; steps,
 preemptions, adapter loads, prefix-cache hit rate. ``--peft``: the same workload through PEFT
 (``adapter_names`` mixed batches of ``--peft-batch`` requests, left-padded, ``generate`` greedy),
-at 1 adapter and at 64 (or the largest D asked for): output tokens/s.
+at 1 adapter and at 64 (or the largest D asked for): output tokens/s (``--peft-requests N``: over the
+first N requests only, for time).
+
+Extras (``--no-extras`` skips them), in ``extras`` of the JSON: the prefix cache on 4 system prompts
+of 512 tokens shared by 8 adapters' requests (suffixes of 64-512 tokens), keyed by (adapter, tokens)
+against the unsafe tokens-only key of chapter 11 (more hits, every one across adapters serving
+another adapter's KV); and the drain on a skewed trace (Zipf(1.2) over 32 adapters through 4 slots),
+``drain_threshold`` off and 8 steps: TTFT P50 / P99 (every request arrives at once, so TTFT is its
+waiting time plus its prefill).
+
+Decode: on CUDA the engine's decode steps replay CUDA graphs (``EngineConfig.cuda_graph``, the
+default there: ``reference/engine/cuda_graph_runner.py``, buckets up to ``max_num_seqs``, captured
+when the engine is built, outside the timed ``generate``); ``--no-cuda-graph`` runs them eagerly.
+The result JSON records which (``decode``, and per row ``decode_mode``, ``graph_decode_steps`` and
+``graph_fallbacks``); its file name gets ``_eager`` without graphs. With graphs the pool has one
+slot more, pinned to the base model (the padding rows' rank-0 slot); the scheduler's cap is the same.
 
 Targets (issue #15): at 64 adapters, >= 80% of the single-adapter throughput and >= 70% of the base
-model's; the engine >= 20x PEFT's throughput at 64. The script prints which are met. Known limit:
-the engine decodes eagerly (chapter 08's CUDA-graph runner is not wired into the paged engine yet),
-so at small batches its steps are bound by Python and launch overhead.
+model's; the engine >= 20x PEFT's throughput at 64. The script prints which are met.
 """
 from __future__ import annotations
 
@@ -40,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmark_decode_step import FULL, SMOKE, random_adapter  # noqa: E402  (the same model shapes and adapters)
-from reference.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from reference.engine import LLM, EngineConfig, EnginePolicies, SamplingParams  # noqa: E402
+from reference.engine.policies import block_hashes  # noqa: E402
 from reference.tp_model import llama_checkpoint, llama_pool_modules  # noqa: E402
 
 
@@ -64,6 +79,21 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (m,), generator=gen).tolist() for m in lens]
 
 
+def shared_prefix_workload(n: int, prefixes: int, prefix_len: int, lo: int, hi: int, vocab: int,
+                           seed: int = 3) -> list[list[int]]:
+    """``n`` prompts, each one of ``prefixes`` shared system prompts of ``prefix_len`` tokens followed
+    by its own suffix of ``lo``-``hi`` tokens (request i takes system prompt i % prefixes)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(0, vocab, (prefix_len,), generator=gen).tolist() for _ in range(prefixes)]
+    lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    return [heads[i % prefixes] + torch.randint(0, vocab, (m,), generator=gen).tolist() for i, m in enumerate(lens)]
+
+
+#: The unsafe cache of chapter 11: block keys over tokens only, so two adapters share KV blocks
+#: (every adapter's request is served the KV another adapter computed: wrong outputs, more hits).
+BLIND = EnginePolicies(block_hashes=lambda tokens, adapter_id, size: block_hashes(tokens, "shared", size))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -71,8 +101,10 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device) -> dict:
-    llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device)
+def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
+               policies: EnginePolicies = EnginePolicies()) -> dict:
+    llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device,
+              policies=policies)
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -153,6 +185,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--peft", action="store_true", help="also time HF PEFT's mixed-adapter batches")
     ap.add_argument("--peft-batch", type=int, default=16)
+    ap.add_argument("--peft-requests", type=int, default=None,
+                    help="PEFT runs the first N requests only (its tokens/s is over those; default: all)")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the prefix-cache (isolated vs shared key) and drain (on vs off) experiments")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,7 +207,9 @@ def main() -> None:
     engine_cfg = EngineConfig(max_loras_per_batch=33 if not args.smoke else 4, max_lora_rank=args.rank,
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
                               max_num_seqs=n, max_num_batched_tokens=8192 if not args.smoke else 64,
-                              backend="triton" if device.type == "cuda" else "torch")
+                              backend="triton" if device.type == "cuda" else "torch",
+                              cuda_graph=False if args.no_cuda_graph else None)
+    decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}
     adapters = {k: type(a)(a.uid, a.rank, a.scaling, {key: (A.to(dtype), B.to(dtype)) for key, (A, B) in a.weights.items()})
@@ -178,7 +217,39 @@ def main() -> None:
     prompts = workload(n, lo, hi, cfg["vocab_size"])
     from tqdm import tqdm
 
-    rows = []
+    import transformers
+
+    import triton
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    stem = ("engine_smoke" if args.smoke else "engine_h200") + ("_eager" if args.no_cuda_graph else "")
+    out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    extras: list[dict] = []
+
+    def save() -> list[dict]:  # after every row: a run cut short by a time limit keeps what it measured
+        met = targets(rows)
+        result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                      transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
+                      prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
+                      engine_config=engine_cfg.__dict__, rows=rows, targets=met, extras=extras,
+                      peft_requests=args.peft_requests or n,
+                      method="one untimed pass of the whole workload (4 new tokens) first; one generate() per "
+                             "row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
+                             "between a request's consecutive tokens; TTFT from the call's start (every request "
+                             "arrives at once: it is the request's waiting time plus its prefill); Zipf(1.0) "
+                             "adapter popularity")
+        out.write_text(json.dumps(result, indent=1))
+        return met
+
+    # One untimed pass of the whole workload first (half base, half one adapter, 4 new tokens): the
+    # first engine in a process grows the CUDA caching allocator, creates cuBLAS/SDPA handles and
+    # compiles the Triton LoRA kernels for the prefill shapes; measured first, the base row paid all
+    # of it (TTFT P50 2.6 s against 1.5 s for the one-adapter row run after it, H200)
+    warm = run_engine(model, engine_cfg, prompts, [None if i % 2 else "a0" for i in range(n)], 4,
+                      {"a0": adapters["a0"]}, device)
+    tqdm.write(f"warm-up pass (untimed): {warm['wall_s']:.1f} s")
     cases = [0] + adapter_counts
     for D in tqdm(cases, desc="engine runs"):
         names = [None] * n if D == 0 else [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(2), n, D)]
@@ -186,31 +257,49 @@ def main() -> None:
         row = dict(system="engine", adapters=D, distinct_in_trace=len(used),
                    **run_engine(model, engine_cfg, prompts, names, new, used, device))
         rows.append(row)
+        save()
         tqdm.write(f"engine  D={D:4d}: {row['tokens_per_s']:9.1f} tok/s, TPOT p50 {row['tpot_ms_p50']:.2f} ms "
                    f"p99 {row['tpot_ms_p99']:.2f} ms, TTFT p50 {row['ttft_s_p50']:.2f} s, steps {row['steps']}, "
-                   f"preemptions {row['preemptions']}, loads {row['adapter_loads']}")
+                   f"preemptions {row['preemptions']}, loads {row['adapter_loads']}, "
+                   f"graph decode steps {row['graph_decode_steps']}/{row['decode_steps']}")
+    if not args.no_extras:
+        # Prefix cache: 8 adapters over 4 shared system prompts; the adapter-keyed cache against the
+        # unsafe tokens-only key (its extra hits are other adapters' KV: wrong outputs)
+        D = min(8, max(adapter_counts))
+        sys_len = 16 if args.smoke else 512  # whole blocks of 16
+        shared = shared_prefix_workload(n, 4, sys_len, lo // 2, hi // 2, cfg["vocab_size"])
+        names = [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(4), n, D)]
+        used = {k: adapters[k] for k in set(names)}
+        for label, policies in (("adapter-keyed (isolated)", EnginePolicies()), ("tokens-only (unsafe)", BLIND)):
+            row = dict(experiment="prefix_cache", key=label, adapters=D, system_prompts=4, system_prompt_len=sys_len,
+                       **run_engine(model, engine_cfg, shared, names, new, used, device, policies))
+            extras.append(row)
+            save()
+            tqdm.write(f"prefix  {label:26}: hit rate {row['prefix_hit_rate']:.3f}, {row['tokens_per_s']:9.1f} tok/s")
+        # Drain: a skewed trace (Zipf(1.2) over 32 adapters) through 4 slots, the drain off and on
+        D = min(32, max(adapter_counts))
+        names = [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(5), n, D, alpha=1.2)]
+        used = {k: adapters[k] for k in set(names)}
+        for threshold in (None, 8):
+            small = EngineConfig(**{**engine_cfg.__dict__, "max_loras_per_batch": 4, "drain_threshold": threshold})
+            row = dict(experiment="drain", drain_threshold=threshold, adapters=D, max_loras_per_batch=4,
+                       **run_engine(model, small, prompts, names, new, used, device))
+            extras.append(row)
+            save()
+            tqdm.write(f"drain   threshold {threshold!s:>4}: TTFT p50 {row['ttft_s_p50']:.2f} s p99 "
+                       f"{row['ttft_s_p99']:.2f} s, {row['tokens_per_s']:9.1f} tok/s, drains {row['drains']}")
     if args.peft:
+        m = args.peft_requests or n
         for D in sorted({1, min(64, max(adapter_counts))}):
             names = [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(2), n, D)]
-            row = dict(system="peft", adapters=D, **run_peft(model, D, prompts, names, new, args.peft_batch, args.rank, device))
+            row = dict(system="peft", adapters=D, requests=m,
+                       **run_peft(model, D, prompts[:m], names[:m], new, args.peft_batch, args.rank, device))
             rows.append(row)
-            print(f"peft    D={D:4d}: {row['tokens_per_s']:9.1f} tok/s (batches of {args.peft_batch})")
-    met = targets(rows)
+            save()
+            print(f"peft    D={D:4d}: {row['tokens_per_s']:9.1f} tok/s ({m} requests in batches of {args.peft_batch})")
+    met = save()
     for t in met:
         print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
-    import transformers
-
-    import triton
-
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    result = dict(device=name, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                  smoke=args.smoke, model=cfg, layers=layers, requests=n, prompt_lens=[lo, hi], new_tokens=new,
-                  rank=args.rank, engine_config=engine_cfg.__dict__, rows=rows, targets=met,
-                  method="one generate() per row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
-                         "between a request's consecutive tokens; Zipf(1.0) adapter popularity")
-    out = args.out or ROOT / "benchmarks" / "results" / ("engine_smoke.json" if args.smoke else "engine_h200.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
 

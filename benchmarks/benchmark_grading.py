@@ -6,9 +6,12 @@
    tiny cases, so the time is the fixed cost: process, sandbox, transfer), with the fork server
    (``graders.forkserver``) and with a fresh process per check (``LORA_BOOK_FORKSERVER=off``, the
    design before it), each sandboxed (when bubblewrap works here) and not.
-2. One chapter's autograde (01_lora_basics, one learner: the solution cells), through
-   ``graders.autograde`` (nbgrader, the sandboxed kernel), and its trusted re-grade.
-3. A whole submission: every chapter autograded and re-graded for that learner.
+2. A whole submission: one learner's answers (the solution cells) to every chapter through the
+   instructor's whole grading run (``python -m graders.course grade CH01 ... CH11 --jobs N``:
+   sandboxed nbgrader autograde, trusted re-grade, feedback, export), with 1 worker (one chapter
+   after the other) and with one worker per core (chapters side by side); per chapter its
+   autograde seconds.
+3. (the same run gives each chapter's autograde time)
 4. Parallel autograde: 4 submissions of chapter 01 with 1 and with 2+ workers; with the whole
    submission's time this estimates how many whole submissions one machine grades per hour.
 Prints a table and writes the results JSON, naming the machine (CPU count, model, GPU if any).
@@ -71,33 +74,37 @@ def per_check(repeats: int) -> dict:
     return rows
 
 
-def submission(chapters: list[str]) -> dict:
-    """Seconds to autograde and re-grade one learner's submission of ``chapters``."""
-    from graders import course as jobs
-    from graders.autograde import autograde
+def submission(chapters: list[str], jobs_list: tuple[int, ...]) -> dict:
+    """Seconds of the instructor's whole grading run (``graders.instructor.grade_assignments``:
+    fingerprint, sandboxed autograde, trusted re-grade, feedback, export) of one learner's
+    submission of ``chapters``, with each number of workers in ``jobs_list`` (a fresh course each)."""
+    from graders import course as jobs_mod
+    from graders import sandbox
+    from graders.instructor import grade_assignments
     from graders.mutation import sample_learner
 
     answers = sample_learner("all_correct")
-    course = Path(tempfile.mkdtemp(prefix="bench-course-")) / "course"
-    jobs._new_course(course)
-    os.environ[jobs.SECRET_ENV] = "benchmark-secret"
     rows = {}
-    for chapter in chapters:
-        jobs._nbgrader(course, "generate_assignment", chapter, "--force")
-        release = course / "release" / chapter / f"{chapter}.ipynb"
-        mine = {e: s for e, s in answers.items() if e[2:4] == chapter[:2]}
-        jobs.build_submission(release, mine, course / "submitted" / "learner" / chapter / f"{chapter}.ipynb")
+    for jobs in jobs_list:
+        course = Path(tempfile.mkdtemp(prefix="bench-course-")) / "course"
+        jobs_mod._new_course(course)
+        for chapter in chapters:
+            jobs_mod._nbgrader(course, "generate_assignment", chapter, "--force")
+            release = course / "release" / chapter / f"{chapter}.ipynb"
+            mine = {e: s for e, s in answers.items() if e[2:4] == chapter[:2]}
+            jobs_mod.build_submission(release, mine, course / "submitted" / "learner" / chapter / f"{chapter}.ipynb")
         start = time.perf_counter()
-        run = autograde(course, chapter, jobs=1, progress=False)
-        graded = time.perf_counter() - start
-        assert not run.errors["learner"], run.errors["learner"]
-        start = time.perf_counter()
-        scores, _ = jobs.trusted_regrade(course, chapter, "benchmark-secret")
-        regraded = time.perf_counter() - start
-        full = all(scores["learner"][e] == jobs.total_points(e) for e in mine)
-        rows[chapter] = {"autograde_s": graded, "regrade_s": regraded, "exercises": len(mine),
-                         "full_marks": full, "sandboxed": run.sandboxed}
-        print(f"  {chapter}: autograde {graded:.1f} s, re-grade {regraded:.1f} s", flush=True)
+        done = grade_assignments(course, chapters, jobs=jobs, unsandboxed=not sandbox.available(),
+                                 secret="benchmark-secret")
+        total = time.perf_counter() - start
+        marks = done["scores"]["learner"]
+        full = all(marks.get(e) == jobs_mod.total_points(e) for e in answers if e[2:4] in {c[:2] for c in chapters})
+        rows[f"jobs {jobs}"] = {
+            "total_s": total, "steps_s": done["seconds"], "full_marks": full,
+            "sandboxed": next(iter(done["autograde"].values())).sandboxed,
+            "autograde_s_per_chapter": {a: run.seconds["learner"] for a, run in done["autograde"].items()}}
+        print(f"  {len(chapters)} chapters, {jobs} worker(s): {total:.1f} s "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in done["seconds"].items()), flush=True)
     return rows
 
 
@@ -148,18 +155,21 @@ def main() -> None:
     for name, row in checks.items():
         print(f"{name:36}{row['median_s']:>10.3f}{row['first_s']:>10.2f}")
     names = chapters()[:1] if args.quick else chapters()
-    print("\nsubmission of one learner (all answers correct):")
-    sub = submission(names)
-    total = sum(r["autograde_s"] + r["regrade_s"] for r in sub.values())
-    save(submission=sub, submission_total_s=total, chapters=names)
-    print(f"\n{'chapter':24}{'autograde s':>12}{'re-grade s':>12}")
-    for ch, r in sub.items():
-        print(f"{ch:24}{r['autograde_s']:>12.1f}{r['regrade_s']:>12.1f}")
-    print(f"{'whole submission':24}{total:>24.1f}")
+    print("\nsubmission of one learner (all answers correct), the whole grading run:")
+    workers = (1, max(2, min(4, os.cpu_count() or 1)))
+    sub = submission(names, workers)
+    save(submission=sub, chapters=names)
+    print(f"\n{'chapter':24}" + "".join(f"{'autograde s, ' + k:>22}" for k in sub))
+    for ch in names:
+        print(f"{ch:24}" + "".join(f"{r['autograde_s_per_chapter'][ch]:>22.1f}" for r in sub.values()))
+    for k, r in sub.items():
+        print(f"whole submission, {k}: {r['total_s']:.1f} s ("
+              + ", ".join(f"{step} {v:.1f} s" for step, v in r["steps_s"].items()) + ")")
+    save(submission_total_s={k: r["total_s"] for k, r in sub.items()})
     print("\nparallel autograde:")
     par = throughput(names[0], 4, (1, max(2, min(4, os.cpu_count() or 1))))
     one, many = par["jobs 1"]["wall_s"], list(par.values())[-1]["wall_s"]
-    per_hour = 3600 / (total * many / one)
+    per_hour = 3600 / (sub["jobs 1"]["total_s"] * many / one)
     print(f"speed-up with {list(par)[-1]}: {one / many:.2f}x; whole submissions graded per hour on this "
           f"machine, estimated: {per_hour:.0f}")
     save(parallel=par, speedup=one / many, submissions_per_hour_estimate=per_hour)

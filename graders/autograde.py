@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from graders import sandbox
 from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
-__all__ = ["AutogradeRun", "autograde", "configured_db_url", "default_db_url", "students_of"]
+__all__ = ["AutogradeRun", "autograde", "autograde_many", "configured_db_url", "default_db_url", "students_of"]
 
 #: SQLite waits this long (seconds) for another worker's commit before "database is locked".
 SQLITE_TIMEOUT_S = 120
@@ -108,13 +108,50 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
             and cannot run here.
         ValueError: no submissions of ``assignment``, or ``jobs`` < 1.
     """
+    return autograde_many(course, [assignment], students, jobs, db_url, env, progress)[assignment]
+
+
+def autograde_many(course: Path, assignments: Sequence[str], students: Optional[Sequence[str]] = None,
+                   jobs: int = 1, db_url: Optional[str] = None, env: Optional[dict] = None,
+                   progress: bool = True) -> dict[str, AutogradeRun]:
+    """Autograde several assignments at once: every (assignment, student) submission is one
+    ``nbgrader autograde ASSIGNMENT --student S`` job, ``jobs`` of them running at a time.
+
+    Why pairs and not assignments one after the other: one student's whole submission of the book
+    is 11 notebooks that each spend most of their 11-30 s starting a sandboxed kernel, importing
+    torch and running the chapter's own demonstration cells, one core at a time; the notebooks are
+    independent (each has its own ``autograded/<student>/<assignment>/`` folder and gradebook rows),
+    so a 2-core machine grades two of them side by side. SQLite serialises the workers' commits
+    (``SQLITE_TIMEOUT_S``); PostgreSQL runs them concurrently.
+
+    Args:
+        assignments: assignment names, each with a ``submitted/<student>/<assignment>/`` folder.
+        students: whom to grade (default: every student with a submission of each assignment); a
+            student without a submission of one assignment is skipped for that one.
+        other arguments: as :func:`autograde`.
+    Returns:
+        {assignment: :class:`AutogradeRun`} in the given order; every run's ``wall_seconds`` is the
+        whole call's (the assignments overlap in time) and its ``work_folder`` is shared.
+    Raises:
+        graders.sandbox.SandboxUnavailable: as :func:`autograde`.
+        ValueError: ``jobs`` < 1, no assignment given, or an assignment with no submissions (of
+            ``students``); nothing is run.
+    """
     from tqdm import tqdm
 
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    students = list(students) if students is not None else students_of(course, assignment)
-    if not students:
-        raise ValueError(f"no submissions of {assignment!r} under {course / 'submitted'}")
+    assignments = list(dict.fromkeys(assignments))
+    if not assignments:
+        raise ValueError("no assignment to autograde")
+    pairs: list[tuple[str, str]] = []
+    for assignment in assignments:
+        have = students_of(course, assignment)
+        chosen = [s for s in students if s in have] if students is not None else have
+        if not chosen:
+            raise ValueError(f"no submissions of {assignment!r} under {course / 'submitted'}"
+                             + (f" for {', '.join(students)}" if students is not None else ""))
+        pairs += [(assignment, s) for s in chosen]
     db_url = db_url or configured_db_url(course)
     sandboxed = sandbox.enabled()
     work = Path(tempfile.mkdtemp(prefix="lora-book-autograde-"))
@@ -123,11 +160,11 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
         install_kernelspec(jupyter_dir)
     run_env = _nbgrader_env(env, jupyter_dir)
     run_env["JUPYTER_RUNTIME_DIR"] = str(work / "runtime")  # connection files: named in kernels' argv
-    _ensure_students(db_url, students)
-    seconds: dict[str, float] = {}
-    errors: dict[str, Optional[str]] = {}
+    _ensure_students(db_url, sorted({s for _, s in pairs}))
+    seconds: dict[str, dict[str, float]] = {a: {} for a in assignments}
+    errors: dict[str, dict[str, Optional[str]]] = {a: {} for a in assignments}
 
-    def one(student: str) -> None:
+    def one(assignment: str, student: str) -> None:
         cmd = [sys.executable, "-m", "nbgrader", "autograde", assignment, "--student", student,
                "--create", "--force", "--log-level=ERROR", f"--CourseDirectory.db_url={db_url}"]
         if sandboxed:
@@ -136,14 +173,16 @@ def autograde(course: Path, assignment: str, students: Optional[Sequence[str]] =
                     f"--KernelManager.ip={ipc / 'kernel'}"]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=course, env=run_env, capture_output=True, text=True)
-        seconds[student] = time.perf_counter() - start
-        errors[student] = None if proc.returncode == 0 else (proc.stdout[-2000:] + proc.stderr[-2000:])
+        seconds[assignment][student] = time.perf_counter() - start
+        errors[assignment][student] = None if proc.returncode == 0 else (proc.stdout[-2000:] + proc.stderr[-2000:])
 
+    desc = f"autograde {assignments[0]}" if len(assignments) == 1 else f"autograde {len(assignments)} assignments"
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
-            tqdm(total=len(students), desc=f"autograde {assignment}", unit="student", disable=not progress,
-                 file=sys.stderr) as bar:
-        for future in as_completed([pool.submit(one, s) for s in students]):
+            tqdm(total=len(pairs), desc=desc, unit="notebook" if len(assignments) > 1 else "student",
+                 disable=not progress, file=sys.stderr) as bar:
+        for future in as_completed([pool.submit(one, a, s) for a, s in pairs]):
             future.result()
             bar.update()
-    return AutogradeRun(assignment, seconds, errors, sandboxed, time.perf_counter() - start, jobs, str(work))
+    wall = time.perf_counter() - start
+    return {a: AutogradeRun(a, seconds[a], errors[a], sandboxed, wall, jobs, str(work)) for a in assignments}

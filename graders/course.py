@@ -170,12 +170,14 @@ class GradebookFix:
 ALL_STUDENTS = "*"
 
 
-def _course_settings(course: Path, assignment: str) -> dict:
-    """The course's nbgrader settings verify needs, after checking the course can be verified.
+def _course_settings(course: Path, assignment: str, need_autograded: bool = True) -> dict:
+    """The course's nbgrader settings verify needs, after checking the course can be verified
+    (``need_autograded`` False: can be graded, before autograde).
 
     Raises:
         CourseError: no nbgrader_config.py or gradebook, an assignment unknown to the gradebook or
-            without a source folder, no autograded submissions of it. Nothing is written.
+            without a source folder, no autograded submissions of it (when ``need_autograded``).
+            Nothing is written.
     """
     config_file = course / "nbgrader_config.py"
     if not config_file.is_file():
@@ -210,7 +212,7 @@ def _course_settings(course: Path, assignment: str) -> dict:
             raise CourseError(f"assignment {assignment!r} is unknown to the gradebook {db}")
     if not (settings["source"] / assignment).is_dir():
         raise CourseError(f"assignment {assignment!r} has no source folder {settings['source'] / assignment}")
-    if not any(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
+    if need_autograded and not any(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
         raise CourseError(f"no autograded submissions of {assignment!r} "
                           f"({settings['autograded']}/*/{assignment}/*.ipynb): run nbgrader autograde first")
     return settings
@@ -535,9 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--course-dir", type=Path, default=ROOT / "build" / "demo-course")
     learner = sub.add_parser("learner", help="write the learner version of every chapter")
     learner.add_argument("--out", type=Path, default=ROOT / "learner")
-    grade = sub.add_parser("grade", help="the whole grading run of an assignment: fingerprint, sandboxed "
-                           "parallel autograde, trusted re-grade, feedback, export")
-    grade.add_argument("assignment")
+    grade = sub.add_parser("grade", help="the whole grading run of one or more assignments: fingerprint, "
+                           "sandboxed parallel autograde, trusted re-grade, feedback, export")
+    grade.add_argument("assignment", nargs="+", help="assignment names; every (assignment, student) "
+                       "notebook is one autograde job")
     grade.add_argument("--course-dir", type=Path, default=Path.cwd())
     grade.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1),
                        help="parallel autograde workers (default: one per CPU core)")
@@ -564,10 +567,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {write_fingerprint(args.course_dir)}")
                 return 0
             if args.command == "grade":
-                from graders.instructor import grade_assignment
+                from graders.instructor import grade_assignments
 
-                done = grade_assignment(args.course_dir, args.assignment, jobs=args.jobs,
-                                        unsandboxed=args.unsandboxed)
+                done = grade_assignments(args.course_dir, args.assignment, jobs=args.jobs,
+                                         unsandboxed=args.unsandboxed)
                 scores, mismatches = done["scores"], done["findings"]
                 times = ", ".join(f"{k} {v:.0f} s" for k, v in done["seconds"].items())
                 print(f"{len(scores)} students graded with {args.jobs} workers: {times}")
@@ -584,4 +587,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, not __main__'s: graders.instructor raises graders.course's
+    # CourseError, which is another class than this __main__ module's
+    from graders.course import main as _main
+
+    sys.exit(_main())

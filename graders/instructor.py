@@ -1,26 +1,30 @@
-"""The instructor's whole grading run of one assignment (``python -m graders.course grade``).
+"""The instructor's whole grading run of one or several assignments (``python -m graders.course grade``).
 
 In order, and refusing to start when learner code would run unsandboxed (unless ``unsandboxed``):
 
 1. record the fingerprint of the graders' own files (``graders.integrity``) in the course folder;
-2. autograde every submission in ``jobs`` parallel sandboxed workers (``graders.autograde``);
+2. autograde every submission in ``jobs`` parallel sandboxed workers (``graders.autograde``), every
+   (assignment, student) notebook a job of its own, so one student's whole submission of the book
+   spreads over the cores as well as a class's submissions of one chapter;
 3. confirm that no process of the autograde run is left (every kernel and everything it started
    lived in a sandbox that dies with its nbgrader worker; this checks it);
 4. the trusted re-grade (``graders.course.trusted_regrade``: every answer cell re-run in a sandboxed
    child whose cases were built here from the secret; the graders' fingerprint compared before
    and after; every gradebook field learner code could have touched checked and corrected);
-5. feedback and export (nbgrader), so the recorded grades are the ones printed.
+5. feedback (``jobs`` assignments at a time) and export (nbgrader), so the recorded grades are the
+   ones printed.
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
 
 from graders import sandbox
 
-__all__ = ["grade_assignment", "leftover_processes"]
+__all__ = ["grade_assignment", "grade_assignments", "leftover_processes"]
 
 
 def leftover_processes(marker: str) -> list[str]:
@@ -44,47 +48,81 @@ def leftover_processes(marker: str) -> list[str]:
 
 def grade_assignment(course: Path, assignment: str, jobs: int = 1, db_url: Optional[str] = None,
                      unsandboxed: bool = False, secret: Optional[str] = None) -> dict:
-    """Steps 1-5 of the module docstring for ``assignment`` of ``course``.
+    """:func:`grade_assignments` of one assignment; its "autograde" entry is that assignment's
+    :class:`~graders.autograde.AutogradeRun`."""
+    done = grade_assignments(course, [assignment], jobs, db_url, unsandboxed, secret)
+    return {**done, "autograde": done["autograde"][assignment]}
+
+
+def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, db_url: Optional[str] = None,
+                      unsandboxed: bool = False, secret: Optional[str] = None) -> dict:
+    """Steps 1-5 of the module docstring for ``assignments`` of ``course``.
 
     Returns:
-        {"scores": {student: {exercise: points}}, "findings": [...], "autograde": AutogradeRun,
-         "sandbox": one line, "seconds": {step: seconds}}.
+        {"scores": {student: {exercise: points}}, "findings": [...], "autograde": {assignment:
+         AutogradeRun}, "sandbox": one line, "seconds": {step: seconds}}.
     Raises:
         graders.sandbox.SandboxUnavailable: bubblewrap cannot run and ``unsandboxed`` is False.
-        graders.course.CourseError: not a course folder, unknown assignment, no submissions, a
-            learner process left running, or the graders' files changed during grading.
+        graders.course.CourseError: not a course folder, an unknown assignment, no submissions, a
+            learner process left running, or the graders' files changed during grading. Unknown
+            assignments and missing submissions are refused before anything is written or run.
     """
     from graders import course as jobs_mod
     from graders import forkserver
-    from graders.autograde import autograde
+    from graders.autograde import autograde_many, students_of
 
     os.environ[sandbox.MODE_ENV] = "auto" if unsandboxed else "required"
     sandbox.enabled()  # refuse now, before anything is written
     course = Path(course).resolve()
     if not (course / "nbgrader_config.py").exists():
         raise jobs_mod.CourseError(f"{course} is not an nbgrader course folder (no nbgrader_config.py)")
+    assignments = list(dict.fromkeys(assignments))
+    if not assignments:
+        raise jobs_mod.CourseError("no assignment given")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise jobs_mod.CourseError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    for assignment in assignments:  # the same refusals as verify's, before any kernel starts
+        jobs_mod._course_settings(course, assignment, need_autograded=False)
+        if not students_of(course, assignment):
+            raise jobs_mod.CourseError(f"no submissions of {assignment!r} under {course / 'submitted'} "
+                                       "(nbgrader collect, or copy them there)")
     secret = secret or os.environ.get(jobs_mod.SECRET_ENV)
     forkserver.hide(course)
     seconds = {}
     start = time.perf_counter()
     jobs_mod.write_fingerprint(course)
     env = dict(os.environ)
-    run = autograde(course, assignment, jobs=jobs, db_url=db_url, env=env)
+    runs = autograde_many(course, assignments, jobs=jobs, db_url=db_url, env=env)
     seconds["autograde"] = time.perf_counter() - start
-    failed = {s: e for s, e in run.errors.items() if e}
+    failed = {f"{s} ({a})": e for a, run in runs.items() for s, e in run.errors.items() if e}
     if failed:
         raise jobs_mod.CourseError(f"nbgrader autograde failed for {', '.join(sorted(failed))}: "
                                    + next(iter(failed.values()))[-600:])
-    left = leftover_processes(run.work_folder)
+    work_folder = next(iter(runs.values())).work_folder
+    left = leftover_processes(work_folder)
     if left:
         raise jobs_mod.CourseError("processes of the autograde run are still running (grades not "
                                    "recorded): " + "; ".join(left[:5]))
     start = time.perf_counter()
-    scores, findings = jobs_mod.trusted_regrade(course, assignment, secret)
+    scores: dict[str, dict[str, float]] = {}
+    findings: list = []
+    for assignment in assignments:
+        part, found = jobs_mod.trusted_regrade(course, assignment, secret)
+        for student, marks in part.items():
+            scores.setdefault(student, {}).update(marks)
+        findings += found
     seconds["re-grade"] = time.perf_counter() - start
     start = time.perf_counter()
-    jobs_mod._nbgrader(course, "generate_feedback", assignment, "--force")
+    autograded = jobs_mod._course_settings(course, assignments[0])["autograded"]
+    if {p.name for p in autograded.glob("*/*") if p.is_dir()} <= set(assignments):
+        # every assignment of the course is in this run: one nbgrader process for all of them (its
+        # start, about 2 s, is most of one assignment's feedback); never for a subset, which would
+        # rewrite the feedback of assignments this run did not verify
+        jobs_mod._nbgrader(course, "generate_feedback", "--assignment=*", "--force")
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(lambda a: jobs_mod._nbgrader(course, "generate_feedback", a, "--force"), assignments))
     jobs_mod._nbgrader(course, "export")
     seconds["feedback and export"] = time.perf_counter() - start
-    return {"scores": scores, "findings": findings, "autograde": run, "sandbox": sandbox.describe(),
+    return {"scores": scores, "findings": findings, "autograde": runs, "sandbox": sandbox.describe(),
             "seconds": seconds}

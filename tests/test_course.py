@@ -15,6 +15,7 @@ import csv
 import os
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from graders.course import DEMO_SECRET, chapters, run_demo
@@ -133,6 +134,27 @@ class _Course:
             for chapter, total in per_chapter.items():
                 if self._in_run(chapter):
                     assert exported[(student, chapter)] == total
+
+    @pytest.mark.slow
+    def test_the_solutions_execute_top_to_bottom_with_full_marks(self, demo):
+        """The ``all_correct`` learner's notebooks are the chapters' own solution cells in the
+        release: autograde ran each chapter top to bottom. No cell wrote to stderr or raised, and
+        every test cell's result (the kernel's score) is its full points."""
+        _, course = demo
+        for chapter in filter(self._in_run, chapters(ROOT / "notebooks")):
+            nb = nbformat.read(course / "autograded" / "all_correct" / chapter / f"{chapter}.ipynb", as_version=4)
+            code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+            assert all(c.get("execution_count") for _, c in code), f"{chapter}: a code cell did not run"
+            bad = [(i, o.get("name") or o.get("ename"), (o.get("text") or o.get("evalue") or "")[:200])
+                   for i, c in code for o in c.outputs
+                   if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")]
+            assert not bad, f"{chapter}: {bad}"
+            for i, cell in code:
+                meta = cell.metadata.get("nbgrader", {})
+                if meta.get("grade"):
+                    results = [o for o in cell.outputs if o.output_type == "execute_result"]
+                    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+                    assert results and float(results[0].data["text/plain"]) == meta["points"], (chapter, i, printed)
 
     @pytest.mark.slow
     def test_feedback_for_every_learner_and_chapter(self, demo):

@@ -10,6 +10,7 @@ error and leave the others' outputs unchanged.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 
@@ -137,6 +138,45 @@ def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
     differs = sum(peft_greedy(peft_model, pr, None, p) != o.token_ids for pr, n, p, o in zip(prompts, names, params, outs)
                   if n is not None)
     assert differs >= 5
+
+
+@pytest.fixture(scope="module")
+def graph_run(base, adapter_dirs):
+    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True))
+    prompts, names, params = workload()
+    return llm, llm.generate(prompts, params, lora_request=names)
+
+
+def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_model):
+    """The judge again, every decode step through the graph runner: CUDA graphs replayed on a GPU,
+    on the CPU the same static-shape step called (buckets 1, 2, 4, 6, padding rows in the steps of
+    3 sequences; the pool has a slot more, pinned to the base model, for the padding)."""
+    llm, outs = graph_run
+    prompts, names, params = workload()
+    for out, prompt, name, p in zip(outs, prompts, names, params):
+        assert out.error is None
+        want = peft_greedy(peft_model, prompt, name, p)
+        assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
+    s = llm.stats
+    assert s["decode_mode"] == ("cuda_graph" if DEVICE == "cuda" else "static"), s
+    assert s["graph_decode_steps"] == s["decode_steps"] > 0 and s["graph_fallbacks"] == {}, s
+    assert s["preemptions"] >= 1 and {"evict", "cpu_evict"} <= set(s["pool_events"]), s
+    assert llm.pool.num_slots == CONFIG.max_loras_per_batch + 1 and None in llm.pool.pinned
+    graph = llm.runner.graph_runner
+    assert graph.buckets == (1, 2, 4, 6) and len(graph.graphs) == 8, graph.graphs  # LoRA and base-only
+    assert any(lora for _, lora in graph.replays) and len(graph.replays) > 1, graph.replays
+    assert graph.padding_rows > 0
+
+
+def test_eager_decode_is_the_default_on_the_cpu(engine_run):
+    llm, _ = engine_run
+    if DEVICE == "cuda":
+        assert llm.stats["decode_mode"] == "cuda_graph" and llm.stats["graph_decode_steps"] > 0
+        return
+    assert llm.runner.graph_runner is None and llm.pool.num_slots == CONFIG.max_loras_per_batch
+    assert llm.stats["decode_mode"] == "eager" and llm.stats["graph_decode_steps"] == 0
+    with pytest.raises(ValueError, match="cuda_graph"):
+        LLM(copy.deepcopy(llm.model), dataclasses.replace(CONFIG, cuda_graph="yes"))
 
 
 def test_the_workload_exercised_every_mechanism(engine_run):

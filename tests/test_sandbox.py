@@ -255,19 +255,49 @@ def _small_course(tmp_path: Path, config_lines: str = "") -> tuple[Path, str]:
 
 @needs_bwrap
 def test_the_grade_command_runs_the_whole_sequence(tmp_path):
+    """Two assignments in one run (every (assignment, student) notebook one job over 2 workers);
+    one student submitted only the first."""
+    from graders import course as course_jobs
+
     course, chapter = _small_course(tmp_path)
+    second = "02_batching_adapters"
+    course_jobs._nbgrader(course, "generate_assignment", second, "--force")
+    course_jobs.build_submission(course / "release" / second / f"{second}.ipynb",
+                                 {e: s for e, s in solution_answers().items() if e.startswith("ch02")},
+                                 course / "submitted" / "right" / second / f"{second}.ipynb")
     env = dict(os.environ, **{SECRET_ENV: "the-instructors-secret"})
-    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, "--course-dir", str(course),
-                           "--jobs", "2"], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, second, "--course-dir",
+                           str(course), "--jobs", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "learner code ran sandboxed" in proc.stdout
     import csv
 
     with open(course / "grades.csv") as f:
-        scores = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f) if r["assignment"] == chapter}
-    assert scores == {"right": 18.0, "wrong": 0.0}, scores
-    assert (course / "feedback" / "right" / chapter / f"{chapter}.html").exists()
+        scores = {(r["assignment"], r["student_id"]): float(r["raw_score"]) for r in csv.DictReader(f)}
+    full_02 = sum(course_jobs.total_points(e) for e in solution_answers() if e.startswith("ch02"))
+    assert scores == {(chapter, "right"): 18.0, (chapter, "wrong"): 0.0, (second, "right"): full_02,
+                      (second, "wrong"): 0.0}, scores
+    feedback = {a: course / "feedback" / "right" / a / f"{a}.html" for a in (chapter, second)}
+    assert all(f.exists() for f in feedback.values())
+    assert not (course / "autograded" / "wrong" / second).exists()
     assert (course / ".lora_book_fingerprint.json").exists()
+    # a later run of one assignment writes that assignment's feedback only
+    before = {a: f.stat().st_mtime_ns for a, f in feedback.items()}
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", second, "--course-dir", str(course)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert feedback[chapter].stat().st_mtime_ns == before[chapter]
+    assert feedback[second].stat().st_mtime_ns != before[second]
+
+
+@needs_bwrap
+def test_the_grade_command_refuses_an_unknown_assignment_before_grading_any(tmp_path):
+    course, chapter = _small_course(tmp_path)
+    before = sorted(p.relative_to(course) for p in course.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, "01_lora_basic",
+                           "--course-dir", str(course)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "'01_lora_basic' is unknown to the gradebook" in proc.stderr, proc.stderr
+    assert sorted(p.relative_to(course) for p in course.rglob("*")) == before
 
 
 def test_the_grade_command_refuses_without_the_sandbox(tmp_path):

@@ -53,6 +53,11 @@ class EngineConfig:
     drain_threshold: Optional[int] = None
     eviction_policy: str = "lru"
     backend: str = "torch"  # the LoRA kernels: "torch" or "triton" (chapter 07's backends)
+    # decode steps through PagedDecodeGraphRunner (buckets up to max_num_seqs): None = on a CUDA
+    # device (CUDA graphs), eager elsewhere; True = also on the CPU (the static path called without
+    # capture, as the tests run it); False = always eager. With it, the pool has one slot more,
+    # pinned to the base model: the rank-0 slot padding rows use, whatever adapters fill the others.
+    cuda_graph: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +128,14 @@ class LLM:
         policies: :class:`EnginePolicies` (the reference's by default).
     Attributes:
         stats: counters of the last ``generate`` (steps, prefill/decode steps, preemptions, adapter
-            loads from each tier, prefix-cache hit rate).
+            loads from each tier, prefix-cache hit rate; ``graph_decode_steps``: steps served by
+            the graph runner (every sequence computing one token: the decode steps, or a prefill
+            of one-token prompts), ``graph_fallbacks``: such steps it sent back to the eager path,
+            by reason; ``decode_mode``: "cuda_graph", "static" (the graph path without capture) or
+            "eager").
     Raises:
-        ValueError: see ``llama_checkpoint`` (models this forward does not serve) and the configs' checks.
+        ValueError: see ``llama_checkpoint`` (models this forward does not serve) and the configs'
+        checks; ``cuda_graph`` not None or a bool.
     """
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), dtype: torch.dtype = torch.float32,
@@ -139,13 +149,17 @@ class LLM:
         self.modules = llama_pool_modules(llama_checkpoint(model))
         self.num_layers = model.config.num_hidden_layers
         self.registry = AdapterRegistry()
-        self.pool = LoRAMemoryPool(self.modules, self.num_layers, config.max_loras_per_batch, config.max_lora_rank,
-                                   model.dtype, device, config.eviction_policy, adapter_source=self.registry.load,
-                                   max_loaded_loras=config.max_loaded_loras)
+        if config.cuda_graph not in (None, True, False):
+            raise ValueError(f"cuda_graph must be None, True or False, got {config.cuda_graph!r}")
+        graphs = device.type == "cuda" if config.cuda_graph is None else config.cuda_graph
+        self.decode_mode = "eager" if not graphs else "cuda_graph" if device.type == "cuda" else "static"
+        self.pool = self._make_pool(config, model.dtype, device, reserve_base=graphs)
         self.context = LoRAContext()
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
                                   config.backend)
+        if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
+            self.runner.enable_graph_decode(config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,
                                     config.drain_threshold)
         # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,
@@ -155,6 +169,25 @@ class LLM:
                                    policies.admit_requests, policies.choose_drain)
         self.stats: dict = {}
         self._next_id = 0
+
+    def _make_pool(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                   reserve_base: bool) -> LoRAMemoryPool:
+        """The GPU slots: ``max_loras_per_batch``, plus with graph decode one slot pinned to the
+        base model (rank 0), where the padding rows of a bucket point (chapter 08's runner keeps
+        the base resident for the same reason; TensorRT-LLM gives base rows an extra slot). The
+        scheduler's cap stays ``max_loras_per_batch``, so the adapters keep every other slot. The
+        CPU tier needs at least as many copies as slots (the pool's check), though the base never
+        takes one."""
+        slots = config.max_loras_per_batch + reserve_base
+        cpu = config.max_loaded_loras
+        if reserve_base and cpu is not None and cpu >= config.max_loras_per_batch:
+            cpu = max(cpu, slots)
+        pool = LoRAMemoryPool(self.modules, self.num_layers, slots, config.max_lora_rank, dtype, device,
+                              config.eviction_policy, adapter_source=self.registry.load, max_loaded_loras=cpu)
+        if reserve_base:
+            pool.prepare_lora_batch([None])
+            pool.pin(None)
+        return pool
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: Union[str, Path]) -> str:
@@ -276,8 +309,9 @@ class LLM:
         sched.drain_active, sched.draining, sched.drain_for = False, None, None
 
     def _reset_step_state(self) -> None:
+        graph = self.runner.graph_runner
         self._marks = (len(self.pool.events), len(self.scheduler.events), self.blocks.hit_tokens,
-                       self.blocks.query_tokens)
+                       self.blocks.query_tokens, graph.steps if graph else 0, Counter(graph.eager if graph else ()))
         self.steps = Counter()
         self._token_times: dict[int, list[float]] = {}
 
@@ -307,11 +341,16 @@ class LLM:
         return tokens
 
     def _collect_stats(self) -> None:
-        pool_mark, sched_mark, hits0, queries0 = self._marks
+        pool_mark, sched_mark, hits0, queries0, graph0, eager0 = self._marks
+        graph = self.runner.graph_runner
+        fallbacks = (graph.eager - eager0) if graph else Counter()
+        fallbacks.pop("prefill", None)  # prefill steps are eager by design, not a fallback
         kinds = Counter(e[0] for e in self.pool.events[pool_mark:])
         sched = Counter(e[0] for e in self.scheduler.events[sched_mark:])
         hits, queries = self.blocks.hit_tokens - hits0, self.blocks.query_tokens - queries0
         self.stats = dict(steps=sum(self.steps.values()), prefill_steps=self.steps["prefill"],
                           decode_steps=self.steps["decode"], preemptions=sched["preempt"], drains=sched["drain"],
                           pool_events=dict(kinds), prefix_hit_tokens=hits, prefix_query_tokens=queries,
-                          prefix_hit_rate=hits / queries if queries else 0.0)
+                          prefix_hit_rate=hits / queries if queries else 0.0,
+                          graph_decode_steps=(graph.steps - graph0) if graph else 0,
+                          graph_fallbacks=dict(fallbacks), decode_mode=self.decode_mode)

@@ -40,7 +40,7 @@ the PagedAttention paper; nano-vllm ``nanovllm/engine/model_runner.py``, ``block
 """
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, wrap_llama
 from reference.mem_pool import LoRAMemoryPool
 from reference.static_llama import apply_rope
+
+if TYPE_CHECKING:
+    from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner
 
 __all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
            "paged_attention", "ModelRunner", "sample"]
@@ -272,12 +275,20 @@ class ModelRunner:
     [len(work), vocab] float32. A sequence's tokens must reach the cache in order (its earlier
     positions written by earlier calls, as an engine does).
 
+    Two paths compute a step: the eager one (any work: prefill, chunks, decode, mixed) and, after
+    :meth:`enable_graph_decode`, the static-shape decode path of
+    :class:`~reference.engine.cuda_graph_runner.PagedDecodeGraphRunner` (a CUDA graph replayed on a
+    GPU, the same code called on the CPU) for steps whose every SeqWork computes one token. Both
+    give the same logits (tested in fp32 with NaN in every unwritten cache entry).
+
     Args:
         model: a LlamaForCausalLM, in its dtype and on its device. With a pool: wrapped by
             ``wrap_llama(model, pool, context, backend)`` already, or not yet (then wrapped here, in
             place, with ``backend``). With ``pool=None``: unwrapped, base model only.
         pool, context: the LoRA memory pool and the context the layers read (None, None: base only).
-        num_blocks, block_size: the cache's size (``self.kv_cache``).
+        num_blocks, block_size: the blocks a SeqWork may use (ids 0..num_blocks-1) and their size.
+            ``self.kv_cache`` has one block more, ``scratch_block`` (= num_blocks), which only the
+            padding rows of graph decode write (:meth:`enable_graph_decode`).
         backend: the LoRA ops, when the runner wraps the model (see ``reference.layers.get_backend``).
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
@@ -292,10 +303,14 @@ class ModelRunner:
         self.model, self.pool, self.context = model, pool, context
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
-        self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        # one block more than the work may use: the scratch block that padding rows of a graph-decode
+        # batch write and read (chapter 08's scratch row), so padding never touches a sequence's blocks
+        self.kv_cache = PagedKVCache.for_model(model, num_blocks + 1, block_size)
+        self.num_blocks, self.scratch_block = num_blocks, num_blocks
         self.num_kv_heads, self.head_dim = self.kv_cache.k.shape[3], self.kv_cache.k.shape[4]
         self.max_positions, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
         self.device = model.get_input_embeddings().weight.device
+        self.graph_runner: Optional["PagedDecodeGraphRunner"] = None  # set by enable_graph_decode
 
     @staticmethod
     def _check_lora_setup(model: nn.Module, pool, context, backend: LoRABackend) -> None:
@@ -314,6 +329,7 @@ class ModelRunner:
 
         ``running``: uids of sequences that run but compute nothing this step (an engine's decoding
         sequences during a prefill step); the pool keeps them resident beside the batch's own.
+        The pool is prepared once per step (``prepare_lora_batch``), whichever path then runs it.
 
         Everything that can fail is checked first, so a ValueError leaves the cache (and the pool)
         unchanged.
@@ -322,36 +338,67 @@ class ModelRunner:
             ``pool.prepare_lora_batch`` (an unknown uid, more distinct uids than slots).
         """
         work = list(work)
-        check_work(work, self.kv_cache.num_blocks, self.kv_cache.block_size, self.max_positions, self.vocab_size)
+        check_work(work, self.num_blocks, self.kv_cache.block_size, self.max_positions, self.vocab_size)
         with torch.inference_mode():
-            self._set_lora_batch(work, running)
+            uid_to_slot = self._prepare_adapters(work, running)
+            graph = self.graph_runner
+            if graph is not None and graph.eager_reason(work, uid_to_slot) is None:
+                return graph.run(work, uid_to_slot)
+            self._set_lora_batch(work, uid_to_slot)
             meta = build_attention_metadata(work, self.kv_cache.block_size, self.device)
             ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
-            h = self._decoder(ids, meta)  # [num_tokens, hidden]
-            inner = self.model.model
-            return self.model.lm_head(inner.norm(h[meta.last_token])).float()
+            return self.run_model(ids, meta)
 
     __call__ = forward
 
-    def _set_lora_batch(self, work: list[SeqWork], running: Sequence[Hashable] = ()) -> None:
-        """Make the batch's adapters resident and give the layers its LoRABatchInfo (host lists only)."""
+    def enable_graph_decode(self, max_seqs: int, buckets: Optional[Sequence[int]] = None,
+                            use_graphs: Optional[bool] = None) -> "PagedDecodeGraphRunner":
+        """Serve decode steps of up to ``max_seqs`` sequences through a
+        :class:`~reference.engine.cuda_graph_runner.PagedDecodeGraphRunner` (returned, and kept as
+        ``self.graph_runner``); every other step stays eager. ``use_graphs`` (default: on CUDA)
+        captures CUDA graphs; without them the static path is called as it is.
+        Raises:
+            ValueError: see ``PagedDecodeGraphRunner``.
+        """
+        from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner  # it imports this module
+
+        self.graph_runner = PagedDecodeGraphRunner(self, max_seqs, buckets, use_graphs)
+        return self.graph_runner
+
+    def _prepare_adapters(self, work: list[SeqWork], running: Sequence[Hashable]) -> dict:
+        """Make the batch's adapters resident (``running``'s kept too): {uid: slot}; {} without a pool."""
         uids = [w.uid for w in work]
         if self.pool is None:
             if any(u is not None for u in uids):
                 raise ValueError(f"adapter uids {sorted({repr(u) for u in uids if u is not None})} but the "
                                  "runner has no pool (base model only)")
+            return {}
+        return self.pool.prepare_lora_batch(list(dict.fromkeys(uids)), running=running)
+
+    def _set_lora_batch(self, work: list[SeqWork], uid_to_slot: dict) -> None:
+        """Give the layers the batch's LoRABatchInfo, built from host lists only."""
+        if self.pool is None:
             return
-        uid_to_slot = self.pool.prepare_lora_batch(list(dict.fromkeys(uids)), running=running)
-        info = batch_info_from_requests(uids, [len(w.token_ids) for w in work], uid_to_slot,
+        info = batch_info_from_requests([w.uid for w in work], [len(w.token_ids) for w in work], uid_to_slot,
                                         self.pool.lora_ranks_host, self.pool.scalings_host, self.device)
         self.context.set_batch(info)
+
+    def run_model(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embed -> decoder layers (paged attention) -> final norm -> lm_head over the flat token
+        stream ``ids`` [num_tokens] int64: logits [len(meta.last_token), vocab] float32 of the rows
+        ``meta.last_token``. The LoRA batch info must be set on the context already. Reads no host
+        value of a tensor, so it can be captured when ``meta``'s tensors are static buffers."""
+        h = self._decoder(ids, meta)  # [num_tokens, hidden]
+        return self.model.lm_head(self.model.model.norm(h[meta.last_token])).float()
 
     def _decoder(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """embed -> decoder layers (paged attention) over the flat token stream: [num_tokens, hidden]."""
         inner = self.model.model
         h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, meta.positions)  # [num_tokens, hd]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        # HF's rotary embedding takes position_ids [batch, seq] (transformers 5.17 indexes
+        # position_ids[:, None, :]; a flat [num_tokens] raised there): one batch row of the stream
+        cos, sin = inner.rotary_emb(h[None], meta.positions[None])  # [1, num_tokens, hd]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, hd]: broadcast over heads
         for i, layer in enumerate(inner.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, i, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
