@@ -300,6 +300,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         raise GradersChanged(diff, "found before verify's re-grade")
     graded_cells = _source_graded_cells(settings["source"] / assignment)
     from graders import forkserver
+    from graders.needs import with_needed
 
     forkserver.hide(course)  # the re-grade's children (sandboxed) see no gradebook, no submission
 
@@ -316,7 +317,8 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
 
         def grade(job):
             with triton_cache_scope(caches / f"s{students.index(job[0])}"):
-                return grade_source(job[2], job[3]).score
+                # an exercise that runs other answers too (ch11.5) gets them from the same notebook
+                return grade_source(job[2], with_needed(job, jobs)).score
 
         students = sorted({j[0] for j in jobs})
         # one worker per core: on a GPU each check is a fresh process that waits on imports and

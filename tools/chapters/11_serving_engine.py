@@ -24,6 +24,8 @@
 #   what it saves against round robin on a Zipf trace.
 # - The capstone: your block keys, admission and drain as the engine's policies, and the engine step
 #   that joins the two planes, judged end to end against PEFT.
+# - The engine under load on an H200: throughput and latency against the number of adapters, beside
+#   the base model and PEFT's mixed batches; what the prefix-cache key and the drain change there.
 #
 # **Exercises**: ch11.1 `block_hashes`, ch11.2 `admit_requests`, ch11.3 `choose_drain`, ch11.4
 # `route`: pure functions of host values that the scheduler, the block manager and the router call,
@@ -873,6 +875,90 @@ except NotImplementedError as exc:
     print(f"not yet: {exc!r} (solve ch11.1-ch11.3 and ch11.5 first)")
 
 # %% [markdown]
+# ## 8. The engine under load, measured on an H200
+#
+# Everything above ran a tiny model on the CPU, where time says nothing. `benchmarks/
+# benchmark_engine.py` runs the same engine on a Llama-3-8B-shaped model (its layer shapes, random
+# bf16 weights, a few layers: the results say how many) on an H200: a few hundred requests with
+# prompts of 128-1024 tokens and 128 new tokens each, every request arriving at once, request i's
+# adapter drawn from a Zipf popularity over D adapters of rank 16 on every projection (S-LoRA's and
+# Punica's experiment), decode steps replayed from CUDA graphs, the Triton LoRA kernels of chapter 07.
+# Beside it: the same requests on the base model alone, and through HF PEFT's own mixed-adapter
+# batches (`adapter_names`). The committed results:
+
+# %%
+import json
+
+bench = json.loads(Path(reference.__file__).resolve().parents[1].joinpath(
+    "benchmarks", "results", "engine_h200.json").read_text())
+print(f"device: {bench['device']} (torch {bench['torch']}, triton {bench['triton']}); {bench['layers']} layers; "
+      f"{bench['requests']} requests, prompts {bench['prompt_lens'][0]}-{bench['prompt_lens'][1]} tokens, "
+      f"{bench['new_tokens']} new tokens; decode: {bench['decode']}; "
+      f"max_loras_per_batch {bench['engine_config']['max_loras_per_batch']}")
+print(f"{'system':7} {'D':>4} {'distinct':>8} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9} "
+      f"{'TTFT p99':>9} {'steps':>6} {'loads':>6}")
+for row in bench["rows"]:
+    if row["system"] == "engine":
+        print(f"{'engine':7} {row['adapters']:4d} {row['distinct_in_trace']:8d} {row['tokens_per_s']:8.0f} "
+              f"{row['tpot_ms_p50']:7.1f}ms {row['tpot_ms_p99']:7.1f}ms {row['ttft_s_p50']:8.2f}s "
+              f"{row['ttft_s_p99']:8.2f}s {row['steps']:6d} {row['adapter_loads']:6d}")
+    else:
+        print(f"{'peft':7} {row['adapters']:4d} {'':8} {row['tokens_per_s']:8.0f}   ({row['requests']} requests, "
+              f"batches of {row['batch']})")
+engine = {r["adapters"]: r for r in bench["rows"] if r["system"] == "engine"}
+peft_rows = {r["adapters"]: r for r in bench["rows"] if r["system"] == "peft"}
+print(f"\n64 adapters: {engine[64]['tokens_per_s'] / engine[1]['tokens_per_s']:.2f} of one adapter's throughput, "
+      f"{engine[64]['tokens_per_s'] / engine[0]['tokens_per_s']:.2f} of the base model's, "
+      f"{engine[64]['tokens_per_s'] / peft_rows[64]['tokens_per_s']:.1f}x PEFT's mixed batches")
+print(f"64 adapters: {engine[64]['distinct_in_trace']} distinct in the trace against "
+      f"{bench['engine_config']['max_loras_per_batch']} slots: {engine[64]['steps']} steps "
+      f"({engine[64]['decode_steps']} decode) against {engine[1]['steps']} ({engine[1]['decode_steps']}) for one adapter")
+for t in bench["targets"]:
+    print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']})")
+
+# %% [markdown]
+# Read it the way S-LoRA's paper reads its own figure. Going from the base model to one adapter costs
+# the LoRA kernels on every projection (chapter 08 measured their share of a decode step). Going from one
+# adapter to many costs little **as long as the adapters fit the slots**: the kernels read each
+# distinct adapter's weights once per step, and every step still decodes every running request.
+# The step count tells the rest: once a trace holds more distinct adapters than
+# `max_loras_per_batch`, admission can no longer run them all at once; the requests of the adapters
+# left out wait for a slot, the engine decodes in two (or three) waves, and each wave's batch is
+# smaller. That, and not the kernels, is what the rows past the slot count lose; it is also why
+# production systems raise the slot count as far as memory allows and route adapters to instances
+# (section 5). PEFT's mixed batch has no slots and no grouped kernel: each LoRA layer loops over the
+# adapters present in the batch, one masked matmul pair each, so its step grows with the number of
+# adapters, and it pads every prompt of a batch to the longest.
+#
+# The same run measured the two control-plane effects of this chapter, on workloads built for them:
+
+# %%
+for row in bench["extras"]:
+    if row["experiment"] == "prefix_cache":
+        print(f"prefix cache, {row['key']:26}: hit rate {row['prefix_hit_rate']:.3f} of looked-up tokens, "
+              f"{row['tokens_per_s']:6.0f} tok/s ({row['system_prompts']} system prompts of "
+              f"{row['system_prompt_len']} tokens shared by {row['adapters']} adapters)")
+for row in bench["extras"]:
+    if row["experiment"] == "drain":
+        print(f"drain threshold {row['drain_threshold']!s:>4} ({row['adapters']} adapters, Zipf 1.2, "
+              f"{row['max_loras_per_batch']} slots): TTFT p50 {row['ttft_s_p50']:.2f} s, p99 {row['ttft_s_p99']:.2f} s, "
+              f"{row['tokens_per_s']:6.0f} tok/s, {row['drains']} drains")
+
+# %% [markdown]
+# The unsafe tokens-only key finds more hits because it lets every adapter reuse the system prompt's
+# KV computed under another adapter; section 2 showed what those hits serve (another adapter's
+# keys and values, wrong tokens). The adapter-keyed cache keeps the hits that are correct: requests
+# of the same adapter and system prompt.
+#
+# The drain did not help here, and the reason is the workload: every request arrived at once. With
+# a closed batch the popular adapters' requests run out, a rare adapter gets its slot when they do,
+# and nobody starves; a drain only holds back admissions meanwhile, so batches are smaller, the run
+# is longer and the tail of the waiting time grows. The drain exists for the open system of
+# section 4, where requests of popular adapters keep arriving and a resident-first admission would
+# keep a rare adapter out for ever. A benchmark of that needs arrival times, which `generate` (one
+# closed batch, vLLM's offline API) does not take.
+
+# %% [markdown]
 # ## How production systems do it
 #
 # - **vLLM**: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`: the parent block's hash, the
@@ -911,6 +997,10 @@ except NotImplementedError as exc:
 #   running adapters stay resident, only rows that reach their sequence's end give a token, and
 #   `postprocess` records it. With your own policies plugged in through `EnginePolicies`, the same
 #   judge holds: tokens equal to PEFT's, and a log equal to the reference's step by step.
+# - Under load (an 8B-shaped model on an H200), many adapters cost little while they fit the slots;
+#   past the slot count, requests wait for a slot and the engine decodes in waves. The adapter-keyed
+#   prefix cache keeps only correct hits; a drain costs throughput on a closed batch and pays off
+#   only where new requests of popular adapters keep arriving.
 #
 # ## Review questions
 #
