@@ -917,6 +917,11 @@ for t in bench["targets"]:
     print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']})")
 
 # %% [markdown]
+# The same rows as a figure (made by `figures/src/engine_throughput.py` from the committed results;
+# both axes of the throughput panel are logarithmic):
+#
+# ![Throughput and time per output token of the engine against the number of adapters, beside the base model and PEFT's mixed batches, measured on an H200](engine_throughput.png)
+#
 # Read it the way S-LoRA's paper reads its own figure. Going from the base model to one adapter costs
 # the LoRA kernels on every projection (chapter 08 measured their share of a decode step). Going from one
 # adapter to many costs little **as long as the adapters fit the slots**: the kernels read each
