@@ -28,17 +28,21 @@ names it, and then adds that exercise's own hint (``graders.ch11``). A piece tha
 is missing stops the run with a log line naming it (its id and function), never a crash; the
 expected run (the reference, here) has no such line.
 
-Case design (graders' rule, every clause of ch11.5's Semantics and of the engine it drives): the
-edge group is one workload per clause family, smallest first: a base request alone (schedule,
+Case design (graders' rule, every clause of ch11.5's Semantics and of the engine it drives): every
+run starts with step 0, the learner's step called before any request arrives ("idle", and the
+runner not called: its log line says what the step returned and how often it called the runner).
+The edge group is one workload per clause family, smallest first: a base request alone (schedule,
 forward, argmax, postprocess, the step's kind); a prompt longer than the token budget beside a
-decoding request (chunk starts and positions, no token for a chunk short of its end); one prompt
+decoding base request and a decoding adapter request (chunk starts and positions, no token for a
+chunk short of its end, the base model among the running uids of a prefill step); one prompt
 under two adapters that both change K/V, one request at a time (the adapter in the block key, a
 legitimate full-prefix hit of the same adapter); prompts with equal blocks after different prefixes
 and all-equal blocks (chained keys); more adapters than slots with base requests and a CPU tier of
 one (the cap with the base model counted, warm-first admission, evictions, the running adapters
 kept resident while they decode beside a prefill); a KV cache small enough to preempt (recompute,
 KV stopping admission in arrival order); a rare adapter starving behind a hot one with a drain
-threshold (the drain, its victim, its end). The random and hidden groups draw each family again
+threshold (the drain, its victim, its end); a model whose next-token logits tie in pairs (ties to
+the lower id). The random and hidden groups draw each family again
 (adapter names, kinds, token ids, lengths, sizes) plus one mixed workload, so a mistake costs the
 same under any secret.
 """
@@ -131,11 +135,30 @@ def peft_files(seed: int, kind: str) -> dict:
                 "weights": load_file(str(Path(tmp) / "adapter_model.safetensors"))}
 
 
-def workload_case(name: str, adapters: dict, engine: dict, requests: list, seed: int = 0) -> Case:
+def tied_weights(seed: int) -> dict:
+    """:func:`base_weights` with output rows in equal pairs: rows 2k and 2k+1 of lm_head both read only
+    hidden unit k, with the same weight, so every next-token choice is a tie between two ids, which
+    greedy decoding breaks towards the lower one (``torch.argmax``, as PEFT's ``generate``). One
+    nonzero per row makes each logit one product plus exact zeros: bit-equal within a pair whatever
+    order a matmul kernel sums in (equal dense rows were not: PEFT's kernel split such ties)."""
+    weights = dict(base_weights(seed))
+    head = torch.zeros_like(weights["lm_head.weight"])
+    vocab, hidden = head.shape
+    gen = torch.Generator().manual_seed(seed + 7)
+    scale = 3 * torch.randn(vocab // 2, generator=gen)
+    for k in range(vocab // 2):
+        head[2 * k, k % hidden] = head[2 * k + 1, k % hidden] = scale[k]
+    weights["lm_head.weight"] = head
+    return weights
+
+
+def workload_case(name: str, adapters: dict, engine: dict, requests: list, seed: int = 0,
+                  tied: bool = False) -> Case:
     """A ch11.5 case: ``adapters`` {name: kind}, ``engine`` EngineConfig fields, ``requests`` as
-    (prompt token ids, adapter name or None, max_new_tokens, stop token ids)."""
+    (prompt token ids, adapter name or None, max_new_tokens, stop token ids); ``tied``: the model's
+    next-token logits come in equal pairs (:func:`tied_weights`)."""
     workload = {
-        "model": {"config": dict(MODEL_CONFIG), "weights": base_weights(seed)},
+        "model": {"config": dict(MODEL_CONFIG), "weights": tied_weights(seed) if tied else base_weights(seed)},
         "adapters": {a: dict(peft_files(seed, kind), kind=kind) for a, kind in adapters.items()},
         "engine": dict(engine),
         "requests": [[list(p), a, int(n), list(stops)] for p, a, n, stops in requests],
@@ -365,6 +388,36 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
 
 
 
+def _idle_probe(llm, step_fn: Callable, run: _Run) -> None:
+    """Step 0 of every run: the learner's step on the engine before any request arrives. The
+    contract: nothing scheduled, so return "idle" without calling the runner. One log line says
+    what it returned and how often it called ``runner.forward``."""
+    runner, calls = llm.runner, []
+    forward = runner.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    runner.forward = counting
+    run.active.append("your engine_step (ch11.5)")
+    try:
+        kind = step_fn(llm.scheduler, runner)
+        said = f"returned {kind!r}"[:80] if kind is None or isinstance(kind, (str, int, float)) \
+            else f"returned a {type(kind).__name__}"
+    except (_Stop, _Hung):
+        raise
+    except BaseException as exc:  # noqa: BLE001 (the learner's step; named in the log line)
+        said = f"raised {_error_text(exc)}"[:200]
+    finally:
+        run.active.pop()
+        del runner.forward  # the bound method again
+    if run.failure is not None:  # a piece failed on the empty queues
+        raise _Stop(run.failure)
+    run.lines.append(f"step 0, before any request (nothing to run): {said}; runner.forward called {len(calls)} "
+                     f"time(s)")
+
+
 #: In the grader's child: why an earlier case of this answer hung (later cases then fail at once,
 #: instead of each waiting for its alarm and running the check past its budget).
 _HUNG: list[str] = []
@@ -451,6 +504,7 @@ def drive_engine(step_fn: Callable, pieces: dict, workload: dict) -> tuple:
     try:
         with _one_thread(), _alarm(run, CASE_SECONDS):
             llm = _engine(workload, EnginePolicies(**{PIECES[i]: _Policy(run, i, pieces[i]) for i in PIECES}))
+            _idle_probe(llm, step_fn, run)
             outs = llm.generate([r[0] for r in requests],
                                 [SamplingParams(max_new_tokens=r[2], stop_token_ids=tuple(r[3])) for r in requests],
                                 lora_request=[r[1] for r in requests], step=_recorder(llm, step_fn, run, seqs, limit))
@@ -513,7 +567,7 @@ def compare_run(case: Case, expected: tuple, got: Any) -> Optional[str]:
         lines.append("every request's tokens are right, but the engine's log differs from the reference's")
     if d is not None and not (stopped and d == len(g_log) - 1):
         got_line = g_log[d] if d < len(g_log) else "(your run had ended)"
-        lines.append(f"the logs first differ at step {d + 1}:\n  expected: {e_log[d] if d < len(e_log) else '(the reference had ended)'}"
+        lines.append(f"the logs first differ at step {d}:\n  expected: {e_log[d] if d < len(e_log) else '(the reference had ended)'}"
                      f"\n  got:      {got_line}")
     return "\n".join(lines)
 
@@ -665,12 +719,17 @@ def _base_alone(rng: random.Random, tag: str) -> Case:
 
 
 def _chunked(rng: random.Random, tag: str, names: list) -> Case:
-    """A short request and a prompt longer than the budget of 8: the long one is prefilled in chunks
-    beside the short one's steps (chunk starts 3 to 19; its logits count only at its end)."""
+    """A base request, a short request and a prompt longer than the budget of 8: the long one is
+    prefilled in chunks beside the others' steps (its logits count only at its end), while the base
+    request decodes."""
     a = names[0]
     kind = rng.choice(sorted(ADAPTER_KINDS))
-    reqs = [(_tokens(rng, rng.randint(4, 6)), a, 6, []), (_tokens(rng, rng.randint(17, 23)), a, 3, []),
-            (_tokens(rng, 3), None, 4, [])]
+    # a base request first: it decodes while the long prompt's chunks are prefilled, so the base
+    # model must stay among the running uids of those prefill steps
+    short, long_, last = _tokens(rng, rng.randint(4, 6)), _tokens(rng, rng.randint(17, 23)), _tokens(rng, 3)
+    # (the base request's tokens come from the others': no draw of its own, so every later family's
+    # draws stay what they were)
+    reqs = [(last[::-1], None, 6, []), (short, a, 6, []), (long_, a, 3, []), (last, None, 4, [])]
     return workload_case(f"{tag}_chunked_prompt_beside_decodes", {a: kind},
                          _engine_config(max_num_batched_tokens=8), reqs)
 
@@ -753,17 +812,27 @@ def _mixed(rng: random.Random, tag: str, names: list) -> Case:
     return workload_case(f"{tag}_mixed", adapters, engine, reqs)
 
 
+def _tied_logits(rng: random.Random, tag: str, names: list) -> Case:
+    """An adapter's and a base request on a model whose next-token logits tie in pairs: greedy picks
+    the lower id of each tie."""
+    a = names[0]
+    reqs = [(_tokens(rng, rng.randint(4, 6)), a, 4, []), (_tokens(rng, rng.randint(3, 5)), None, 4, [])]
+    return workload_case(f"{tag}_tied_logits_go_to_the_lower_id", {a: rng.choice(sorted(ADAPTER_KINDS))},
+                         _engine_config(), reqs, tied=True)
+
+
 _FAMILIES = (_chunked, _cross_adapter_prefix, _repeated_blocks, _slots, _preemption, _drain)
 
 
 def _edge() -> list[Case]:
     rng = random.Random(11)
-    return [_base_alone(rng, "edge")] + [family(rng, "edge", list(_NAMES)) for family in _FAMILIES]
+    return ([_base_alone(rng, "edge")] + [family(rng, "edge", list(_NAMES)) for family in _FAMILIES]
+            + [_tied_logits(rng, "edge", list(_NAMES))])
 
 
 def _random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     cases = []
-    for family in _FAMILIES + (_mixed,):
+    for family in _FAMILIES + (_mixed, _tied_logits):  # the later families last: earlier draws unchanged
         cases.append(family(rng, "random", rng.sample(_NAMES, 4)))
     return cases
 

@@ -209,7 +209,8 @@ def _course_settings(course: Path, assignment: str, need_autograded: bool = True
         except sqlite3.DatabaseError as e:
             raise CourseError(f"{db} is not an nbgrader gradebook ({e})") from None
         if known is None:
-            raise CourseError(f"assignment {assignment!r} is unknown to the gradebook {db}")
+            raise CourseError(f"assignment {assignment!r} is unknown to the gradebook {db} "
+                              f"(a typo, or not released yet: nbgrader generate_assignment {assignment})")
     if not (settings["source"] / assignment).is_dir():
         raise CourseError(f"assignment {assignment!r} has no source folder {settings['source'] / assignment}")
     if need_autograded and not any(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
@@ -579,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 os.environ[sandbox.MODE_ENV] = "auto" if args.unsandboxed else "required"
                 sandbox.enabled()
+                if not os.environ.get(SECRET_ENV):
+                    raise CourseError(f"{SECRET_ENV} is not set: the hidden cases would be the public ones "
+                                      f"every learner can run (export {SECRET_ENV}='something only you know')")
                 scores, mismatches = trusted_regrade(args.course_dir, args.assignment, os.environ.get(SECRET_ENV))
         except (CourseError, sandbox.SandboxUnavailable) as e:
             print(f"{args.command}: {e}", file=sys.stderr)

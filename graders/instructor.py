@@ -63,7 +63,8 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
          AutogradeRun}, "sandbox": one line, "seconds": {step: seconds}}.
     Raises:
         graders.sandbox.SandboxUnavailable: bubblewrap cannot run and ``unsandboxed`` is False.
-        graders.course.CourseError: not a course folder, an unknown assignment, no submissions, a
+        graders.course.CourseError: not a course folder, no secret (``LORA_BOOK_SECRET``), an
+            unknown assignment, no submissions, a
             learner process left running, or the graders' files changed during grading. Unknown
             assignments and missing submissions are refused before anything is written or run.
     """
@@ -87,6 +88,10 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
             raise jobs_mod.CourseError(f"no submissions of {assignment!r} under {course / 'submitted'} "
                                        "(nbgrader collect, or copy them there)")
     secret = secret or os.environ.get(jobs_mod.SECRET_ENV)
+    if not secret:  # the hidden cases would come from the public default seed every learner has
+        raise jobs_mod.CourseError(f"{jobs_mod.SECRET_ENV} is not set: the hidden cases would be the public "
+                                   f"ones every learner can run (export {jobs_mod.SECRET_ENV}='something only "
+                                   "you know')")
     forkserver.hide(course)
     seconds = {}
     start = time.perf_counter()

@@ -199,14 +199,50 @@ def _load_needed(job: dict) -> dict | None:
             pieces[exercise_id] = PieceUnavailable(exercise_id, f"no answer cell of {exercise_id} was given to the grader")
             continue
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), _cell_alarm(NEEDED_CELL_SECONDS):
                 pieces[exercise_id] = _load_function(piece["source"], piece["func_name"], exercise_id,
                                                      "__learner_" + exercise_id.replace(".", "_") + "__")
+        except _CellHung:
+            pieces[exercise_id] = PieceUnavailable(
+                exercise_id, f"running your {exercise_id} answer cell did not finish within "
+                             f"{NEEDED_CELL_SECONDS:g} s (an endless loop at the cell's top level?)")
         except BaseException as exc:  # that cell failed: the driver says so under its id
             pieces[exercise_id] = PieceUnavailable(
                 exercise_id, f"running your {exercise_id} answer cell failed: "
                              + _error_text(exc, f"your {exercise_id} answer cell"))
     return pieces
+
+
+#: Seconds a needed answer cell may take to run (define its function): a cell does no work at its top
+#: level, so a hang there is named under its own id instead of using up the whole check's budget.
+NEEDED_CELL_SECONDS = 10.0
+
+
+class _CellHung(BaseException):
+    """A needed cell's top level ran past NEEDED_CELL_SECONDS."""
+
+
+@contextlib.contextmanager
+def _cell_alarm(seconds: float):
+    """Raise :class:`_CellHung` after ``seconds`` (SIGALRM: the child's main thread only; elsewhere
+    nothing is armed and the check's own budget still applies)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def ring(signum, frame):
+        raise _CellHung()
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _error_text(exc: BaseException, cell: str = "answer cell") -> str:

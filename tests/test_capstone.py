@@ -79,6 +79,13 @@ def _peft_greedy(model, prompt, kind, max_new_tokens, stops) -> list[int]:
     return tokens[:cut]
 
 
+def _use_lm_head(model, workload: dict) -> None:
+    """The workload's lm_head in the PEFT model: the tied-logits cases change only lm_head
+    (cap.tied_weights), which no adapter targets."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(workload["model"]["weights"]["lm_head.weight"])
+
+
 def test_every_expected_run_is_pefts_generate_of_each_request_alone(cases_and_runs, peft_model):
     """The judge's expected tokens (the reference engine's, computed in the comparer) are PEFT's, on
     the edge and public random cases and on the hidden cases of two secrets."""
@@ -87,6 +94,7 @@ def test_every_expected_run_is_pefts_generate_of_each_request_alone(cases_and_ru
         workload = case.args[0]
         assert not log[-1].startswith("error"), (case.name, log[-1])
         assert suspects == [], (case.name, suspects)
+        _use_lm_head(peft_model, workload)
         for i, (prompt, name, n, stops) in enumerate(workload["requests"]):
             kind = None if name is None else workload["adapters"][name]["kind"]
             want = _peft_greedy(peft_model, prompt, kind, n, stops)
@@ -99,6 +107,7 @@ def test_the_adapters_change_the_tokens(cases_and_runs, peft_model):
     """An engine that ignored every adapter would fail: many requests differ from the base model's."""
     differ = total = 0
     for case, (_, tokens, _) in cases_and_runs:
+        _use_lm_head(peft_model, case.args[0])
         for i, (prompt, name, n, stops) in enumerate(case.args[0]["requests"]):
             if name is not None:
                 total += 1
@@ -121,7 +130,8 @@ def _kept_beside(case, line: str) -> bool:
 
 
 def test_each_case_exercises_the_mechanism_it_is_named_for(cases_and_runs):
-    for case, (log, _, _) in cases_and_runs:
+    for case, run in cases_and_runs:
+        log = run[0]
         text = "\n".join(log)
         name = case.name
         # a prefill chunk that continues a prompt (no admission of that sequence in its step)
@@ -144,14 +154,17 @@ def test_each_case_exercises_the_mechanism_it_is_named_for(cases_and_runs):
             assert any(_kept_beside(case, line) for line in log if "(prefill)" in line), (name, log)
         elif name.endswith("small_kv_cache_preempts"):
             assert "preempt #" in text, (name, log)
-            first = log[0]
+            first = log[1]  # log[0] is step 0, the idle probe
             assert "admit #3" not in first and "admit #4" not in first, (name, first)  # KV stopped admission
         elif name.endswith("starving_adapter_drained"):
             assert "drain " in text and "ends" in text, (name, log)
         elif name.endswith("one_base_request"):
-            assert len(log) == 3, log
+            assert len(log) == 4 and log[0].startswith("step 0, before any request"), log  # the idle probe
+        elif name.endswith("tied_logits_go_to_the_lower_id"):
+            _, tokens, _ = run
+            assert all(t % 2 == 0 for seq in tokens for t in seq), (name, tokens)  # every pick is a tie's lower id
     families = {c.name.split("_", 1)[1] for c, _ in cases_and_runs}
-    assert len(families) == 8, families
+    assert len(families) == 9, families
 
 
 def test_a_case_runs_in_a_fraction_of_a_second():

@@ -291,13 +291,20 @@ def test_the_grade_command_runs_the_whole_sequence(tmp_path):
 
 
 @needs_bwrap
-def test_the_grade_command_refuses_an_unknown_assignment_before_grading_any(tmp_path):
+def test_the_grade_command_refuses_an_unknown_assignment_or_no_secret_before_grading_any(tmp_path):
     course, chapter = _small_course(tmp_path)
     before = sorted(p.relative_to(course) for p in course.rglob("*"))
     proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, "01_lora_basic",
                            "--course-dir", str(course)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "'01_lora_basic' is unknown to the gradebook" in proc.stderr, proc.stderr
     assert sorted(p.relative_to(course) for p in course.rglob("*")) == before
+    # no secret: the hidden cases would be the public ones; grade and verify refuse, touching nothing
+    no_secret = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    for command in (["grade", chapter], ["verify", chapter]):
+        proc = subprocess.run([sys.executable, "-m", "graders.course", *command, "--course-dir", str(course)],
+                              capture_output=True, text=True, timeout=120, env=no_secret)
+        assert proc.returncode == 2 and f"{SECRET_ENV} is not set" in proc.stderr, (command, proc.stderr)
+        assert sorted(p.relative_to(course) for p in course.rglob("*")) == before
 
 
 def test_the_grade_command_refuses_without_the_sandbox(tmp_path):
