@@ -662,9 +662,16 @@ def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
     d = _first_difference(expected[0], list(got[0]))
     line = got[0][d] if d is not None and d < len(got[0]) else ""
     last = got[0][-1] if got[0] else ""
+    if d == 0 and line.startswith("step 0"):
+        return ("return the step's kind: with nothing to run, scheduler.schedule() returns ('idle', []); return "
+                "'idle' at once, without calling runner.forward (there is no work to compute)")
     if "(returned " in line:
         return ("return the step's kind: the first value scheduler.schedule() returned ('prefill', 'decode' or "
                 "'idle'; the engine counts its steps by it)")
+    if last.startswith("error") and "KeyError" in last and "(postprocess)" in last:
+        return ("postprocess looks up next_tokens[w.seq.seq_id] for every row with w.end == w.seq.num_tokens: "
+                "key next_tokens by w.seq.seq_id (not the sequence's uid, not the row's index) and give every such "
+                "row its token, in prefill steps too")
     if last.startswith("error") and "changed nothing" in last:
         return ("end the step with scheduler.postprocess(work, next_tokens): it records the computed KV and the "
                 "new tokens; without it the scheduler hands out the same work again")
@@ -672,6 +679,11 @@ def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
         variant = drive_engine(_step_variant(**flags), dict(_REFERENCE_POLICIES), case.args[0])
         if _same_run(variant, got) and not _same_run(variant, expected):
             return message
+    want = expected[0][d] if d is not None and d < len(expected[0]) else ""
+    if "(decode)" in want and "(prefill)" in line:
+        return ("the scheduler still sees prefill work where the reference decodes: let scheduler.postprocess(work, "
+                "next_tokens) record the step (the KV computed, the new tokens, each sequence's state) rather than "
+                "setting any of it by hand")
     return None
 
 

@@ -484,13 +484,17 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
 
 
 def print_table(scores: dict, mismatches: list, course: Path) -> None:
-    exercises = sorted(POINTS, key=lambda e: tuple(int(p) for p in e[2:].split(".")))
-    width = max(len(s) for s in scores) if scores else 8
-    print("\nPoints per exercise (trusted re-grade); max in the header row")
+    """The scores of the graded chapters only (an exercise column appears when someone's notebook of
+    its chapter was graded); "-" where a learner submitted no notebook of that chapter, which is not a
+    scored 0 (nbgrader's export still counts it as 0 for that assignment)."""
+    graded = {e for d in scores.values() for e in d}
+    exercises = sorted(graded, key=lambda e: tuple(int(p) for p in e[2:].split(".")))
+    width = max([len(s) for s in scores] + [8])
+    print("\nPoints per exercise (trusted re-grade); max in the header row; - = no submission of that chapter")
     print(" " * width + "".join(f"{e[2:]:>6}" for e in exercises) + f"{'total':>9}")
     print(" " * width + "".join(f"{total_points(e):>6g}" for e in exercises) + f"{sum(map(total_points, exercises)):>9g}")
     for s, d in scores.items():
-        cells = "".join(f"{d.get(e, 0.0):>6g}" for e in exercises)
+        cells = "".join(f"{d[e]:>6g}" if e in d else f"{'-':>6}" for e in exercises)
         print(f"{s:<{width}}{cells}{sum(d.values()):>9g}")
     print()
     look = [m for m in mismatches if isinstance(m, LookAtThis)]
