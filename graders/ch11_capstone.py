@@ -52,6 +52,7 @@ import contextlib
 import functools
 import os
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -318,8 +319,9 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" + (f" -- {where}" if where else "")
 
 
-def _render(n: int, kind: Any, sched_events: list, pool_events: list) -> str:
-    """One log line: ``step n (kind): scheduler events; pool: what it kept, loaded, evicted``."""
+def _render(n: int, kind: Any, sched_events: list, pool_events: list, computed: list) -> str:
+    """One log line: ``step n (kind): scheduler events; computed: the token count of each
+    runner.forward call; pool: what it kept, loaded, evicted``."""
     parts, decodes = [], []
     for e in sched_events:
         if e[0] == "decode":
@@ -341,7 +343,9 @@ def _render(n: int, kind: Any, sched_events: list, pool_events: list) -> str:
                      "evict": lambda: f"evict {_uid(e[1])} from slot {e[2]}",
                      "cpu_evict": lambda: f"drop the CPU copy of {_uid(e[1])}"}.get(e[0], lambda: repr(e))())
     kind_text = kind if isinstance(kind, str) else f"returned {_as_data(kind)!r}"
-    return f"step {n} ({kind_text}): {', '.join(parts) or 'nothing scheduled'}; pool: {', '.join(pool) or '-'}"
+    forward = " + ".join("?" if c is None else str(c) for c in computed) or "no forward"
+    return (f"step {n} ({kind_text}): {', '.join(parts) or 'nothing scheduled'}; computed: {forward} tokens; "
+            f"pool: {', '.join(pool) or '-'}")
 
 
 def _uid(uid) -> str:
@@ -367,6 +371,17 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
             raise run.fail(f"still unfinished after {limit} steps (the reference needs far fewer): requests "
                            f"{sorted(s.seq_id for s in [*sched.running, *sched.waiting])} never finish")
         before, marks = _state(sched, seqs), (len(sched.events), len(pool.events))
+        computed: list = []  # tokens per runner.forward call: exactly what the step scheduled, no more
+        forward = runner.forward
+
+        def counting(batch, *args, **kwargs):
+            try:
+                computed.append(sum(len(w[0]) for w in batch))
+            except Exception:  # noqa: BLE001 (not SeqWorks: forward itself will say what is wrong)
+                computed.append(None)
+            return forward(batch, *args, **kwargs)
+
+        runner.forward = counting
         run.active.append("your engine_step (ch11.5)")
         try:
             kind = step_fn(scheduler, runner)
@@ -376,9 +391,10 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
             raise run.fail(f"{_error_text(exc)}") from None
         finally:
             run.active.pop()
+            del runner.forward  # the bound method again
         if run.failure is not None:  # a piece failed and the step's code caught it
             raise _Stop(run.failure)
-        run.lines.append(_render(run.step, kind, sched.events[marks[0]:], pool.events[marks[1]:]))
+        run.lines.append(_render(run.step, kind, sched.events[marks[0]:], pool.events[marks[1]:], computed))
         if _state(sched, seqs) == before and sched.has_unfinished():
             raise run.fail(f"step {run.step} changed nothing (no token computed or added, nobody admitted) while "
                            f"{len(sched.waiting) + len(sched.running)} requests are unfinished")
@@ -658,6 +674,12 @@ def _same_run(a: tuple, b: Any) -> bool:
             and [list(t) for t in a[1]] == [list(t) for t in b[1]])
 
 
+def _same_but_computed(a: str, b: str) -> bool:
+    """Two log lines that differ only in what runner.forward computed."""
+    strip = lambda x: re.sub(r"; computed: [^;]* tokens;", ";", x)  # noqa: E731
+    return strip(a) == strip(b)
+
+
 def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
     d = _first_difference(expected[0], list(got[0]))
     line = got[0][d] if d is not None and d < len(got[0]) else ""
@@ -680,6 +702,12 @@ def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
         if _same_run(variant, got) and not _same_run(variant, expected):
             return message
     want = expected[0][d] if d is not None and d < len(expected[0]) else ""
+    counts = [re.search(r"; computed: ([^;]*) tokens;", x) for x in (want, line)]
+    if all(counts) and counts[0].group(1) != counts[1].group(1) and _same_but_computed(want, line):
+        return (f"this step's runner.forward computed {counts[1].group(1)} tokens where the step scheduled "
+                f"{counts[0].group(1)}: give the runner exactly the scheduled tokens, one SeqWork("
+                "w.seq.tokens[w.start:w.end], w.start, ...) per work item in one call (the tokens before w.start "
+                "have their KV in the cache already)")
     if "(decode)" in want and "(prefill)" in line:
         return ("the scheduler still sees prefill work where the reference decodes: let scheduler.postprocess(work, "
                 "next_tokens) record the step (the KV computed, the new tokens, each sequence's state) rather than "
