@@ -100,9 +100,16 @@ _CHILD_ENV = "LORA_BOOK_GRADER_CHILD"
 # The model and the adapters (built here, in the comparer; they cross to the child as data)
 
 
+#: transformers' lazy top-level names are not safe to import from several threads at once (the
+#: trusted re-grade builds cases in a thread pool: "cannot import name 'LlamaConfig'" seen there),
+#: and the weights below are drawn from torch's global RNG: one thread at a time.
+_IMPORT_LOCK = threading.RLock()
+
+
 def _tiny_llama(weights: Optional[dict] = None, config: Optional[dict] = None):
     """A LlamaForCausalLM of ``config`` (default MODEL_CONFIG), with ``weights`` (a state dict) when given."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    with _IMPORT_LOCK:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**(config or MODEL_CONFIG)))
     if weights is not None:
@@ -113,7 +120,7 @@ def _tiny_llama(weights: Optional[dict] = None, config: Optional[dict] = None):
 @functools.lru_cache(maxsize=4)
 def base_weights(seed: int) -> dict:
     """The base model's state dict {name: tensor} for ``seed`` (the caller's RNG untouched)."""
-    with torch.random.fork_rng(devices=[]):
+    with _IMPORT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return {k: v.clone() for k, v in _tiny_llama().state_dict().items()}
 
@@ -123,10 +130,12 @@ def peft_files(seed: int, kind: str) -> dict:
     """One PEFT adapter of ``kind`` over the base model of ``seed``, as PEFT saves it:
     {"config_json": the adapter_config.json text, "weights": {safetensors key: tensor}}.
     Its random weights (``init_lora_weights=False``) come from ``seed`` and the kind."""
-    import peft
+    with _IMPORT_LOCK:
+        import peft
     from safetensors.torch import load_file
 
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+    with _IMPORT_LOCK, torch.random.fork_rng(devices=[]), warnings.catch_warnings(), \
+            tempfile.TemporaryDirectory() as tmp:
         warnings.simplefilter("ignore")
         torch.manual_seed(seed * 1000 + sorted(ADAPTER_KINDS).index(kind))
         model = peft.get_peft_model(_tiny_llama(base_weights(seed)),
