@@ -383,12 +383,12 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
         computed: list = []  # tokens per runner.forward call: exactly what the step scheduled, no more
         forward = runner.forward
 
-        def counting(batch, *args, **kwargs):
+        def counting(work, running=()):  # ModelRunner.forward's signature
             try:
-                computed.append(sum(len(w[0]) for w in batch))
+                computed.append(sum(len(w[0]) for w in work))
             except Exception:  # noqa: BLE001 (not SeqWorks: forward itself will say what is wrong)
                 computed.append(None)
-            return forward(batch, *args, **kwargs)
+            return forward(work, running)
 
         runner.forward = counting
         run.active.append("your engine_step (ch11.5)")
@@ -420,9 +420,9 @@ def _idle_probe(llm, step_fn: Callable, run: _Run) -> None:
     runner, calls = llm.runner, []
     forward = runner.forward
 
-    def counting(*args, **kwargs):
+    def counting(work, running=()):  # ModelRunner.forward's signature
         calls.append(1)
-        return forward(*args, **kwargs)
+        return forward(work, running)
 
     runner.forward = counting
     run.active.append("your engine_step (ch11.5)")
