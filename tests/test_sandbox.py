@@ -157,12 +157,18 @@ def test_a_kernel_interrupted_or_killed_during_a_hanging_check_leaves_no_process
     kernel = subprocess.Popen([sys.executable, "-c", _HANGING_CHECK], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=env, text=True)
     server = int(kernel.stdout.readline())
-    time.sleep(3)  # the answer is spinning now
     # everything under the kernel: the fork server and its job, or (spawn) also the check's own
-    # child process
+    # child process. Polled: on a busy 16-core GPU machine the kernel's CUDA start and the cases
+    # took past a fixed 3 s before the check's child existed.
+    deadline = time.monotonic() + 120
     spinning = _descendants(kernel.pid)
+    while len(spinning) < 2 and time.monotonic() < deadline and kernel.poll() is None:
+        time.sleep(0.2)
+        spinning = _descendants(kernel.pid)
     assert server in spinning
     assert len(spinning) >= 2, "the check's child never started"
+    time.sleep(2)  # the answer is spinning now
+    spinning = _descendants(kernel.pid)
     kernel.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     kernel.wait(timeout=120)  # a loaded CI machine (2 cores) once took past 30 s here
     deadline = time.monotonic() + 10
