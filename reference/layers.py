@@ -101,12 +101,18 @@ class LoRABackend(NamedTuple):
     expand: Callable  # expand(t, B_stack, batch_info, out, slice_offsets=None)
     decode_shrink: Optional[Callable] = None  # same signatures, reading token_slots
     decode_expand: Optional[Callable] = None
+    # gemm(x, W, out=None, t=None, B_stack=None, batch_info=None, part=0): when given, a bias-free
+    # nn.Linear's whole forward (base GEMM with the expand in its epilogue, reading token_slots)
+    gemm: Optional[Callable] = None
 
 
 def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
     """"torch" (the plain-PyTorch references) or "triton" (the Triton kernels; in the interpreter on
-    the CPU): SGMV for segments, BGMV for one-token-per-segment batches. A LoRABackend is returned
-    as it is. Raises ValueError for another name."""
+    the CPU): SGMV for segments, BGMV for one-token-per-segment batches. "triton_fused": the same
+    shrinks, and each bias-free projection's base GEMM is ``ops.lora_gemm`` with the expand in its
+    epilogue (no expand kernel; the base rows come from the Triton GEMM, also when the batch has no
+    adapter). "torch_fused": its torch reference. A LoRABackend is returned as it is. Raises
+    ValueError for another name."""
     if isinstance(backend, LoRABackend):
         return backend
     if backend == "torch":
@@ -114,7 +120,14 @@ def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
                            ops.torch_ref.bgmv_shrink, ops.torch_ref.bgmv_expand)
     if backend == "triton":
         return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand)
-    raise ValueError(f"unknown LoRA backend {backend!r}: use 'torch', 'triton' or a LoRABackend")
+    if backend == "triton_fused":
+        return LoRABackend("triton_fused", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand,
+                           ops.lora_gemm)
+    if backend == "torch_fused":
+        return LoRABackend("torch_fused", ops.torch_ref.shrink, ops.torch_ref.expand, ops.torch_ref.bgmv_shrink,
+                           ops.torch_ref.bgmv_expand, ops.torch_ref.lora_gemm)
+    raise ValueError(f"unknown LoRA backend {backend!r}: use 'torch', 'triton', 'triton_fused', 'torch_fused' "
+                     "or a LoRABackend")
 
 
 def uses_token_slots(batch_info: LoRABatchInfo) -> bool:
@@ -235,11 +248,15 @@ class LoRALinear(nn.Module):
         self.shared = shared if shared is not None else SharedShrink(spec.stack_num)
         self.rows_of_B = (lo, hi)  # this part's rows of the packed B (its output columns)
         self.slice_offsets = (0,) * (part + 1) + (hi - lo,)  # earlier parts: zero-width slices
+        # the fused path replaces the base forward, so only where that forward is a bias-free x @ W.T
+        self.fused = (self.backend.gemm is not None and type(base) is nn.Linear and base.bias is None)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, module={self.spec.name!r}, part={self.part}, backend={self.backend.name!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self._fused_forward(x)
         y = self.base(x)
         info = self.context.batch_info
         if not info.has_active_lora:
@@ -256,6 +273,29 @@ class LoRALinear(nn.Module):
         B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
         expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
         return y
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The backend's ``gemm``: base GEMM and, for a batch with an adapter, the expand in its
+        epilogue (the shrink still shared by the packed parts)."""
+        info = self.context.batch_info
+        rows = x.reshape(-1, x.shape[-1])
+        W = self.base.weight
+        if not info.has_active_lora:
+            y = self.backend.gemm(rows, W)
+        else:
+            expected = _num_tokens(info)
+            if expected is not None and expected != rows.shape[0]:
+                raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
+                                 f"batch info covers {expected}: set this forward's batch with context.set_batch")
+            if info.token_slots is None:
+                raise ValueError(f"layer {self.layer} {self.spec.name}: the {self.backend.name} backend reads "
+                                 "batch_info.token_slots, which this batch info lacks")
+            shrink, _ = _ops_for(self.backend, info)
+            t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink))
+            lo, hi = self.rows_of_B
+            B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]
+            y = self.backend.gemm(rows, W, t=t, B_stack=B, batch_info=info, part=self.part)
+        return y.view(*x.shape[:-1], W.shape[0])
 
     def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable) -> torch.Tensor:
         """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified."""

@@ -29,7 +29,9 @@ peft = pytest.importorskip("peft")
 
 CUDA = torch.cuda.is_available()
 # (backend, device): Triton runs on the GPU when there is one, else in the interpreter on the CPU.
-RUNS = [("torch", "cpu"), ("triton", "cuda" if CUDA else "cpu")] + ([("torch", "cuda")] if CUDA else [])
+# "*_fused": the base GEMM with the expand in its epilogue (reference.ops.lora_gemm).
+RUNS = ([("torch", "cpu"), ("triton", "cuda" if CUDA else "cpu"), ("torch_fused", "cpu"),
+         ("triton_fused", "cuda" if CUDA else "cpu")] + ([("torch", "cuda")] if CUDA else []))
 RUN_IDS = [f"{b}-{d}" for b, d in RUNS]
 RTOL = 1e-5  # fp32: PEFT and our ops sum the same short products in another order (errors ~1e-7)
 
@@ -147,7 +149,7 @@ def _logits(model, **inputs):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
 def test_prefill_matches_peft(backend, device, layout, mode, base, adapters, peft_models):
-    if backend == "triton" and device == "cpu" and (layout, mode) not in {("fused", "requests"),
+    if backend.startswith("triton") and device == "cpu" and (layout, mode) not in {("fused", "requests"),
                                                                           ("fused", "sorted_chunked"),
                                                                           ("per_projection", "sorted")}:
         pytest.skip("the interpreter is slow: three representative cases on the CPU")
@@ -160,7 +162,15 @@ def test_prefill_matches_peft(backend, device, layout, mode, base, adapters, pef
     want = _logits(peft_models(device), input_ids=ids, attention_mask=mask, adapter_names=NAMES)
     real = mask.bool()
     _assert_close(got[real], want[real], f"prefill {backend}-{device} {layout} {mode}")
-    plain = _logits(unwrap_llama(ours), input_ids=ids, attention_mask=mask)
+    if backend.endswith("_fused"):
+        # the fused backends' base GEMM is their own (lora_gemm): the base request's row must equal
+        # the same model with no adapter in the batch (the same kernel without its epilogue)
+        _set_batch(context, pool, ["__base__"] * len(NAMES), [ids.shape[1]] * len(NAMES), device, mode)
+        plain = _logits(ours, input_ids=ids, attention_mask=mask)
+        _assert_close(plain[real], _logits(unwrap_llama(ours), input_ids=ids, attention_mask=mask)[real],
+                      f"base GEMM {backend}-{device}")
+    else:
+        plain = _logits(unwrap_llama(ours), input_ids=ids, attention_mask=mask)
     assert torch.equal(got[1], plain[1]), "the base request must get exactly the base model's output"
     for b, name in enumerate(NAMES):  # not vacuous: every adapter changes its row
         if name != "__base__":
@@ -281,8 +291,14 @@ def test_base_request_right_after_an_adapter_request(backend, device, base, adap
     with_adapter = _logits(ours, input_ids=ids)
     _set_batch(context, pool, ["__base__"], [5], device)  # same tokens, the next forward
     after = _logits(ours, input_ids=ids)
-    assert torch.equal(after, _logits(copy.deepcopy(base).to(device), input_ids=ids)), \
-        "metadata of the last batch survived"
+    if backend.endswith("_fused"):  # their base GEMM is their own: a fresh model that never saw "rs"
+        fresh_pool = _pool("fused", adapters, device, num_slots=2)
+        fresh, fresh_context = _ours(base, fresh_pool, backend, device)
+        _set_batch(fresh_context, fresh_pool, ["__base__"], [5], device)
+        plain = _logits(fresh, input_ids=ids)
+    else:
+        plain = _logits(copy.deepcopy(base).to(device), input_ids=ids)
+    assert torch.equal(after, plain), "metadata of the last batch survived"
     assert (with_adapter - after).abs().max() > 1e-3
     _assert_close(with_adapter, _logits(peft_models(device), input_ids=ids, adapter_names=["rs"]),
                   f"one request {backend}-{device}")

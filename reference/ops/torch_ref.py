@@ -29,6 +29,7 @@ __all__ = [
     "expand",
     "fused_decode",
     "fused_moe_lora",
+    "lora_gemm",
 ]
 
 
@@ -214,3 +215,37 @@ def fused_decode(
     t = torch.zeros(x.shape[0], A_stack.shape[1], dtype=x.dtype, device=x.device)
     bgmv_shrink(x, A_stack, batch_info, t)
     return bgmv_expand(t, B_stack, batch_info, out)
+
+
+def lora_gemm(
+    x: torch.Tensor,  # [M, K]
+    W: torch.Tensor,  # [N, K]
+    out: Optional[torch.Tensor] = None,  # [M, N]
+    t: Optional[torch.Tensor] = None,  # [M, stack_num * max_rank]
+    B_stack: Optional[torch.Tensor] = None,  # [num_slots, N, max_rank]
+    batch_info: Optional[LoRABatchInfo] = None,
+    part: int = 0,
+    config: Optional[dict] = None,  # accepted for the Triton op's signature; unused here
+) -> torch.Tensor:
+    """The base GEMM with each row's LoRA expand added before the one rounding (reads ``token_slots``).
+
+    Semantics:
+        s = token_slots[m]; r = lora_ranks[s]
+        out[m] = x[m] @ W.T + scalings[s] * t[m, part*r:(part+1)*r] @ B_stack[s, :, :r].T
+    accumulated in fp32 (fp64 for fp64 inputs) and rounded once. Returns ``out``.
+    """
+    y = _acc(x) @ _acc(W).T
+    if batch_info is not None:
+        slots = batch_info.token_slots.long()
+        ranks = batch_info.lora_ranks[slots].long()
+        scale = batch_info.scalings[slots].to(y.dtype)
+        k = torch.arange(B_stack.shape[2], device=x.device)
+        cols = (part * ranks[:, None] + k[None, :]).clamp(max=t.shape[1] - 1)
+        keep = k[None, :] < ranks[:, None]
+        tp = torch.where(keep, torch.gather(_acc(t.to(x.dtype)), 1, cols), 0.0)
+        B = torch.where(keep[:, None, :], _acc(B_stack[slots]), 0.0)
+        y = y + scale[:, None] * torch.einsum("tr,tor->to", tp, B)
+    if out is None:
+        out = x.new_empty(y.shape)
+    out.copy_(y.to(out.dtype))
+    return out
