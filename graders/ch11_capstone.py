@@ -53,7 +53,6 @@ import functools
 import os
 import random
 import re
-import signal
 import tempfile
 import threading
 import traceback
@@ -67,6 +66,7 @@ import torch
 from graders.ch11 import (_admit_case, _admit_hint, _drain_case, _drain_hint, _hash_case, _hash_hint, drive_admit,
                           drive_drain)
 from graders.core import Case, Exercise
+from graders.runner import main_thread_alarm
 from reference.engine.policies import admit_requests, block_hashes, choose_drain
 from reference.mem_pool import uid_sort_key
 
@@ -453,21 +453,12 @@ def _alarm(run: _Run, seconds: float):
     """In the grader's child (its main thread): after ``seconds``, raise :class:`_Hung` in whatever
     runs then, naming the learner's code that was running (the comparer never runs learner code and
     sets no alarm)."""
-    if not os.environ.get(_CHILD_ENV) or threading.current_thread() is not threading.main_thread():
+    if not os.environ.get(_CHILD_ENV):
         yield
         return
-
-    def ring(signum, frame):
-        who = run.active[-1] if run.active else "the engine"
-        raise _Hung(f"{who} did not return within {seconds:g} s (an endless loop?)")
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
+    who = lambda: run.active[-1] if run.active else "the engine"  # noqa: E731 (read when it rings)
+    with main_thread_alarm(seconds, lambda: _Hung(f"{who()} did not return within {seconds:g} s (an endless loop?)")):
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

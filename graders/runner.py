@@ -22,7 +22,7 @@ import traceback
 import types
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import reference  # noqa: F401  (fixes the device choice before anything imports triton)
 import torch
@@ -223,9 +223,10 @@ class _CellHung(BaseException):
 
 
 @contextlib.contextmanager
-def _cell_alarm(seconds: float):
-    """Raise :class:`_CellHung` after ``seconds`` (SIGALRM: the child's main thread only; elsewhere
-    nothing is armed and the check's own budget still applies)."""
+def main_thread_alarm(seconds: float, error: Callable[[], BaseException]):
+    """Raise ``error()`` in whatever runs after ``seconds`` (SIGALRM, so in the process's main thread
+    only; in another thread, or without ``setitimer``, nothing is armed and the caller's own budget
+    still applies). The previous SIGALRM handler is restored on the way out."""
     import signal
     import threading
 
@@ -234,7 +235,7 @@ def _cell_alarm(seconds: float):
         return
 
     def ring(signum, frame):
-        raise _CellHung()
+        raise error()
 
     previous = signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -243,6 +244,11 @@ def _cell_alarm(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _cell_alarm(seconds: float):
+    """Raise :class:`_CellHung` after ``seconds`` (see :func:`main_thread_alarm`)."""
+    return main_thread_alarm(seconds, _CellHung)
 
 
 def _error_text(exc: BaseException, cell: str = "answer cell") -> str:

@@ -191,6 +191,8 @@ BROKEN = [
      "your block_hashes (ch11.1) raised NotImplementedError"),
     (dict(ch11_3="def something_else():\n    pass\n"), "the answer cell defines nothing named 'choose_drain'"),
     (dict(ch11_5="def engine_step(scheduler, runner):\n    import os\n    os._exit(3)\n"), "the process ended"),
+    # a top-level endless loop in a needed cell: named under its id after NEEDED_CELL_SECONDS
+    (dict(ch11_3="while True:\n    pass\n"), "running your ch11.3 answer cell did not finish within 10 s"),
 ]
 
 
