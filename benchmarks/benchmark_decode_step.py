@@ -63,6 +63,20 @@ def random_adapter(uid: str, rank: int, mods, layers: int, gen: torch.Generator)
     return LoRAAdapter(uid, rank, 2.0, weights)
 
 
+def backend_named(name: str):
+    """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...) or
+    "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue)."""
+    import functools
+
+    from reference import ops
+    from reference.layers import get_backend
+
+    if name == "triton_fused_gather":
+        return get_backend("triton_fused")._replace(
+            name=name, gemm=functools.partial(ops.lora_gemm, config={"epilogue": "gather"}))
+    return get_backend(name)
+
+
 def timer(device: torch.device):
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -137,7 +151,7 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
         first_base: dict[int, float] = {}  # seqs -> the first backend's base graph (us)
         for backend in backends:
             context_ = LoRAContext()
-            model = wrap_llama(base, pool, context_, backend)
+            model = wrap_llama(base, pool, context_, backend_named(backend))
             runner = DecodeGraphRunner(model, pool, context_, max_seqs=max_seqs, max_len=context + 8,
                                        buckets=tuple(seqs_list))
             runner.capture()

@@ -16,7 +16,7 @@ Part 2, one layer's projections, each path captured in a CUDA graph and replayed
   - ``separate``: the layers' ``"triton"`` backend (cuBLAS, then per packed module one shared shrink
     and per projection one expand: 4 shrinks + 7 expands);
   - ``fused``: the ``"triton_fused"`` backend (4 shrinks + 7 ``lora_gemm`` with the expand in their
-    epilogue: no expand kernel);
+    epilogue: no expand kernel), and ``fused_gather``: the same with the "gather" epilogue;
   - ``fused_base``: the fused backend with no adapter in the batch (its Triton base GEMMs).
 Cases: decode 16 x 8, 64 x 8, 64 x 32, 256 x 32 (rows x distinct adapters), prefill 4 x 2048 rows
 over 4 adapters; ranks 16 and 64; LoRA on every projection; row i on adapter (i mod D). Reported:
@@ -41,7 +41,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmark_decode_step import FULL, SMOKE, modules, random_adapter  # noqa: E402
+from benchmark_decode_step import FULL, SMOKE, backend_named, modules, random_adapter  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.batch_info import batch_info_from_requests  # noqa: E402
 from reference.layers import LoRAContext, LoRALinear, SharedShrink  # noqa: E402
@@ -136,6 +136,7 @@ class Projections:
                   "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                   "down_proj": ("down_proj", 0)}
         shared = {m: SharedShrink(self.pool.modules[m].stack_num) for m in {p[0] for p in packed.values()}}
+        backend = backend_named(backend)
         wrapped = {name: LoRALinear(self.bases[name], self.pool, m, 0, context, backend, part=part, shared=shared[m])
                    for name, (m, part) in packed.items()}
         return wrapped, context
@@ -189,22 +190,25 @@ def layer_paths(cfg, ranks, cases, device, timeit) -> list[dict]:
             with torch.inference_mode():
                 times["base"] = timeit(graph_of(run(proj.bases), device))
                 for path, backend, adapters in (("separate", "triton", D), ("fused", "triton_fused", D),
+                                                ("fused_gather", "triton_fused_gather", D),
                                                 ("fused_base", "triton_fused", 0)):
                     layers, context = proj.layers(backend)
                     context.set_batch(proj.batch(rows, adapters, seg))
                     times[path] = timeit(graph_of(run(layers), device))
                     results[path] = layers["down_proj"](x_d).float()
-            err = (results["fused"] - results["separate"]).abs().max().item()
+            err = max((results[p] - results["separate"]).abs().max().item() for p in ("fused", "fused_gather"))
             scale = results["separate"].abs().max().item()
             row = dict(rows=rows, seg=seg, adapters=D, rank=rank, **{f"{k}_us": round(v, 2) for k, v in times.items()},
                        separate_overhead=round(times["separate"] / times["base"] - 1, 4),
                        fused_overhead=round(times["fused"] / times["base"] - 1, 4),
+                       fused_gather_overhead=round(times["fused_gather"] / times["base"] - 1, 4),
                        fused_base_over_base=round(times["fused_base"] / times["base"], 4),
                        fused_vs_separate_max_abs_diff=round(err, 5), scale=round(scale, 3))
             out.append(row)
             print(f"{'decode' if seg == 1 else 'prefill'} {rows:5d} rows x {D:2d} adapters rank {rank:2d}: base "
                   f"{times['base']:8.1f} us, separate {times['separate']:8.1f} (+{100 * row['separate_overhead']:.1f}%), "
-                  f"fused {times['fused']:8.1f} (+{100 * row['fused_overhead']:.1f}%), fused base {times['fused_base']:8.1f}"
+                  f"fused {times['fused']:8.1f} (+{100 * row['fused_overhead']:.1f}%), gather epilogue "
+                  f"{times['fused_gather']:8.1f} (+{100 * row['fused_gather_overhead']:.1f}%), fused base {times['fused_base']:8.1f}"
                   f" ({row['fused_base_over_base']:.2f}x); |fused - separate| {err:.3g} of {scale:.3g}", flush=True)
         del proj
         if device.type == "cuda":

@@ -54,10 +54,11 @@ CASES = [  # (name, M, N, K, ranks, token_slots, stack, part)
 
 @pytest.mark.parametrize("name,M,N,K,ranks,token_slots,stack,part", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", ["dot", "gather"])
 def test_matches_the_torch_reference_and_base_rows_are_bit_exact(name, M, N, K, ranks, token_slots, stack, part,
-                                                                 dtype):
+                                                                 dtype, epilogue):
     x, W, t, B, info = _case(M, N, K, ranks, token_slots, stack, part, dtype)
-    got = lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=part, config=SMALL)
+    got = lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=part, config={**SMALL, "epilogue": epilogue})
     exp = torch_ref.lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=part)
     assert not got.isnan().any(), "read a poisoned shrink column or B column past a rank"
     _check(got, exp, dtype)
@@ -78,11 +79,12 @@ def test_default_config_and_empty_batches():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need CUDA")
 @pytest.mark.parametrize("M", [1, 16, 64, 200, 1030])
 @pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 4096), (4096, 14336)])
-def test_real_sizes_on_the_gpu(M, N, K):
+@pytest.mark.parametrize("epilogue", ["dot", "gather"])
+def test_real_sizes_on_the_gpu(M, N, K, epilogue):
     ranks = [0] + [16, 64, 8, 32] * 2
     slots = [(m * 5) % len(ranks) for m in range(M)]
     x, W, t, B, info = _case(M, N, K, ranks, slots, 3, 1, torch.bfloat16, seed=M)
-    got = lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=1)
+    got = lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=1, config={"epilogue": epilogue})
     _check(got, torch_ref.lora_gemm(x, W, t=t, B_stack=B, batch_info=info, part=1), torch.bfloat16)
     base_rows = torch.tensor([ranks[s] == 0 for s in slots], device=DEVICE)
     assert torch.equal(got[base_rows], lora_gemm(x, W)[base_rows])
@@ -102,3 +104,5 @@ def test_bad_input_raises_a_clear_error():
         lora_gemm(x, W, t=t, B_stack=B[:, :8], batch_info=info)
     with pytest.raises(ValueError, match="dtype|is torch"):
         lora_gemm(x, W.double())
+    with pytest.raises(ValueError, match="epilogue"):
+        lora_gemm(x, W, t=t, B_stack=B, batch_info=info, config={"epilogue": "fused"})

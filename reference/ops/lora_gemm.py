@@ -20,9 +20,12 @@ B_stack [num_slots, N, max_rank] this part's rows of the pool's B)::
 How the epilogue handles a tile of rows from several adapters: it loops over the distinct slots
 among the tile's rows (the smallest slot not yet done, each time), adding ``t[rows of s] @ B[s].T``
 with one ``tl.dot`` per slot, masked to that slot's rows. A prefill tile (rows sorted into
-segments) meets one or two slots; a decode tile of 16 requests over 8 adapters at most 8. Rows of
-rank 0 (base model, empty slot) get no term at all, so they are bit-exact with the same kernel
-launched without LoRA (same tiles, same K order); ``tests/test_lora_gemm.py`` checks it.
+segments) meets one or two slots; a decode tile of 16 requests over 8 adapters at most 8, and those
+passes run one after another on the program's critical path (measured on an H200, the cost grows
+with the adapters per tile: chapter 08, section 8). The ``"gather"`` epilogue instead has each row
+gather its own slot's B one rank column at a time, with no pass waiting on another. Rows of rank 0
+(base model, empty slot) get no term at all, so they are bit-exact with the same kernel launched
+without LoRA (same tiles, same K order); ``tests/test_lora_gemm.py`` checks it.
 
 The shrink ``t`` is the separate, cheap half: ``bgmv_shrink`` (decode) or ``sgmv_shrink``
 (prefill), shared by the packed parts (one per q/k/v, one per gate/up); see ``reference.layers``.
@@ -53,8 +56,9 @@ def _lora_gemm_kernel(
     # batch metadata
     token_slots_ptr, lora_ranks_ptr, scalings_ptr,
     # constexpr
-    HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HAS_LORA: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     # offsets in int64: a row index times its stride passes 2^31 elements at real sizes.
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr and stays a constant (contiguous loads).
@@ -92,7 +96,26 @@ def _lora_gemm_kernel(
             acc += tl.dot(x_tile, w_tile)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA:
+    if HAS_LORA and GATHER:
+        stride_tm, stride_tr = tl.cast(stride_tm, tl.int64), tl.cast(stride_tr, tl.int64)
+        stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
+        stride_br = tl.cast(stride_br, tl.int64)
+        slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0)
+        ranks = tl.load(lora_ranks_ptr + slots, mask=m_mask, other=0)
+        scalings = tl.load(scalings_ptr + slots, mask=m_mask, other=0.0)
+        live = m_mask & (ranks > 0)
+        # every row gathers its own slot's B, one rank column at a time: no pass depends on another,
+        # so the loads of all columns can be in flight together (the dot variant's passes are serial)
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(0, tl.max(tl.where(live, ranks, 0), axis=0)):
+            use = live & (j < ranks)
+            t_col = tl.load(t_ptr + offs_m * stride_tm + (part * ranks + j) * stride_tr, mask=use, other=0.0)
+            t_col = t_col.to(x_ptr.dtype.element_ty).to(tl.float32)  # t in x's dtype, as a two-kernel path
+            b_col = tl.load(b_ptr + slots[:, None] * stride_bs + offs_n[None, :] * stride_bn + j * stride_br,
+                            mask=use[:, None] & n_mask[None, :], other=0.0)
+            delta += t_col[:, None] * b_col.to(tl.float32)
+        acc += tl.where(live[:, None], scalings[:, None] * delta, 0.0)
+    if HAS_LORA and not GATHER:
         stride_tm, stride_tr = tl.cast(stride_tm, tl.int64), tl.cast(stride_tr, tl.int64)
         stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
         stride_br = tl.cast(stride_br, tl.int64)
@@ -128,7 +151,7 @@ def _lora_gemm_kernel(
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The tile config :func:`lora_gemm` uses when none is given: block_m, block_n, block_k,
-    group_m, num_warps, num_stages.
+    group_m, num_warps, num_stages, epilogue.
 
     A decode step (a few to a few hundred rows) streams W once: the rows fit one or two row tiles,
     and narrow column tiles give enough programs to fill the GPU (N = 1024 at 32 columns: 32
@@ -136,20 +159,30 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) 
     program per tile per K step (about a millisecond each), so there tiles are as large as the
     shape allows. Depends only on the shape, never on whether LoRA is present, so base rows are
     bit-exact with the base-only launch.
+
+    ``epilogue``: "dot" (one ``tl.dot`` pass per distinct slot of a row tile) is the variant measured
+    in ``benchmarks/results/lora_gemm_h200.json``; "gather" (each row gathers its own slot's B, one
+    rank column at a time, no pass waiting on another) is selectable and benchmarked beside it by
+    ``benchmarks/benchmark_lora_gemm.py``; it becomes a default only where it measures faster.
     """
     from reference.device import interpreting
 
     if interpreting():
-        return dict(block_m=max(16, min(64, triton.next_power_of_2(M))), block_n=max(16, min(128, triton.next_power_of_2(N))),
-                    block_k=max(16, min(128, triton.next_power_of_2(K))), group_m=8, num_warps=4, num_stages=1)
-    big = dtype == torch.float32  # fp32 tiles take twice the shared memory
-    if M <= 16:
-        return dict(block_m=16, block_n=32, block_k=256 if not big else 128, group_m=1, num_warps=4, num_stages=4)
-    if M <= 64:
-        return dict(block_m=64, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    if M <= 256:
-        return dict(block_m=64, block_n=64, block_k=128 if not big else 64, group_m=8, num_warps=4, num_stages=4)
-    return dict(block_m=128, block_n=128, block_k=64 if not big else 32, group_m=8, num_warps=8, num_stages=3)
+        cfg = dict(block_m=max(16, min(64, triton.next_power_of_2(M))),
+                   block_n=max(16, min(128, triton.next_power_of_2(N))),
+                   block_k=max(16, min(128, triton.next_power_of_2(K))), group_m=8, num_warps=4, num_stages=1)
+    elif M <= 16:
+        cfg = dict(block_m=16, block_n=32, block_k=256 if dtype != torch.float32 else 128, group_m=1,
+                   num_warps=4, num_stages=4)
+    elif M <= 64:
+        cfg = dict(block_m=64, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    elif M <= 256:
+        cfg = dict(block_m=64, block_n=64, block_k=128 if dtype != torch.float32 else 64, group_m=8,
+                   num_warps=4, num_stages=4)
+    else:  # fp32 tiles take twice the shared memory
+        cfg = dict(block_m=128, block_n=128, block_k=64 if dtype != torch.float32 else 32, group_m=8,
+                   num_warps=8, num_stages=3)
+    return {**cfg, "epilogue": "dot"}
 
 
 def lora_gemm(
@@ -168,11 +201,11 @@ def lora_gemm(
     ``part``: this projection's part of a packed module (q=0, k=1, v=2; gate=0, up=1): the
     epilogue reads shrink columns ``[part*r, (part+1)*r)`` of each row's rank r. ``config``
     overrides :func:`default_config` (keys block_m, block_n, block_k, group_m, num_warps,
-    num_stages; missing keys keep their defaults).
+    num_stages, epilogue "dot" or "gather"; missing keys keep their defaults).
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices; only some of t/B_stack/batch_info given;
-        a batch info without ``token_slots`` for every row; a negative part.
+        a batch info without ``token_slots`` for every row; a negative part; another epilogue.
     """
     lora = (t, B_stack, batch_info)
     if any(v is None for v in lora) and any(v is not None for v in lora):
@@ -200,6 +233,8 @@ def lora_gemm(
     if M == 0 or N == 0:
         return out
     cfg = {**default_config(M, N, K, x.dtype), **(config or {})}
+    if cfg["epilogue"] not in ("dot", "gather"):
+        raise ValueError(f"epilogue must be 'dot' or 'gather', got {cfg['epilogue']!r}")
     grid = (triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"]),)
     dummy = x  # never read: HAS_LORA=False prunes every LoRA load
     _lora_gemm_kernel[grid](
@@ -211,7 +246,7 @@ def lora_gemm(
         B_stack.stride(2) if has_lora else 0,
         batch_info.token_slots if has_lora else dummy, batch_info.lora_ranks if has_lora else dummy,
         batch_info.scalings if has_lora else dummy,
-        HAS_LORA=has_lora, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        HAS_LORA=has_lora, GATHER=cfg["epilogue"] == "gather", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         BLOCK_R=next_pow2_at_least(B_stack.shape[2] if has_lora else 16, floor=16), GROUP_M=cfg["group_m"],
         UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, W), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
