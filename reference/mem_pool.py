@@ -623,6 +623,10 @@ class AdapterRegistry:
         """The adapter of ``uid`` (any version). Raises KeyError for an unknown uid."""
         return self._adapters[uid]
 
+    def names(self) -> list[str]:
+        """The registered display names, sorted."""
+        return sorted(self._current)
+
 
 def _same_adapter(old: LoRAAdapter, rank: int, scaling: float, weights: dict) -> bool:
     if (old.rank, old.weights.keys()) != (rank, weights.keys()):
