@@ -77,11 +77,12 @@ def backend_named(name: str):
     return get_backend(name)
 
 
-def timer(device: torch.device):
+def timer(device: torch.device, rep: int = 100):
+    """A function timing ``fn`` in us: on CUDA ``do_bench``'s median over ``rep`` ms of calls."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: 1e3 * do_bench(fn, return_mode="median")
+        return lambda fn: 1e3 * do_bench(fn, rep=rep, return_mode="median")
 
     def wall(fn, reps: int = 3) -> float:  # the CPU has no graph; a rough median of a few calls
         fn()

@@ -32,7 +32,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmark_decode_step import FULL, SMOKE, backend_named, modules, random_adapter  # noqa: E402
+from benchmark_decode_step import FULL, SMOKE, backend_named, modules, random_adapter, timer  # noqa: E402
 from reference import ops  # noqa: E402
 from reference.batch_info import batch_info_from_requests  # noqa: E402
 from reference.layers import LoRAContext, LoRALinear, SharedShrink  # noqa: E402
@@ -56,23 +55,6 @@ CANDIDATES = {
 }
 DECODE = [(16, 8), (64, 8), (64, 32), (256, 32)]
 PREFILL = [(8192, 4)]  # 4 requests x 2048 tokens
-
-
-def timer(device: torch.device, rep: int = 100):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: 1e3 * do_bench(fn, rep=rep, return_mode="median")
-
-    def wall(fn, reps: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e6 * sorted(times)[len(times) // 2]
-    return wall
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:

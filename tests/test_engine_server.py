@@ -20,7 +20,9 @@ openai = pytest.importorskip("openai")
 peft = pytest.importorskip("peft")
 
 from reference.engine.llm import LLM, EngineConfig  # noqa: E402
+from reference.engine.sequence import SamplingParams  # noqa: E402
 from reference.engine.server import create_app  # noqa: E402
+from test_engine import DEVICE, peft_greedy as _peft_greedy  # noqa: E402  (PEFT's generate of one request)
 
 CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            intermediate_size=96, vocab_size=256, max_position_embeddings=64)
@@ -68,24 +70,13 @@ def setup(tmp_path_factory):
     assert server.started, "the server did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, tokenizer, pm.eval()
+    yield client, tokenizer, pm.to(DEVICE).eval()
     server.should_exit = True
     thread.join(timeout=30)
 
 
 def peft_greedy(pm, prompt: list[int], adapter, max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-              attention_mask=torch.ones_like(ids))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if adapter is None:
-            with pm.disable_adapter():
-                out = pm.generate(input_ids=ids, **kw)
-        else:
-            pm.set_adapter(adapter)
-            out = pm.generate(input_ids=ids, **kw)
-    return out[0, len(prompt):].tolist()
+    return _peft_greedy(pm, prompt, adapter, SamplingParams(max_new_tokens=max_new_tokens))
 
 
 MODELS = {"tiny-llama": None, "sql": "sql", "chat": "chat"}
