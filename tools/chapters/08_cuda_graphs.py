@@ -759,7 +759,8 @@ print(f"at 64 sequences / 8 adapters, rank 64 over rank 16: {64 / 16:.0f}x the L
 # adapters among its tile's rows (the smallest slot not yet done, each time) and adds one small
 # `tl.dot` per adapter, masked to that adapter's rows. Rows of rank 0 get no term at all, so a base
 # request's output is bit-for-bit the same kernel's output without LoRA. The layers select it with
-# `wrap_llama(..., backend="triton_fused")`. On a small case (in the interpreter on the CPU):
+# `wrap_llama(..., backend="triton_fused")`. On a small case (in Triton's interpreter when there is
+# no GPU):
 
 # %%
 from reference import ops
@@ -806,13 +807,13 @@ for r in fusion["layer"]:
 # The fused path loses, and the tables say why, in two parts:
 #
 # 1. **The Triton GEMM is not cuBLAS.** The last column is the fused path with no adapter in the
-#    batch: its base GEMMs alone. The GEMM table says where that comes from: the Triton GEMM
-#    (untuned beyond four tile configs per row count, no split-K) keeps up with cuBLAS on some of the
-#    16-row shapes and falls behind as the rows grow, so fusion starts behind before any LoRA work.
+#    batch: its base GEMMs alone. The GEMM table says where that comes from: the Triton GEMM (four
+#    tile configs tried per row count, no split-K) keeps up with cuBLAS on some of the 16-row shapes
+#    and falls behind as the rows grow, so fusion starts behind before any LoRA work.
 # 2. **The epilogue sits on every program's critical path, once per adapter in its tile.** A
 #    separate expand kernel spreads its work over all the SMs; the epilogue instead adds, after each
 #    tile's K loop, one dependent load-and-`tl.dot` pass per distinct adapter among the tile's rows.
-#    Compare the two 64-row decode cases below: the same rows and bytes, four times the adapters.
+#    Compare the two 64-row decode cases below: the same rows, four times the adapters.
 
 # %%
 layer = {(r["rows"], r["adapters"], r["rank"]): r for r in fusion["layer"]}
@@ -837,8 +838,10 @@ for t in step_fused["targets"]:
 # two causes: a projection GEMM at cuBLAS speed (split-K for the narrow decode shapes, tuned
 # prefill tiles), and an epilogue whose cost does not grow with the adapters of a tile: rows sorted
 # by slot (the permutation of chapter 07) so a tile holds one or two adapters, and the B tiles
-# loaded while the K loop still runs. The systems of the next section run their LoRA kernels
-# beside the base GEMM, as the default path here does.
+# loaded while the K loop still runs. A second epilogue is already in the kernel and its tests,
+# `config={"epilogue": "gather"}`: each row gathers its own adapter's B one rank column at a time,
+# so no pass waits on another; the committed measurements above predate it. The systems of the
+# next section run their LoRA kernels beside the base GEMM, as the default path here does.
 #
 # ## 9. How production systems do it
 #
