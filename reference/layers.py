@@ -262,10 +262,7 @@ class LoRALinear(nn.Module):
         if not info.has_active_lora:
             return y  # no adapter in the batch: the LoRA ops are not even launched
         rows = x.reshape(-1, x.shape[-1])
-        expected = _num_tokens(info)
-        if expected is not None and expected != rows.shape[0]:
-            raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
-                             f"batch info covers {expected}: set this forward's batch with context.set_batch")
+        self._check_rows(rows, info)
         y = y.contiguous()
         shrink, expand = _ops_for(self.backend, info)
         t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink))
@@ -273,6 +270,13 @@ class LoRALinear(nn.Module):
         B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
         expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
         return y
+
+    def _check_rows(self, rows: torch.Tensor, info: LoRABatchInfo) -> None:
+        """Raise ValueError when the batch info covers another number of tokens than ``rows``."""
+        expected = _num_tokens(info)
+        if expected is not None and expected != rows.shape[0]:
+            raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
+                             f"batch info covers {expected}: set this forward's batch with context.set_batch")
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The backend's ``gemm``: base GEMM and, for a batch with an adapter, the expand in its
@@ -283,10 +287,7 @@ class LoRALinear(nn.Module):
         if not info.has_active_lora:
             y = self.backend.gemm(rows, W)
         else:
-            expected = _num_tokens(info)
-            if expected is not None and expected != rows.shape[0]:
-                raise ValueError(f"layer {self.layer} {self.spec.name}: input has {rows.shape[0]} tokens but the "
-                                 f"batch info covers {expected}: set this forward's batch with context.set_batch")
+            self._check_rows(rows, info)
             if info.token_slots is None:
                 raise ValueError(f"layer {self.layer} {self.spec.name}: the {self.backend.name} backend reads "
                                  "batch_info.token_slots, which this batch info lacks")

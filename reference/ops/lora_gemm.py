@@ -96,14 +96,15 @@ def _lora_gemm_kernel(
             acc += tl.dot(x_tile, w_tile)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA and GATHER:
+    if HAS_LORA:
         stride_tm, stride_tr = tl.cast(stride_tm, tl.int64), tl.cast(stride_tr, tl.int64)
         stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
         stride_br = tl.cast(stride_br, tl.int64)
         slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0)
         ranks = tl.load(lora_ranks_ptr + slots, mask=m_mask, other=0)
+        live = m_mask & (ranks > 0)  # rows that get a LoRA term at all
+    if HAS_LORA and GATHER:
         scalings = tl.load(scalings_ptr + slots, mask=m_mask, other=0.0)
-        live = m_mask & (ranks > 0)
         # every row gathers its own slot's B, one rank column at a time: no pass depends on another,
         # so the loads of all columns can be in flight together (the dot variant's passes are serial)
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -116,12 +117,7 @@ def _lora_gemm_kernel(
             delta += t_col[:, None] * b_col.to(tl.float32)
         acc += tl.where(live[:, None], scalings[:, None] * delta, 0.0)
     if HAS_LORA and not GATHER:
-        stride_tm, stride_tr = tl.cast(stride_tm, tl.int64), tl.cast(stride_tr, tl.int64)
-        stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
-        stride_br = tl.cast(stride_br, tl.int64)
-        slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0)
-        ranks = tl.load(lora_ranks_ptr + slots, mask=m_mask, other=0)
-        todo = m_mask & (ranks > 0)
+        todo = live
         offs_r = tl.arange(0, BLOCK_R)
         big = 2147483647
         # one pass per distinct slot among this tile's rows: the smallest slot not yet done
