@@ -20,6 +20,8 @@ base graphed step: ``lora_graph_us / base_graph_us - 1``.
 ``--backends triton triton_fused`` times the same cases with each layer backend in one run (the
 second: the expand in the epilogue of the book's Triton projection GEMM, ``reference.ops.lora_gemm``);
 every LoRA overhead is against the first backend's base graph, the cuBLAS projections.
+``triton_nosplit`` is the default backend with an unsplit decode shrink, ``triton_tuned`` the default
+backend with ``--split-table``'s per-shape split-K configs (``benchmarks/sweep_split_k.py``).
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at
@@ -63,9 +65,27 @@ def random_adapter(uid: str, rank: int, mods, layers: int, gen: torch.Generator)
     return LoRAAdapter(uid, rank, 2.0, weights)
 
 
+SPLIT_TABLE: list = []  # --split-table: the best rows of benchmarks/sweep_split_k.py
+
+
+def tuned_split(tokens: int, in_features: int, width: int, table=None) -> dict:
+    """The sweep's best config for this projection shape (``splits``, ``block_k``, ``num_warps``),
+    from the swept token count nearest in log2; {} when the shape was not swept."""
+    import math
+
+    rows = [r for r in (SPLIT_TABLE if table is None else table)
+            if (r["in_features"], r["width"]) == (in_features, width) and r.get("best")]
+    if not rows:
+        return {}
+    row = min(rows, key=lambda r: abs(math.log2(r["tokens"]) - math.log2(max(tokens, 1))))
+    return {k: v for k, v in row["best"].items() if k in ("splits", "block_k", "num_warps")}
+
+
 def backend_named(name: str):
-    """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...) or
-    "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue)."""
+    """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...),
+    "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue),
+    "triton_nosplit" (``triton`` with its decode shrink never split) or "triton_tuned" (``triton``
+    with the split-K config of ``--split-table``'s sweep per projection shape)."""
     import functools
 
     from reference import ops
@@ -74,6 +94,22 @@ def backend_named(name: str):
     if name == "triton_fused_gather":
         return get_backend("triton_fused")._replace(
             name=name, gemm=functools.partial(ops.lora_gemm, config={"epilogue": "gather"}))
+    if name == "triton_nosplit":
+        return get_backend("triton")._replace(name=name, split_k=None)
+    if name == "triton_tuned":
+        if not SPLIT_TABLE:
+            raise SystemExit("triton_tuned needs --split-table (the JSON of benchmarks/sweep_split_k.py)")
+
+        def splits(tokens, in_features, width):
+            return tuned_split(tokens, in_features, width).get("splits") or ops.decode_splits(tokens, in_features, width)
+
+        def shrink(x, A_stack, batch_info, out, stack_num=1):
+            cfg = tuned_split(x.shape[0], A_stack.shape[2], A_stack.shape[1])
+            if cfg.get("splits", 1) != (out.shape[0] if out.dim() == 3 else 1):
+                cfg = {}  # the layer allocated another split than the table's (not expected)
+            return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num,
+                                   **{k: cfg[k] for k in ("block_k", "num_warps") if k in cfg})
+        return get_backend("triton")._replace(name=name, decode_shrink=shrink, split_k=splits)
     return get_backend(name)
 
 
@@ -237,9 +273,13 @@ def main() -> None:
                     help="layer backends compared in one run (e.g. triton triton_fused); overheads are against "
                          "the first one's base graph")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager timings")
+    ap.add_argument("--split-table", type=Path, default=None,
+                    help="benchmarks/sweep_split_k.py's JSON: its per-shape best configs for the triton_tuned backend")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.split_table is not None:
+        SPLIT_TABLE[:] = json.loads(args.split_table.read_text())["best"]
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:

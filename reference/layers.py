@@ -104,11 +104,17 @@ class LoRABackend(NamedTuple):
     # gemm(x, W, out=None, t=None, B_stack=None, batch_info=None, part=0): when given, a bias-free
     # nn.Linear's whole forward (base GEMM with the expand in its epilogue, reading token_slots)
     gemm: Optional[Callable] = None
+    # split_k(num_tokens, in_features, width) -> S: when given, a decode shrink writes S fp32 split-K
+    # partials [S, num_tokens, width] that decode_expand sums (S = 1: one [num_tokens, width] output)
+    split_k: Optional[Callable[[int, int, int], int]] = None
 
 
 def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
     """"torch" (the plain-PyTorch references) or "triton" (the Triton kernels; in the interpreter on
-    the CPU): SGMV for segments, BGMV for one-token-per-segment batches. "triton_fused": the same
+    the CPU): SGMV for segments, BGMV for one-token-per-segment batches, whose shrink is split over
+    the hidden size by batch shape (``ops.decode_splits``: split-K fills the GPU at decode; a
+    hidden size under 1024 is never split, so the CPU tests' small models run unsplit unless a
+    backend asks). "triton_fused": the same
     shrinks, and each bias-free projection's base GEMM is ``ops.lora_gemm`` with the expand in its
     epilogue (no expand kernel; the base rows come from the Triton GEMM, also when the batch has no
     adapter). "torch_fused": its torch reference. A LoRABackend is returned as it is. Raises
@@ -119,7 +125,8 @@ def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
         return LoRABackend("torch", ops.torch_ref.shrink, ops.torch_ref.expand,
                            ops.torch_ref.bgmv_shrink, ops.torch_ref.bgmv_expand)
     if backend == "triton":
-        return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand)
+        return LoRABackend("triton", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand,
+                           split_k=ops.decode_splits)
     if backend == "triton_fused":
         return LoRABackend("triton_fused", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand,
                            ops.lora_gemm)
@@ -265,7 +272,7 @@ class LoRALinear(nn.Module):
         self._check_rows(rows, info)
         y = y.contiguous()
         shrink, expand = _ops_for(self.backend, info)
-        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink))
+        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink, splits=True))
         lo, hi = self.rows_of_B
         B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
         expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
@@ -298,10 +305,19 @@ class LoRALinear(nn.Module):
             y = self.backend.gemm(rows, W, t=t, B_stack=B, batch_info=info, part=self.part)
         return y.view(*x.shape[:-1], W.shape[0])
 
-    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable) -> torch.Tensor:
-        """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified."""
+    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable, splits: bool = False) -> torch.Tensor:
+        """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified.
+
+        With ``splits`` (the expand is the backend's decode_expand, which sums partials) and a
+        decode batch, the backend's ``split_k`` may ask for [S, num_tokens, width] fp32 partials."""
         A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
-        t = rows.new_empty(rows.shape[0], A.shape[1])
+        S = 1
+        if splits and self.backend.split_k is not None and uses_token_slots(info):
+            S = self.backend.split_k(rows.shape[0], A.shape[2], A.shape[1])
+        if S > 1:
+            t = rows.new_empty(S, rows.shape[0], A.shape[1], dtype=torch.float32)
+        else:
+            t = rows.new_empty(rows.shape[0], A.shape[1])
         return shrink(rows, A, info, t, stack_num=self.spec.stack_num)
 
 

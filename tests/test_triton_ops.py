@@ -109,6 +109,77 @@ def test_bgmv_and_fused_decode_match_torch_ref(dtype):
     assert torch.equal(got_slot[rank0], base[rank0])
 
 
+@pytest.mark.parametrize("splits, block_k", [(2, 64), (3, 64), (4, 512), (5, 256)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_shrink_partials_sum_to_the_shrink_and_the_expand_reads_their_sum(splits, block_k, dtype):
+    """Split-K BGMV shrink (out [S, T, width] fp32): pieces of whole block_k blocks, each crossing the
+    K loop at least twice where block_k is 64; (4, 512) on hidden 1100 leaves the last piece empty,
+    which must be written as zeros (the expand sums every partial). Stacked parts, ranks 0/3/16/8,
+    NaN past every rank in A and B and in the unwritten partial columns."""
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(10 * splits + block_k)
+    ranks, K, stack = [0, 3, 16, 8], 1100, 2
+    A, B = _pool(g, ranks, 16, K, 40, dtype, device, stack=stack)
+    info = _batch([1] * 7, [1, 2, 0, 3, 3, 2, 1], ranks, device)
+    x = torch.randn(7, K, generator=g).to(dtype).to(device)
+    width = stack * torch.tensor(ranks, device=device)[info.token_slots.long()]
+    defined = torch.arange(stack * 16, device=device)[None, :] < width[:, None]
+    whole = torch_ref.bgmv_shrink(x, A, info, torch.zeros(7, stack * 16, device=device), stack_num=stack)
+    parts = bgmv_shrink(x, A, info, torch.full((splits, 7, stack * 16), NAN, device=device), stack_num=stack,
+                        block_k=block_k)
+    assert parts.shape == (splits, 7, stack * 16)
+    _close(parts.sum(0), whole, torch.float32 if dtype == torch.float32 else dtype, defined)
+    if (splits, block_k) == (4, 512):  # pieces 512, 512, 76, 0 columns: the last one sums nothing
+        assert torch.equal(parts[3][defined], torch.zeros_like(parts[3][defined]))
+    ref_parts = torch_ref.bgmv_shrink(x, A, info, torch.full((splits, 7, stack * 16), NAN, device=device),
+                                      stack_num=stack)
+    _close(ref_parts.sum(0), whole, torch.float32, defined)
+    base = torch.randn(7, 40, generator=g).to(dtype).to(device)
+    slices = [0, 24, 40]
+    summed = torch.where(defined, parts.sum(0), 0.0)
+    want = torch_ref.bgmv_expand(summed, B, info, base.clone(), slices)
+    got = bgmv_expand(parts, B, info, base.clone(), slices)
+    _close(got, want, dtype)
+    _close(torch_ref.bgmv_expand(parts, B, info, base.clone(), slices), want, dtype)
+    rank0 = info.token_slots == 0
+    assert torch.equal(got[rank0], base[rank0])  # rank 0 adds exactly nothing, whatever its partials
+
+
+def test_split_k_arguments_are_checked():
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(3)
+    A, B = _pool(g, [0, 4], 4, 64, 16, torch.float32, device)
+    info = _batch([1] * 3, [1, 0, 1], [0, 4], device)
+    x = torch.randn(3, 64, generator=g).to(device)
+    with pytest.raises(ValueError, match="float32"):
+        bgmv_shrink(x, A, info, torch.zeros(2, 3, 4, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="shapes"):
+        bgmv_shrink(x, A, info, torch.zeros(2, 4, 4, device=device))
+    with pytest.raises(ValueError, match="split-K partials"):
+        bgmv_expand(torch.zeros(1, 2, 3, 4, device=device), B, info, torch.zeros(3, 16, device=device))
+
+
+def test_decode_splits_fill_the_gpu_and_never_split_small_hidden_sizes():
+    from reference.ops import decode_splits
+    from reference.ops.bgmv_shrink import MIN_PIECE, TARGET_PROGRAMS, split_config
+
+    assert decode_splits(64, 4096, 16) == 8 and decode_splits(256, 4096, 16) == 2
+    assert decode_splits(64, 64, 16) == 1 and decode_splits(1024, 4096, 16) == 1
+    for tokens in (1, 16, 64, 256):
+        for K in (1024, 4096, 14336):
+            for width in (16, 32, 48, 128, 192):
+                S = decode_splits(tokens, K, width)
+                cap = triton.next_power_of_2(K // MIN_PIECE + 1) // 2  # largest power of 2 <= K / MIN_PIECE
+                assert S & (S - 1) == 0 and 1 <= S <= max(1, cap)
+                # the smallest power of two that reaches the target, unless the piece size caps it
+                assert S == cap or tokens * S >= TARGET_PROGRAMS
+                assert S == 1 or tokens * (S // 2) < TARGET_PROGRAMS
+                block_n = triton.next_power_of_2(max(width, 16))
+                cfg = split_config(tokens, K, width, S)
+                expect_k = 4096 if S == 1 else min(4096, triton.next_power_of_2(-(-K // S)))
+                assert cfg["block_k"] == min(expect_k, max(64, 65536 // block_n)) or S == 1
+
+
 def test_fused_decode_slot_schedule_over_several_token_blocks():
     device = TRITON_DEVICE
     g = torch.Generator().manual_seed(4)

@@ -6,6 +6,7 @@
 timed beside them::
 
     shrink(x, A_stack, batch_info, out, stack_num=1)            # SGMV (prefill)
+    bgmv_shrink(x, A_stack, batch_info, out, stack_num=1)       # BGMV (decode); 3-D out: split-K partials
     expand(t, B_stack, batch_info, out, slice_offsets=None)     # SGMV (prefill)
     fused_decode(x, A_stack, B_stack, batch_info, out)          # BGMV shrink+expand, one launch
     fused_moe_lora(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k,
@@ -17,7 +18,7 @@ per-expert ranks, virtual experts); ``torch_ref.fused_moe_lora`` is that referen
 """
 from reference.ops import torch_ref
 from reference.ops.bgmv_expand import bgmv_expand
-from reference.ops.bgmv_shrink import bgmv_shrink
+from reference.ops.bgmv_shrink import bgmv_shrink, decode_splits
 from reference.ops.fused_decode import fused_decode
 from reference.ops.fused_moe_lora import fused_moe_lora
 from reference.ops.lora_gemm import lora_gemm
@@ -28,4 +29,4 @@ shrink = sgmv_shrink
 expand = sgmv_expand
 
 __all__ = ["torch_ref", "shrink", "expand", "fused_decode", "sgmv_shrink", "sgmv_expand", "bgmv_shrink",
-           "bgmv_expand", "fused_moe_lora", "lora_gemm"]
+           "bgmv_expand", "fused_moe_lora", "lora_gemm", "decode_splits"]

@@ -12,6 +12,9 @@ Semantics:
     for i, (lo, hi) in enumerate(slices):
         out[tok, lo:hi] += scalings[s] * t[tok, i*r:(i+1)*r] @ B_stack[s, lo:hi, :r].T
 Rank 0 adds exactly nothing. Reads only ``token_slots``.
+
+``t`` may be the split-K shrink's fp32 partials, [S, num_tokens, width]: the expand then reads
+``t.sum(0)`` (summed in fp32 as it loads, not rounded), so the split needs no reduction kernel.
 """
 from __future__ import annotations
 
@@ -35,11 +38,11 @@ def _bgmv_expand_kernel(
     # sizes
     OFF0, OFF1, OFF2, OFF3,
     # strides
-    stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
+    stride_ts, stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
     # batch metadata
     token_slots_ptr, lora_ranks_ptr, scalings_ptr,
     # constexpr
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
     # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
@@ -47,7 +50,7 @@ def _bgmv_expand_kernel(
     stride_tm, stride_tk = tl.cast(stride_tm, tl.int64), tl.cast(stride_tk, tl.int64)
     stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
     stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
-    stride_on = tl.cast(stride_on, tl.int64)
+    stride_on, stride_ts = tl.cast(stride_on, tl.int64), tl.cast(stride_ts, tl.int64)
     tok = tl.program_id(0)
     pid_n = tl.program_id(1)
     part = tl.program_id(2)
@@ -62,17 +65,20 @@ def _bgmv_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # one block covers max_rank: K is the rank
     n_mask = offs_n < hi
     k_mask = offs_k < rank
-    t_row = tl.load(t_ptr + tok * stride_tm + (part * rank + offs_k) * stride_tk, mask=k_mask, other=0.0)
+    t_ptrs = t_ptr + tok * stride_tm + (part * rank + offs_k) * stride_tk
+    t_row = tl.load(t_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, NUM_SPLITS):  # split-K partials: their sum is the shrink
+        t_row += tl.load(t_ptrs + s * stride_ts, mask=k_mask, other=0.0).to(tl.float32)
     b_tile = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
                      mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    delta = tl.sum(b_tile.to(tl.float32) * t_row.to(tl.float32)[None, :], axis=1)
+    delta = tl.sum(b_tile.to(tl.float32) * t_row[None, :], axis=1)
     out_ptrs = out_ptr + tok * stride_om + offs_n * stride_on
     base = tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def bgmv_expand(
-    t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank]
+    t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank], or [S, num_tokens, ...]: split-K partials
     B_stack: torch.Tensor,  # [num_slots, out_total, max_rank]
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out_total], updated in place
@@ -91,24 +97,28 @@ def bgmv_expand(
         ValueError: mismatched shapes or devices, bad ``slice_offsets``, or no ``token_slots``.
     """
     check_same_device(t, B_stack, out)
-    if batch_info.token_slots is None or batch_info.token_slots.shape[0] != t.shape[0]:
+    if t.dim() not in (2, 3):
+        raise ValueError(f"t must be [num_tokens, width] or split-K partials [S, num_tokens, width], got "
+                         f"{list(t.shape)}")
+    splits, rows = (t.shape[0], t[0]) if t.dim() == 3 else (1, t)
+    if batch_info.token_slots is None or batch_info.token_slots.shape[0] != rows.shape[0]:
         raise ValueError("bgmv_expand needs batch_info.token_slots with one slot per row of t")
     bounds = slice_bounds(slice_offsets, out.shape[1])
     num_slices = 1 if slice_offsets is None else len(slice_offsets) - 1
-    if out.shape[0] != t.shape[0] or B_stack.shape[1] < bounds[-1]:
+    if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
-    if t.shape[0] == 0:
+    if rows.shape[0] == 0:
         return out
     if block_n is None:
         block_n = 256 if B_stack.shape[2] <= 16 else 128 if B_stack.shape[2] <= 32 else 64
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    grid = (t.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
+    grid = (rows.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
     _bgmv_expand_kernel[grid](
         t, B_stack, out, *bounds,
-        t.stride(0), t.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
+        t.stride(0) if t.dim() == 3 else 0, rows.stride(0), rows.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
         out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
-        BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]),
+        BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]), NUM_SPLITS=splits,
         num_warps=num_warps,
     )
     return out

@@ -12,8 +12,19 @@ Semantics:
     out[tok, :stack_num*r] = x[tok] @ A_stack[s, :stack_num*r].T      (fp32 accumulation)
 Reads only ``token_slots`` (and ``lora_ranks``). One program per (token, column tile): a GEMV, so
 the product is an elementwise multiply and a row sum, not a ``tl.dot`` (M = 1).
+
+Split-K (``out`` of shape [S, num_tokens, width], fp32): the hidden size is cut into S pieces and
+program (token, tile, s) writes the fp32 partial sum over piece s into ``out[s]``; the sum over s
+is the shrink, and the BGMV expand adds the S partials as it loads ``t`` (no reduction kernel, no
+atomics: the result does not depend on which program finishes first). Why: a decode batch of 64
+tokens gives 64 programs, each streaming its token's whole A (128 KB at hidden 4096, rank 16) on
+one SM of 132; splitting K gives S times as many programs, each with 1/S of the bytes, so the
+launch finishes in about the latency of one short pass (vLLM's ``lora_shrink`` has a SPLIT_K, with
+atomics into a zeroed fp32 buffer; the partials here keep the step deterministic).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -22,7 +33,7 @@ import triton.language as tl
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, upcast
 
-__all__ = ["bgmv_shrink"]
+__all__ = ["bgmv_shrink", "split_config", "decode_splits"]
 
 
 @triton.jit
@@ -30,9 +41,9 @@ def _bgmv_shrink_kernel(
     # pointers
     x_ptr, a_ptr, out_ptr,
     # sizes
-    K,
+    K, K_SPLIT,
     # strides
-    stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_om, stride_on,
+    stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_os, stride_om, stride_on,
     # batch metadata
     token_slots_ptr, lora_ranks_ptr,
     # constexpr
@@ -44,58 +55,119 @@ def _bgmv_shrink_kernel(
     stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
     stride_as, stride_an = tl.cast(stride_as, tl.int64), tl.cast(stride_an, tl.int64)
     stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
-    stride_on = tl.cast(stride_on, tl.int64)
+    stride_on, stride_os = tl.cast(stride_on, tl.int64), tl.cast(stride_os, tl.int64)
     tok = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)  # K columns [split * K_SPLIT, (split + 1) * K_SPLIT); one split: all of K
     slot = tl.load(token_slots_ptr + tok)
     width = tl.load(lora_ranks_ptr + slot) * STACK_NUM
     if (width == 0) | (pid_n * BLOCK_N >= width):
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)  # a split past K sums nothing and still writes its zeros
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     n_mask = offs_n < width
     x_ptrs = x_ptr + tok * stride_xm + offs_k * stride_xk
     a_ptrs = a_ptr + slot * stride_as + offs_n[:, None] * stride_an + offs_k[None, :] * stride_ak
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
+    for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k_mask = offs_k < k_hi - k * BLOCK_K
         x_row = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         a_tile = tl.load(a_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(a_tile * x_row[None, :], axis=1)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
-    tl.store(out_ptr + tok * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out_ptrs = out_ptr + split * stride_os + tok * stride_om + offs_n * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# The machine the defaults aim to fill: programs in flight to hide one pass's load latency (an H200
+# has 132 SMs; about 4 short programs per SM). A piece is kept at >= MIN_PIECE columns of the hidden
+# size so the partials stay few and each program still streams a useful tile.
+TARGET_PROGRAMS = 512
+MIN_PIECE = 512
+
+
+def decode_splits(num_tokens: int, in_features: int, width: int) -> int:
+    """S, the number of K pieces the decode shrink splits ``in_features`` into (1: no split).
+
+    Enough programs to fill the GPU (``num_tokens * column_tiles * S >= TARGET_PROGRAMS``), with no
+    piece under ``MIN_PIECE`` columns; S is a power of two. Host ints in, a host int out (no device
+    read). Example: 64 tokens, hidden 4096, width 16 -> 8 (512 programs of 512 columns each);
+    256 tokens -> 2; the CPU tests' hidden 64 -> 1.
+    """
+    tiles = triton.cdiv(max(width, 1), next_pow2_at_least(width, floor=16))
+    programs = max(num_tokens, 1) * tiles
+    want = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs))
+    most = max(1, in_features // MIN_PIECE)
+    while want > 1 and want > most:
+        want //= 2
+    return want
+
+
+def split_config(num_tokens: int, in_features: int, width: int, splits: int) -> dict:
+    """``block_k`` / ``num_warps`` for a shrink of S = ``splits`` pieces.
+
+    One piece is one block when it fits (``block_k`` = the piece, rounded up to a power of two,
+    at most 4096): a split program makes a single pass. Warps follow the tile (block_n x block_k
+    elements, about 64 per thread, 4 to 16 warps). Unsplit: the tuned H200 default (block_k 4096,
+    16 warps; ``benchmarks/results/tuned_configs.json``).
+    """
+    if splits <= 1:
+        return {"block_k": 4096, "num_warps": 16}
+    block_n = next_pow2_at_least(width, floor=16)
+    block_k = min(4096, triton.next_power_of_2(triton.cdiv(in_features, splits)))
+    block_k = min(block_k, max(64, 65536 // block_n))
+    num_warps = max(4, min(16, triton.next_power_of_2(block_n * block_k // (64 * 32))))
+    return {"block_k": block_k, "num_warps": num_warps}
 
 
 def bgmv_shrink(
     x: torch.Tensor,  # [num_tokens, in]
     A_stack: torch.Tensor,  # [num_slots, stack_num * max_rank, in]
     batch_info: LoRABatchInfo,
-    out: torch.Tensor,  # [num_tokens, >= stack_num * max_rank]
+    out: torch.Tensor,  # [num_tokens, >= stack_num * max_rank], or [S, num_tokens, >= ...] fp32: split-K
     stack_num: int = 1,
-    block_k: int = 4096,
-    num_warps: int = 16,
+    block_k: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the BGMV shrink kernel (see the module docstring). Returns ``out``.
 
+    A 3-D ``out`` asks for split-K: ``out[s]`` gets the fp32 partial over the s-th of S equal
+    pieces of the hidden size (S = ``out.shape[0]``; pieces are whole ``block_k`` blocks, so a
+    trailing piece may be empty and is written as zeros); ``out.sum(0)`` is the shrink.
+    :func:`split_config` picks S, ``block_k`` and ``num_warps`` by shape; ``block_k`` /
+    ``num_warps`` override it.
+
     Raises:
-        ValueError: mismatched shapes or devices, or no ``token_slots`` in ``batch_info``.
+        ValueError: mismatched shapes or devices, no ``token_slots`` in ``batch_info``, or a 3-D
+        ``out`` that is not fp32.
     """
     check_same_device(x, A_stack, out)
     if batch_info.token_slots is None or batch_info.token_slots.shape[0] != x.shape[0]:
         raise ValueError("bgmv_shrink needs batch_info.token_slots with one slot per row of x")
     width = A_stack.shape[1]
-    if x.shape[1] != A_stack.shape[2] or out.shape[0] != x.shape[0] or out.shape[1] < width:
+    rows = out if out.dim() == 2 else out[0] if out.dim() == 3 else None
+    if rows is None or x.shape[1] != A_stack.shape[2] or rows.shape[0] != x.shape[0] or rows.shape[1] < width:
         raise ValueError(f"shapes x {list(x.shape)}, A_stack {list(A_stack.shape)}, out {list(out.shape)}")
+    splits = out.shape[0] if out.dim() == 3 else 1
+    if out.dim() == 3 and out.dtype != torch.float32:
+        raise ValueError(f"split-K partials must be float32 (they are summed by the expand), got {out.dtype}")
     if x.shape[0] == 0:
         return out
+    K = x.shape[1]
     block_n = next_pow2_at_least(width, floor=16)
+    cfg = split_config(x.shape[0], K, width, splits)
+    block_k = cfg["block_k"] if block_k is None else block_k
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
     block_k = min(block_k, max(64, 65536 // block_n))  # one tile of A stays in registers
-    grid = (x.shape[0], triton.cdiv(width, block_n))
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # whole blocks per piece
+    grid = (x.shape[0], triton.cdiv(width, block_n), splits)
     _bgmv_shrink_kernel[grid](
-        x, A_stack, out, x.shape[1],
+        x, A_stack, out, K, k_split,
         x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0) if out.dim() == 3 else 0, rows.stride(0), rows.stride(1),
         batch_info.token_slots, batch_info.lora_ranks,
         STACK_NUM=stack_num, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
         num_warps=num_warps,

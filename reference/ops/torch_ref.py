@@ -92,12 +92,23 @@ def bgmv_shrink(
         s = token_slots[tok]; r = lora_ranks[s]
         out[tok, :stack_num*r] = x[tok] @ A_stack[s, :stack_num*r].T      (fp32 accumulation)
     Columns past stack_num*r are left as they were. Reads only ``token_slots``. Returns ``out``.
+    A 3-D ``out`` [S, num_tokens, width] (fp32) gets split-K partials: ``out[s]`` sums the s-th of
+    S pieces of ``in`` (whole pieces of ceil(in / S) columns; a trailing piece may be empty), so
+    ``out.sum(0)`` is the shrink; ``bgmv_expand`` reads such an ``out`` as its sum.
     """
     slots = batch_info.token_slots.long()
     A = _acc(A_stack[slots])  # [num_tokens, stack_num * max_rank, in]: the per-token gather
-    t = torch.einsum("ti,tri->tr", _acc(x), A)
     width = stack_num * batch_info.lora_ranks[slots].long()
     defined = torch.arange(A.shape[1], device=x.device)[None, :] < width[:, None]
+    if out.dim() == 3:
+        piece = -(-x.shape[1] // out.shape[0])
+        for s in range(out.shape[0]):
+            cols = slice(s * piece, (s + 1) * piece)
+            t = torch.einsum("ti,tri->tr", _acc(x[:, cols]), A[:, :, cols])
+            region = out[s, :, : A.shape[1]]
+            region.copy_(torch.where(defined, t.to(out.dtype), region))
+        return out
+    t = torch.einsum("ti,tri->tr", _acc(x), A)
     region = out[:, : A.shape[1]]
     region.copy_(torch.where(defined, t.to(out.dtype), region))
     return out
@@ -116,8 +127,11 @@ def bgmv_expand(
         s = token_slots[tok]; r = lora_ranks[s]
         for i, (lo, hi) in enumerate(slices):
             out[tok, lo:hi] += scalings[s] * t[tok, i*r:(i+1)*r] @ B_stack[s, lo:hi, :r].T
-    Rank 0 adds exactly nothing. Reads only ``token_slots``. Returns ``out``.
+    Rank 0 adds exactly nothing. Reads only ``token_slots``. Returns ``out``. A 3-D ``t`` holds
+    split-K partials ([S, num_tokens, width], see ``bgmv_shrink``): their fp32 sum is read.
     """
+    if t.dim() == 3:
+        t = _acc(t).sum(0)
     slots = batch_info.token_slots.long()
     ranks = batch_info.lora_ranks[slots].long()
     scale = batch_info.scalings[slots].float()

@@ -1,0 +1,148 @@
+"""Tune the split-K decode shrink per projection shape on a GPU (chapter 08, issue #16).
+
+    python benchmarks/sweep_split_k.py --out benchmarks/results/decode_split_k_<gpu>.json [--budget-s 240]
+    TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py --smoke --out /tmp/split.json   # any machine
+
+A decode step's LoRA on one projection is two launches: ``bgmv_shrink`` (x [T, hidden] -> t) and
+``bgmv_expand`` (t -> out). Unsplit, the shrink has one program per token: 64 programs for 64
+sequences on a GPU of 132 SMs, each streaming its adapter's whole A. Split-K gives it S times as
+many programs; the expand then sums S fp32 partials as it loads t. So the pair is timed, not the
+shrink alone: a split that speeds the shrink but slows the expand shows as a loss.
+
+Shapes: the projections of a Llama-3-8B layer (hidden 4096, intermediate 14336, GQA 32/8), with
+the pool's stacking: qkv_proj (4096 -> [4096, 1024, 1024], 3 parts), o_proj (4096 -> 4096),
+gate_up_proj (4096 -> [14336, 14336], 2 parts), down_proj (14336 -> 4096); ranks 16 and 64; 16,
+64 and 256 tokens (one per sequence) over 8 adapters (token i on slot 1 + i mod 8), bf16.
+
+Each replay adds into the same output again (no reset copy in the timed graph); the check runs on
+the first call. Configs per shape: unsplit with its tuned defaults; S in 2..32 (no piece under 256 columns) x
+block_k in {piece, piece / 2} (one or two passes per program) x num_warps in {4, 8, 16}; and the
+defaults' own pick (``decode_splits`` + ``split_config``). Method: shrink + expand captured in one
+CUDA graph, ``triton.testing.do_bench`` median of the replay; every config first checked against
+the torch reference (one that fails or does not compile is recorded with its error, not timed).
+Prints, per shape: unsplit, the defaults' pick and the best, and writes every row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from sweep_decode_ranks import graph_us  # noqa: E402
+from reference.batch_info import build_batch_info  # noqa: E402
+from reference.ops import bgmv_expand, bgmv_shrink, torch_ref  # noqa: E402
+from reference.ops.bgmv_shrink import decode_splits, split_config  # noqa: E402
+
+#: name -> (in_features, output slices, stack_num)
+PROJECTIONS = {"qkv_proj": (4096, (4096, 1024, 1024), 3), "o_proj": (4096, (4096,), 1),
+               "gate_up_proj": (4096, (14336, 14336), 2), "down_proj": (14336, (4096,), 1)}
+SMOKE_PROJECTIONS = {"qkv_proj": (1100, (24, 8, 8), 3), "down_proj": (1500, (40,), 1)}
+TOKENS, RANKS, ADAPTERS = (16, 64, 256), (16, 64), 8
+
+
+def problem(tokens: int, in_features: int, slices, stack: int, rank: int, device, dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    num_slots = ADAPTERS + 1
+    ranks = [0] + [rank] * ADAPTERS
+    out_total = sum(slices)
+    A = (torch.randn(num_slots, stack * rank, in_features, generator=g) * in_features ** -0.5).to(dtype).to(device)
+    B = (torch.randn(num_slots, out_total, rank, generator=g) * rank ** -0.5).to(dtype).to(device)
+    info = build_batch_info([1] * tokens, [1 + i % ADAPTERS for i in range(tokens)], ranks,
+                            [0.0] + [2.0] * ADAPTERS, device)
+    x = torch.randn(tokens, in_features, generator=g).to(dtype).to(device)
+    out = torch.randn(tokens, out_total, generator=g).to(dtype).to(device)
+    offsets = [0]
+    for w in slices:
+        offsets.append(offsets[-1] + w)
+    t = torch_ref.bgmv_shrink(x, A, info, torch.zeros(tokens, stack * rank, dtype=dtype, device=device), stack)
+    expected = torch_ref.bgmv_expand(t, B, info, out.clone(), offsets)
+    return dict(x=x, A=A, B=B, info=info, out=out, offsets=offsets, stack=stack, expected=expected)
+
+
+def configs(tokens: int, in_features: int, width: int, smoke: bool) -> list[dict]:
+    """Unsplit defaults, the defaults' pick, then every (S, block_k, num_warps) of the grid."""
+    S0 = decode_splits(tokens, in_features, width)
+    out = [dict(splits=1, label="unsplit"), dict(splits=S0, label="defaults", **split_config(tokens, in_features, width, S0))]
+    splits = [s for s in (2, 4, 8, 16, 32) if in_features // s >= 256]
+    for S in splits[:2] if smoke else splits:
+        piece = triton.next_power_of_2(triton.cdiv(in_features, S))
+        for bk in (piece, max(64, piece // 2)):
+            for w in (4,) if smoke else (4, 8, 16):
+                out.append(dict(splits=S, block_k=min(bk, 4096), num_warps=w))
+    return out
+
+
+def pair(p: dict, cfg: dict):
+    """The shrink (split per ``cfg``) and the expand reading its output, writing into a fresh out."""
+    x, A, B, info, stack = p["x"], p["A"], p["B"], p["info"], p["stack"]
+    S = cfg["splits"]
+    width = A.shape[1]
+    t = (torch.empty(S, x.shape[0], width, dtype=torch.float32, device=x.device) if S > 1
+         else torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device))
+    kw = {k: cfg[k] for k in ("block_k", "num_warps") if k in cfg}
+    buf = p["out"].clone()
+
+    def call():  # replays keep adding into buf: the check is on the first call only
+        bgmv_shrink(x, A, info, t, stack, **kw)
+        bgmv_expand(t, B, info, buf, p["offsets"])
+    return call, buf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes, few configs (CPU interpreter)")
+    args = parser.parse_args()
+    start = time.monotonic()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    projections = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
+    rows, best = [], []
+    for rank in (4,) if args.smoke else RANKS:
+        for tokens in (3,) if args.smoke else TOKENS:
+            for name, (K, slices, stack) in projections.items():
+                if time.monotonic() - start > args.budget_s:
+                    break
+                p = problem(tokens, K, slices, stack, rank, device, dtype)
+                width = stack * rank
+                group = dict(projection=name, tokens=tokens, rank=rank, in_features=K, width=width)
+                timed = []
+                for cfg in configs(tokens, K, width, args.smoke):
+                    call, buf = pair(p, cfg)
+                    try:
+                        call()
+                        torch.testing.assert_close(buf.float(), p["expected"].float(), rtol=3e-2, atol=3e-2)
+                        us = graph_us(call)
+                    except Exception as exc:  # an invalid config (resources, compile): recorded
+                        rows.append(dict(group, config=cfg, error=str(exc).splitlines()[0][:200]))
+                        continue
+                    rows.append(dict(group, config=cfg, us=round(us, 2)))
+                    timed.append((us, cfg))
+                by = {c.get("label"): u for u, c in timed if c.get("label")}
+                us, cfg = min(timed, key=lambda uc: uc[0]) if timed else (float("nan"), None)
+                best.append(dict(group, unsplit_us=round(by.get("unsplit", float("nan")), 2),
+                                 defaults_us=round(by.get("defaults", float("nan")), 2),
+                                 defaults=next((c for _, c in timed if c.get("label") == "defaults"), None),
+                                 best_us=round(us, 2), best=cfg))
+                print(f"r={rank:2d} T={tokens:4d} {name:13s} unsplit {by.get('unsplit', float('nan')):7.1f} us  "
+                      f"defaults {by.get('defaults', float('nan')):7.1f} us  best {us:7.1f} us  {cfg}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
+        triton=triton.__version__, adapters=ADAPTERS,
+        method="shrink + expand in one CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; bf16",
+        seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
+    print(f"wrote {args.out} ({len(best)} shapes in {time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
