@@ -159,16 +159,15 @@ def test_split_k_arguments_are_checked():
         bgmv_expand(torch.zeros(1, 2, 3, 4, device=device), B, info, torch.zeros(3, 16, device=device))
 
 
-def test_decode_splits_fill_the_gpu_and_never_split_small_hidden_sizes():
-    from reference.ops import decode_splits
-    from reference.ops.bgmv_shrink import MIN_PIECE, TARGET_PROGRAMS, split_config
+def test_decode_split_rule_fills_the_gpu_and_never_splits_small_hidden_sizes():
+    from reference.ops.bgmv_shrink import MIN_PIECE, TARGET_PROGRAMS, rule_splits, split_config
 
-    assert decode_splits(64, 4096, 16) == 8 and decode_splits(256, 4096, 16) == 2
-    assert decode_splits(64, 64, 16) == 1 and decode_splits(1024, 4096, 16) == 1
+    assert rule_splits(64, 4096, 16) == 8 and rule_splits(256, 4096, 16) == 2
+    assert rule_splits(64, 64, 16) == 1 and rule_splits(1024, 4096, 16) == 1
     for tokens in (1, 16, 64, 256):
-        for K in (1024, 4096, 14336):
+        for K in (1024, 2048, 5120):  # hidden sizes the H200 table does not hold
             for width in (16, 32, 48, 128, 192):
-                S = decode_splits(tokens, K, width)
+                S = rule_splits(tokens, K, width)
                 cap = triton.next_power_of_2(K // MIN_PIECE + 1) // 2  # largest power of 2 <= K / MIN_PIECE
                 assert S & (S - 1) == 0 and 1 <= S <= max(1, cap)
                 # the smallest power of two that reaches the target, unless the piece size caps it
@@ -178,6 +177,29 @@ def test_decode_splits_fill_the_gpu_and_never_split_small_hidden_sizes():
                 cfg = split_config(tokens, K, width, S)
                 expect_k = 4096 if S == 1 else min(4096, triton.next_power_of_2(-(-K // S)))
                 assert cfg["block_k"] == min(expect_k, max(64, 65536 // block_n)) or S == 1
+
+
+def test_tuned_split_table_is_the_committed_sweep():
+    """TUNED_H200 holds exactly the best config of every shape in the committed H200 sweep, and the
+    defaults pick it (nearest swept token count for the buckets between)."""
+    import json
+
+    from reference.ops.bgmv_shrink import TUNED_H200, decode_splits, split_config
+
+    sweep = json.loads((Path(__file__).parents[1] / "benchmarks/results/decode_split_k_h200.json").read_text())
+    table = {}
+    for row in sweep["best"]:
+        b = row["best"]
+        table.setdefault((row["in_features"], row["width"]), {})[row["tokens"]] = (
+            b["splits"], b.get("block_k"), b.get("num_warps"))
+    assert table == TUNED_H200
+    for (K, width), by_tokens in TUNED_H200.items():
+        for tokens, (S, block_k, num_warps) in by_tokens.items():
+            assert decode_splits(tokens, K, width) == S
+            if block_k is not None:
+                assert split_config(tokens, K, width, S) == {"block_k": block_k, "num_warps": num_warps}
+    assert decode_splits(48, 4096, 16) == TUNED_H200[(4096, 16)][64][0]  # bucket 48: nearest is 64
+    assert decode_splits(128, 4096, 32) == TUNED_H200[(4096, 32)][64][0]  # a tie in log2 takes the smaller
 
 
 def test_fused_decode_slot_schedule_over_several_token_blocks():

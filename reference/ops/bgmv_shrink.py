@@ -24,6 +24,7 @@ atomics into a zeroed fp32 buffer; the partials here keep the step deterministic
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -33,7 +34,7 @@ import triton.language as tl
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, upcast
 
-__all__ = ["bgmv_shrink", "split_config", "decode_splits"]
+__all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits"]
 
 
 @triton.jit
@@ -82,21 +83,55 @@ def _bgmv_shrink_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-# The machine the defaults aim to fill: programs in flight to hide one pass's load latency (an H200
-# has 132 SMs; about 4 short programs per SM). A piece is kept at >= MIN_PIECE columns of the hidden
-# size so the partials stay few and each program still streams a useful tile.
+# Split-K configs measured on an H200 (benchmarks/sweep_split_k.py ->
+# benchmarks/results/decode_split_k_h200.json: shrink + expand of one Llama-3-8B projection in a CUDA
+# graph, bf16, 8 adapters): (in_features, width) -> {tokens: (S, block_k, num_warps)}; width is
+# stack_num * max_rank (qkv 3 parts, gate_up 2); block_k None: the unsplit default. A shape in the
+# table takes the swept token count nearest in log2; any other shape takes the rule below.
+TUNED_H200 = {
+    (4096, 16): {16: (8, 512, 16), 64: (8, 256, 16), 256: (1, None, None)},
+    (4096, 32): {16: (8, 256, 16), 64: (4, 512, 16), 256: (2, 2048, 4)},
+    (4096, 48): {16: (8, 512, 8), 64: (4, 1024, 4), 256: (4, 1024, 4)},
+    (4096, 64): {16: (16, 128, 16), 64: (4, 1024, 4), 256: (4, 1024, 4)},
+    (4096, 128): {16: (16, 256, 8), 64: (8, 256, 8), 256: (8, 256, 8)},
+    (4096, 192): {16: (16, 128, 8), 64: (16, 128, 8), 256: (16, 128, 8)},
+    (14336, 16): {16: (32, 256, 16), 64: (4, 4096, 16), 256: (4, 2048, 4)},
+    (14336, 64): {16: (16, 1024, 4), 64: (16, 1024, 4), 256: (4, 4096, 4)},
+}
+# The rule for shapes outside the table: enough programs to fill the machine (an H200 has 132 SMs;
+# about 4 short programs per SM), no piece under MIN_PIECE columns of the hidden size.
 TARGET_PROGRAMS = 512
 MIN_PIECE = 512
+
+
+def tuned_config(num_tokens: int, in_features: int, width: int) -> Optional[dict]:
+    """The H200 sweep's config for this shape (``splits``, ``block_k``, ``num_warps``), from the
+    swept token count nearest in log2 (16, 64, 256); None when the shape was not swept."""
+    row = TUNED_H200.get((in_features, width))
+    if row is None:
+        return None
+    nearest = min(row, key=lambda n: (abs(math.log2(n) - math.log2(max(num_tokens, 1))), n))
+    S, block_k, num_warps = row[nearest]
+    return {"splits": S, "block_k": block_k, "num_warps": num_warps}
 
 
 def decode_splits(num_tokens: int, in_features: int, width: int) -> int:
     """S, the number of K pieces the decode shrink splits ``in_features`` into (1: no split).
 
-    Enough programs to fill the GPU (``num_tokens * column_tiles * S >= TARGET_PROGRAMS``), with no
-    piece under ``MIN_PIECE`` columns; S is a power of two. Host ints in, a host int out (no device
-    read). Example: 64 tokens, hidden 4096, width 16 -> 8 (512 programs of 512 columns each);
-    256 tokens -> 2; the CPU tests' hidden 64 -> 1.
+    A swept shape (:data:`TUNED_H200`) takes its measured S. Any other: enough programs to fill
+    the GPU (``num_tokens * column_tiles * S >= TARGET_PROGRAMS``) with no piece under
+    ``MIN_PIECE`` columns; S a power of two. Host ints in, a host int out (no device read).
+    Examples: 64 tokens, hidden 4096, width 16 (o_proj, rank 16) -> 8 (swept); 64 tokens, hidden
+    2048, width 16 -> 4 (the rule: capped at 2048 / 512); the CPU tests' hidden 64 -> 1.
     """
+    tuned = tuned_config(num_tokens, in_features, width)
+    if tuned is not None:
+        return tuned["splits"]
+    return rule_splits(num_tokens, in_features, width)
+
+
+def rule_splits(num_tokens: int, in_features: int, width: int) -> int:
+    """The fallback rule of :func:`decode_splits` (shapes the sweep did not cover)."""
     tiles = triton.cdiv(max(width, 1), next_pow2_at_least(width, floor=16))
     programs = max(num_tokens, 1) * tiles
     want = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs))
@@ -109,11 +144,15 @@ def decode_splits(num_tokens: int, in_features: int, width: int) -> int:
 def split_config(num_tokens: int, in_features: int, width: int, splits: int) -> dict:
     """``block_k`` / ``num_warps`` for a shrink of S = ``splits`` pieces.
 
-    One piece is one block when it fits (``block_k`` = the piece, rounded up to a power of two,
-    at most 4096): a split program makes a single pass. Warps follow the tile (block_n x block_k
-    elements, about 64 per thread, 4 to 16 warps). Unsplit: the tuned H200 default (block_k 4096,
-    16 warps; ``benchmarks/results/tuned_configs.json``).
+    The swept config when the shape is in :data:`TUNED_H200` with this S. Otherwise one piece is
+    one block when it fits (``block_k`` = the piece, rounded up to a power of two, at most 4096):
+    a split program makes a single pass, and warps follow the tile (block_n x block_k elements,
+    about 64 per thread, 4 to 16 warps). Unsplit: the tuned H200 default (block_k 4096, 16 warps;
+    ``benchmarks/results/tuned_configs.json``).
     """
+    tuned = tuned_config(num_tokens, in_features, width)
+    if tuned is not None and tuned["splits"] == splits and tuned["block_k"] is not None:
+        return {"block_k": tuned["block_k"], "num_warps": tuned["num_warps"]}
     if splits <= 1:
         return {"block_k": 4096, "num_warps": 16}
     block_n = next_pow2_at_least(width, floor=16)
