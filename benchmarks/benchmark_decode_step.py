@@ -20,8 +20,9 @@ base graphed step: ``lora_graph_us / base_graph_us - 1``.
 ``--backends triton triton_fused`` times the same cases with each layer backend in one run (the
 second: the expand in the epilogue of the book's Triton projection GEMM, ``reference.ops.lora_gemm``);
 every LoRA overhead is against the first backend's base graph, the cuBLAS projections.
-``triton_nosplit`` is the default backend with an unsplit decode shrink, ``triton_tuned`` the default
-backend with ``--split-table``'s per-shape split-K configs (``benchmarks/sweep_split_k.py``).
+``triton_nosplit`` is the decode path before issue #16 (unsplit shrink, per-token expand),
+``triton_token`` the default with the per-token expand, ``triton_tuned`` the default with the
+per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_split_k.py``).
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at
@@ -81,11 +82,28 @@ def tuned_split(tokens: int, in_features: int, width: int, table=None) -> dict:
     return {k: v for k, v in row["best"].items() if k in ("splits", "block_k", "num_warps")}
 
 
+EXPAND_TABLE: list = []  # --expand-table: the best rows of benchmarks/sweep_split_k.py --expand
+
+
+def tuned_expand(tokens: int, width: int, rank: int, table=None) -> dict:
+    """The expand sweep's best config for this call (``schedule``, ``block_n``, ``block_t``,
+    ``num_warps``), from the swept token count nearest in log2; {} when not swept."""
+    import math
+
+    rows = [r for r in (EXPAND_TABLE if table is None else table)
+            if (r["width"], r["rank"]) == (width, rank) and r.get("best")]
+    if not rows:
+        return {}
+    row = min(rows, key=lambda r: (abs(math.log2(r["tokens"]) - math.log2(max(tokens, 1))), r["tokens"]))
+    return dict(row["best"])
+
+
 def backend_named(name: str):
-    """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...),
-    "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue),
-    "triton_nosplit" (``triton`` with its decode shrink never split) or "triton_tuned" (``triton``
-    with the split-K config of ``--split-table``'s sweep per projection shape)."""
+    """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...), or:
+    "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue);
+    "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
+    "triton_token" (``triton`` with the per-token expand schedule whatever the shape);
+    "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
     from reference import ops
@@ -95,21 +113,31 @@ def backend_named(name: str):
         return get_backend("triton_fused")._replace(
             name=name, gemm=functools.partial(ops.lora_gemm, config={"epilogue": "gather"}))
     if name == "triton_nosplit":
-        return get_backend("triton")._replace(name=name, split_k=None)
+        return get_backend("triton")._replace(name=name, split_k=None,
+                                              decode_expand=functools.partial(ops.bgmv_expand, schedule="token"))
+    if name == "triton_token":
+        return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
+                                                                                         schedule="token"))
     if name == "triton_tuned":
-        if not SPLIT_TABLE:
-            raise SystemExit("triton_tuned needs --split-table (the JSON of benchmarks/sweep_split_k.py)")
+        if not SPLIT_TABLE and not EXPAND_TABLE:
+            raise SystemExit("triton_tuned needs --split-table and/or --expand-table (benchmarks/sweep_split_k.py)")
 
         def splits(tokens, in_features, width):
             return tuned_split(tokens, in_features, width).get("splits") or ops.decode_splits(tokens, in_features, width)
 
         def shrink(x, A_stack, batch_info, out, stack_num=1):
-            cfg = tuned_split(x.shape[0], A_stack.shape[2], A_stack.shape[1])
+            cfg = tuned_split(x.shape[0], A_stack.shape[2], A_stack.shape[1]) if SPLIT_TABLE else {}
             if cfg.get("splits", 1) != (out.shape[0] if out.dim() == 3 else 1):
                 cfg = {}  # the layer allocated another split than the table's (not expected)
             return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num,
-                                   **{k: cfg[k] for k in ("block_k", "num_warps") if k in cfg})
-        return get_backend("triton")._replace(name=name, decode_shrink=shrink, split_k=splits)
+                                   **{k: cfg[k] for k in ("block_k", "num_warps") if cfg.get(k) is not None})
+
+        def expand(t, B_stack, batch_info, out, slice_offsets=None):
+            rows = t.shape[-2]
+            cfg = tuned_expand(rows, out.shape[1], B_stack.shape[2]) if EXPAND_TABLE else {}
+            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, **cfg)
+        backend = get_backend("triton")._replace(name=name, decode_expand=expand)
+        return backend._replace(decode_shrink=shrink, split_k=splits) if SPLIT_TABLE else backend
     return get_backend(name)
 
 
@@ -275,11 +303,15 @@ def main() -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager timings")
     ap.add_argument("--split-table", type=Path, default=None,
                     help="benchmarks/sweep_split_k.py's JSON: its per-shape best configs for the triton_tuned backend")
+    ap.add_argument("--expand-table", type=Path, default=None,
+                    help="benchmarks/sweep_split_k.py --expand's JSON: per-shape expand configs for triton_tuned")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.split_table is not None:
         SPLIT_TABLE[:] = json.loads(args.split_table.read_text())["best"]
+    if args.expand_table is not None:
+        EXPAND_TABLE[:] = json.loads(args.expand_table.read_text())["best"]
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:

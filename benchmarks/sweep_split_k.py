@@ -1,7 +1,16 @@
-"""Tune the split-K decode shrink per projection shape on a GPU (chapter 08, issue #16).
+"""Tune the decode LoRA kernels per projection shape on a GPU: the split-K shrink, then the expand's
+schedule (chapter 08, issue #16).
 
     python benchmarks/sweep_split_k.py --out benchmarks/results/decode_split_k_<gpu>.json [--budget-s 240]
-    TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py --smoke --out /tmp/split.json   # any machine
+    python benchmarks/sweep_split_k.py --expand --out benchmarks/results/decode_expand_<gpu>.json
+    TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py [--expand] --smoke --out /tmp/split.json   # any machine
+
+``--expand``: the expand alone, per output width of one layer call (4096: q, o, down; 1024: k, v;
+14336: gate, up), ranks 16 and 64, 16 / 64 / 256 tokens, 8 and 32 adapters, reading the shrink's
+split-K partials (S = 4): the "token" schedule (its defaults) against the adapter-grouped "slot"
+schedule over block_n x block_t x num_warps. Since the pool's adapter count is not known when a
+graph is captured, the best config per (width, rank, tokens) is the one with the least time summed
+over both adapter counts.
 
 A decode step's LoRA on one projection is two launches: ``bgmv_shrink`` (x [T, hidden] -> t) and
 ``bgmv_expand`` (t -> out). Unsplit, the shrink has one program per token: 64 programs for 64
@@ -96,15 +105,82 @@ def pair(p: dict, cfg: dict):
     return call, buf
 
 
+EXPAND_WIDTHS, EXPAND_ADAPTERS = (4096, 1024, 14336), (8, 32)
+
+
+def expand_configs(smoke: bool) -> list[dict]:
+    grid = [dict(schedule="slot", block_n=bn, block_t=bt, num_warps=w)
+            for bn in (32, 64, 128) for bt in (16, 32, 64) for w in (4, 8)]
+    return [dict(schedule="token")] + (grid[:2] if smoke else grid)
+
+
+def sweep_expand(args, device, dtype, start) -> None:
+    from reference.ops.bgmv_expand import expand_schedule
+
+    rows, best = [], []
+    for rank in (4,) if args.smoke else RANKS:
+        for tokens in (20,) if args.smoke else TOKENS:
+            for width in (24,) if args.smoke else EXPAND_WIDTHS:
+                if time.monotonic() - start > args.budget_s:
+                    break
+                totals: dict = {}
+                for D in (2,) if args.smoke else EXPAND_ADAPTERS:
+                    g = torch.Generator().manual_seed(rank + tokens + D)
+                    A = (torch.randn(D + 1, rank, 64, generator=g) * 0.125).to(dtype).to(device)
+                    B = (torch.randn(D + 1, width, rank, generator=g) * rank ** -0.5).to(dtype).to(device)
+                    info = build_batch_info([1] * tokens, [1 + i % D for i in range(tokens)], [0] + [rank] * D,
+                                            [0.0] + [2.0] * D, device)
+                    x = torch.randn(tokens, 64, generator=g).to(dtype).to(device)
+                    t = torch.zeros(4, tokens, rank, dtype=torch.float32, device=device)
+                    bgmv_shrink(x, A, info, t)
+                    out = torch.randn(tokens, width, generator=g).to(dtype).to(device)
+                    expected = torch_ref.bgmv_expand(t, B, info, out.clone())
+                    group = dict(width=width, rank=rank, tokens=tokens, adapters=D)
+                    for cfg in expand_configs(args.smoke):
+                        buf = out.clone()
+                        try:
+                            bgmv_expand(t, B, info, buf, **cfg)
+                            torch.testing.assert_close(buf.float(), expected.float(), rtol=3e-2, atol=3e-2)
+                            us = graph_us(lambda: bgmv_expand(t, B, info, buf, **cfg))
+                        except Exception as exc:  # an invalid config (resources, compile): recorded
+                            rows.append(dict(group, config=cfg, error=str(exc).splitlines()[0][:200]))
+                            continue
+                        rows.append(dict(group, config=cfg, us=round(us, 2)))
+                        key = json.dumps(cfg, sort_keys=True)
+                        totals.setdefault(key, []).append(us)
+                n_cases = 1 if args.smoke else len(EXPAND_ADAPTERS)
+                full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
+                token = full.get(json.dumps(dict(schedule="token"), sort_keys=True), float("nan"))
+                key = min(full, key=full.get) if full else None
+                rule = expand_schedule(tokens, rank)
+                best.append(dict(width=width, rank=rank, tokens=tokens, token_us_sum=round(token, 2),
+                                 best_us_sum=round(full[key], 2) if key else None,
+                                 best=json.loads(key) if key else None, rule_schedule=rule))
+                print(f"expand r={rank:2d} T={tokens:4d} width {width:5d}: token {token:7.1f} us  best "
+                      f"{full.get(key, float('nan')):7.1f} us (sum over adapters {EXPAND_ADAPTERS})  "
+                      f"{json.loads(key) if key else None}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
+        triton=triton.__version__, adapters=list(EXPAND_ADAPTERS), partials=4,
+        method="bgmv_expand alone in a CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; bf16; "
+               "best = least sum over the adapter counts",
+        seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
+    print(f"wrote {args.out} ({len(best)} shapes in {time.monotonic() - start:.0f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--expand", action="store_true", help="sweep the expand's schedule instead")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes, few configs (CPU interpreter)")
     args = parser.parse_args()
     start = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.expand:
+        return sweep_expand(args, device, dtype, start)
     projections = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
     rows, best = [], []
     for rank in (4,) if args.smoke else RANKS:

@@ -145,6 +145,36 @@ def test_split_k_shrink_partials_sum_to_the_shrink_and_the_expand_reads_their_su
     assert torch.equal(got[rank0], base[rank0])  # rank 0 adds exactly nothing, whatever its partials
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bgmv_expand_slot_schedule_matches_the_token_schedule(splits, dtype):
+    """The adapter-grouped expand: 40 tokens in blocks of 16 (three blocks, the last one partial),
+    slots 0..4 with ranks 0/3/16/9 and an unused slot 4 (its programs find no token), three slices
+    (one empty), column tiles of 16 over slices of 24 and 20 (two tiles each), NaN past every rank."""
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(20 + splits)
+    ranks = [0, 3, 16, 9, 5]
+    A, B = _pool(g, ranks, 16, 48, 44, dtype, device, stack=3)
+    slots = [(7 * i) % 4 for i in range(40)]
+    info = _batch([1] * 40, slots, ranks, device)
+    x = torch.randn(40, 48, generator=g).to(dtype).to(device)
+    shape = (40, 48) if splits == 1 else (splits, 40, 48)
+    t = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=dtype if splits == 1 else torch.float32,
+                                           device=device), stack_num=3, block_k=16)
+    base = torch.randn(40, 44, generator=g).to(dtype).to(device)
+    rank0 = info.token_slots == 0
+    base[rank0] = -0.0  # a program that rewrote rows of other slots (adding 0) would turn -0.0 into +0.0
+    slices = [0, 24, 24, 44]
+    want = bgmv_expand(t, B, info, base.clone(), slices, schedule="token")
+    got = bgmv_expand(t, B, info, base.clone(), slices, schedule="slot", block_t=16, block_n=16)
+    _close(got, want, dtype)
+    summed = t if splits == 1 else torch.where(torch.isnan(t).any(0), NAN, t.sum(0))
+    _close(got, torch_ref.bgmv_expand(torch.nan_to_num(summed, nan=0.0), B, info, base.clone(), slices), dtype)
+    assert torch.equal(torch.signbit(got[rank0]), torch.signbit(base[rank0]))  # rows it does not own: untouched
+    with pytest.raises(ValueError, match="schedule"):
+        bgmv_expand(t, B, info, base.clone(), slices, schedule="rows")
+
+
 def test_split_k_arguments_are_checked():
     device = TRITON_DEVICE
     g = torch.Generator().manual_seed(3)

@@ -14,7 +14,18 @@ Semantics:
 Rank 0 adds exactly nothing. Reads only ``token_slots``.
 
 ``t`` may be the split-K shrink's fp32 partials, [S, num_tokens, width]: the expand then reads
-``t.sum(0)`` (summed in fp32 as it loads, not rounded), so the split needs no reduction kernel.
+``t.sum(0)`` (summed in fp32 as it loads), so the split needs no reduction kernel.
+
+Two schedules, same result:
+
+- ``"token"``: one program per (token, column tile, slice): the token gathers its slot's B tile.
+  At 64 tokens on 8 adapters each B tile is read 8 times (from L2), and at rank 64 a token's B is
+  512 KB for 4096 columns: the reads, not the FLOPs, set the time.
+- ``"slot"``: one program per (pool slot, column tile, slice), adapter-grouped: it reads its
+  slot's B tile once, scans ``token_slots`` in blocks of ``block_t`` for its tokens, and applies
+  one ``tl.dot`` per block ([block_t, r] x [r, block_n]; t rounded to B's dtype first, as a
+  two-kernel path rounds it to x's dtype). Slots with no token in the batch exit after the scan.
+  (vLLM's LoRA kernels group tokens by adapter the same way, from a sort by lora id.)
 """
 from __future__ import annotations
 
@@ -25,10 +36,10 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least
+from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 from reference.ops.sgmv_expand import _slice_bound, slice_bounds
 
-__all__ = ["bgmv_expand"]
+__all__ = ["bgmv_expand", "expand_schedule"]
 
 
 @triton.jit
@@ -77,6 +88,69 @@ def _bgmv_expand_kernel(
     tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _bgmv_expand_by_slot_kernel(
+    # pointers
+    t_ptr, b_ptr, out_ptr,
+    # sizes
+    T, OFF0, OFF1, OFF2, OFF3,
+    # strides
+    stride_ts, stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
+    # batch metadata
+    token_slots_ptr, lora_ranks_ptr, scalings_ptr,
+    # constexpr
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    # offsets in int64, as in _bgmv_expand_kernel
+    stride_tm, stride_tk = tl.cast(stride_tm, tl.int64), tl.cast(stride_tk, tl.int64)
+    stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
+    stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
+    stride_on, stride_ts = tl.cast(stride_on, tl.int64), tl.cast(stride_ts, tl.int64)
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    rank = tl.load(lora_ranks_ptr + slot)
+    lo = _slice_bound(part, OFF0, OFF1, OFF2, OFF3)
+    hi = _slice_bound(part + 1, OFF0, OFF1, OFF2, OFF3)
+    if (rank == 0) | (lo + pid_n * BLOCK_N >= hi):
+        return
+    scaling = tl.load(scalings_ptr + slot)
+    offs_n = lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)  # one block covers max_rank
+    n_mask = offs_n < hi
+    k_mask = offs_k < rank
+    b_tile = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N], read once
+    if UPCAST:
+        b_tile = b_tile.to(tl.float32)
+    for tb in range(0, tl.cdiv(T, BLOCK_T)):
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        mine = tl.load(token_slots_ptr + offs_t, mask=offs_t < T, other=-1) == slot
+        if tl.max(mine.to(tl.int32), axis=0) > 0:  # a block without this slot's tokens costs the scan only
+            t_ptrs = t_ptr + offs_t[:, None] * stride_tm + (part * rank + offs_k)[None, :] * stride_tk
+            t_mask = mine[:, None] & k_mask[None, :]
+            t_tile = tl.load(t_ptrs, mask=t_mask, other=0.0).to(tl.float32)
+            for s in tl.static_range(1, NUM_SPLITS):  # split-K partials: their sum is the shrink
+                t_tile += tl.load(t_ptrs + s * stride_ts, mask=t_mask, other=0.0).to(tl.float32)
+            if UPCAST:
+                delta = tl.dot(t_tile, b_tile, input_precision="ieee")
+            elif IEEE_FP32:
+                delta = tl.dot(t_tile, b_tile, input_precision="ieee")
+            else:
+                delta = tl.dot(t_tile.to(b_ptr.dtype.element_ty), b_tile)
+            out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_n[None, :] * stride_on
+            o_mask = mine[:, None] & n_mask[None, :]
+            base = tl.load(out_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def expand_schedule(num_tokens: int, max_rank: int) -> str:
+    """The decode expand's schedule by batch shape: "slot" (adapter-grouped) from rank 32 at 16 or
+    more tokens, where B's reads dominate; "token" otherwise."""
+    return "slot" if max_rank >= 32 and num_tokens >= 16 else "token"
+
+
 def bgmv_expand(
     t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank], or [S, num_tokens, ...]: split-K partials
     B_stack: torch.Tensor,  # [num_slots, out_total, max_rank]
@@ -84,9 +158,14 @@ def bgmv_expand(
     out: torch.Tensor,  # [num_tokens, out_total], updated in place
     slice_offsets: Optional[Sequence[int]] = None,
     block_n: Optional[int] = None,
-    num_warps: int = 2,
+    num_warps: Optional[int] = None,
+    schedule: Optional[str] = None,
+    block_t: int = 64,
 ) -> torch.Tensor:
     """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
+
+    ``schedule`` "token" or "slot" (default :func:`expand_schedule` by tokens and the pool's max
+    rank); ``block_t`` is the slot schedule's token block (16 to 64, at most the tokens rounded up).
 
     ``block_n`` (output columns per program) defaults by the pool's max rank, from a sweep on an
     H200 (hidden 4096, bf16, 16-256 tokens; ``benchmarks/results/decode_rank_sweep_h200.json``):
@@ -94,7 +173,8 @@ def bgmv_expand(
     ranks want narrower tiles and more programs; rank 64 at 256 tokens 52.8 -> 46.4 us).
 
     Raises:
-        ValueError: mismatched shapes or devices, bad ``slice_offsets``, or no ``token_slots``.
+        ValueError: mismatched shapes or devices, bad ``slice_offsets``, no ``token_slots``, or an
+        unknown schedule.
     """
     check_same_device(t, B_stack, out)
     if t.dim() not in (2, 3):
@@ -109,9 +189,25 @@ def bgmv_expand(
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
     if rows.shape[0] == 0:
         return out
+    schedule = expand_schedule(rows.shape[0], B_stack.shape[2]) if schedule is None else schedule
+    if schedule not in ("token", "slot"):
+        raise ValueError(f"schedule must be 'token' or 'slot', got {schedule!r}")
+    widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if schedule == "slot":
+        block_n = 64 if block_n is None else block_n
+        grid = (B_stack.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
+        _bgmv_expand_by_slot_kernel[grid](
+            t, B_stack, out, rows.shape[0], *bounds,
+            t.stride(0) if t.dim() == 3 else 0, rows.stride(0), rows.stride(1), B_stack.stride(0),
+            B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
+            batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
+            BLOCK_T=max(16, min(block_t, triton.next_power_of_2(rows.shape[0]))), BLOCK_N=block_n,
+            BLOCK_K=next_pow2_at_least(B_stack.shape[2]), NUM_SPLITS=splits, UPCAST=upcast(t),
+            IEEE_FP32=tl_float32_dot(rows, B_stack), num_warps=4 if num_warps is None else num_warps,
+        )
+        return out
     if block_n is None:
         block_n = 256 if B_stack.shape[2] <= 16 else 128 if B_stack.shape[2] <= 32 else 64
-    widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     grid = (rows.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
     _bgmv_expand_kernel[grid](
         t, B_stack, out, *bounds,
@@ -119,6 +215,6 @@ def bgmv_expand(
         out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
         BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]), NUM_SPLITS=splits,
-        num_warps=num_warps,
+        num_warps=2 if num_warps is None else num_warps,
     )
     return out
