@@ -102,7 +102,7 @@ def backend_named(name: str):
     """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...), or:
     "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue);
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
-    "triton_token" (``triton`` with the per-token expand schedule whatever the shape);
+    "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 

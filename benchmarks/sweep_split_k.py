@@ -115,8 +115,6 @@ def expand_configs(smoke: bool) -> list[dict]:
 
 
 def sweep_expand(args, device, dtype, start) -> None:
-    from reference.ops.bgmv_expand import expand_schedule
-
     rows, best = [], []
     for rank in (4,) if args.smoke else RANKS:
         for tokens in (20,) if args.smoke else TOKENS:
@@ -152,10 +150,9 @@ def sweep_expand(args, device, dtype, start) -> None:
                 full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
                 token = full.get(json.dumps(dict(schedule="token"), sort_keys=True), float("nan"))
                 key = min(full, key=full.get) if full else None
-                rule = expand_schedule(tokens, rank)
                 best.append(dict(width=width, rank=rank, tokens=tokens, token_us_sum=round(token, 2),
                                  best_us_sum=round(full[key], 2) if key else None,
-                                 best=json.loads(key) if key else None, rule_schedule=rule))
+                                 best=json.loads(key) if key else None))
                 print(f"expand r={rank:2d} T={tokens:4d} width {width:5d}: token {token:7.1f} us  best "
                       f"{full.get(key, float('nan')):7.1f} us (sum over adapters {EXPAND_ADAPTERS})  "
                       f"{json.loads(key) if key else None}", flush=True)

@@ -36,7 +36,7 @@ RUNS = ([("torch", "cpu"), ("triton", "cuda" if CUDA else "cpu"), ("torch_fused"
 RUN_IDS = [f"{b}-{d}" for b, d in RUNS]
 # decode batches also run "triton_split": the decode shrink split into 3 pieces of the hidden size
 # whatever the shape (the default splits only hidden sizes >= 1024; 3 leaves an empty last piece at 64),
-# and the expand adapter-grouped (the "slot" schedule, which the default takes from rank 32 only)
+# and the expand adapter-grouped (bgmv_expand's "slot" schedule; the default is the per-token one)
 DECODE_RUNS = RUNS + [("triton_split", "cuda" if CUDA else "cpu")]
 DECODE_IDS = [f"{b}-{d}" for b, d in DECODE_RUNS]
 RTOL = 1e-5  # fp32: PEFT and our ops sum the same short products in another order (errors ~1e-7)

@@ -26,6 +26,13 @@ Two schedules, same result:
   one ``tl.dot`` per block ([block_t, r] x [r, block_n]; t rounded to B's dtype first, as a
   two-kernel path rounds it to x's dtype). Slots with no token in the batch exit after the scan.
   (vLLM's LoRA kernels group tokens by adapter the same way, from a sort by lora id.)
+
+The default is "token": on an H200 (``benchmarks/sweep_split_k.py --expand`` ->
+``benchmarks/results/decode_expand_h200.json``; Llama-3-8B widths, ranks 16 and 64, 16-256
+tokens, 8 and 32 adapters) the slot schedule's best config was 1.06-2.06x slower than the token
+schedule at every swept shape: a decode expand's B reads come from L2 (8-32 adapters' tiles fit),
+so reading each tile once saves little, while every slot program scans all the tokens and runs a
+[block_t, r] x [r, block_n] product for the few rows that are its own.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 from reference.ops.sgmv_expand import _slice_bound, slice_bounds
 
-__all__ = ["bgmv_expand", "expand_schedule"]
+__all__ = ["bgmv_expand"]
 
 
 @triton.jit
@@ -145,12 +152,6 @@ def _bgmv_expand_by_slot_kernel(
             tl.store(out_ptrs, (base + scaling * delta).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def expand_schedule(num_tokens: int, max_rank: int) -> str:
-    """The decode expand's schedule by batch shape: "slot" (adapter-grouped) from rank 32 at 16 or
-    more tokens, where B's reads dominate; "token" otherwise."""
-    return "slot" if max_rank >= 32 and num_tokens >= 16 else "token"
-
-
 def bgmv_expand(
     t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank], or [S, num_tokens, ...]: split-K partials
     B_stack: torch.Tensor,  # [num_slots, out_total, max_rank]
@@ -164,8 +165,8 @@ def bgmv_expand(
 ) -> torch.Tensor:
     """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
 
-    ``schedule`` "token" or "slot" (default :func:`expand_schedule` by tokens and the pool's max
-    rank); ``block_t`` is the slot schedule's token block (16 to 64, at most the tokens rounded up).
+    ``schedule`` "token" (default) or "slot" (see the module docstring); ``block_t`` is the slot
+    schedule's token block (16 to 64, at most the tokens rounded up).
 
     ``block_n`` (output columns per program) defaults by the pool's max rank, from a sweep on an
     H200 (hidden 4096, bf16, 16-256 tokens; ``benchmarks/results/decode_rank_sweep_h200.json``):
@@ -189,7 +190,7 @@ def bgmv_expand(
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
     if rows.shape[0] == 0:
         return out
-    schedule = expand_schedule(rows.shape[0], B_stack.shape[2]) if schedule is None else schedule
+    schedule = "token" if schedule is None else schedule
     if schedule not in ("token", "slot"):
         raise ValueError(f"schedule must be 'token' or 'slot', got {schedule!r}")
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
