@@ -21,7 +21,8 @@ base graphed step: ``lora_graph_us / base_graph_us - 1``.
 second: the expand in the epilogue of the book's Triton projection GEMM, ``reference.ops.lora_gemm``);
 every LoRA overhead is against the first backend's base graph, the cuBLAS projections.
 ``triton_nosplit`` is the decode path before issue #16 (unsplit shrink, per-token expand),
-``triton_token`` the default with the per-token expand, ``triton_tuned`` the default with the
+``triton_token`` the default with the per-token expand, ``triton_sorted`` the default with
+bgmv_expand's "sorted" schedule from 64 tokens, ``triton_tuned`` the default with the
 per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_split_k.py``).
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
@@ -103,6 +104,7 @@ def backend_named(name: str):
     "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue);
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
+    "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
@@ -118,6 +120,12 @@ def backend_named(name: str):
     if name == "triton_token":
         return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
                                                                                          schedule="token"))
+    if name == "triton_sorted":
+        def sorted_expand(t, B_stack, batch_info, out, slice_offsets=None):
+            rows = t.shape[-2]
+            schedule = "sorted" if batch_info.permutation is not None and rows >= 64 else "token"
+            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule=schedule)
+        return get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
     if name == "triton_tuned":
         if not SPLIT_TABLE and not EXPAND_TABLE:
             raise SystemExit("triton_tuned needs --split-table and/or --expand-table (benchmarks/sweep_split_k.py)")

@@ -6,11 +6,12 @@ schedule (chapter 08, issue #16).
     TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py [--expand] --smoke --out /tmp/split.json   # any machine
 
 ``--expand``: the expand alone, per output width of one layer call (4096: q, o, down; 1024: k, v;
-14336: gate, up), ranks 16 and 64, 16 / 64 / 256 tokens, 8 and 32 adapters, reading the shrink's
-split-K partials (S = 4): the "token" schedule (its defaults) against the adapter-grouped "slot"
-schedule over block_n x block_t x num_warps. Since the pool's adapter count is not known when a
-graph is captured, the best config per (width, rank, tokens) is the one with the least time summed
-over both adapter counts.
+14336: gate, up), ranks 16 and 64, 16 / 32 / 64 / 256 tokens, 8 and 32 adapters, reading the
+shrink's split-K partials (S = 4): the "token" schedule (its defaults) against the "sorted"
+schedule (SGMV's expand over the slot-sorted view a CUDA-graph decode batch carries: one segment
+per pool slot, the base slot's empty) over block_m x block_n x num_warps, and the "sorted"
+defaults. Since the pool's adapter count is not known when a graph is captured, the best config
+per (width, rank, tokens) is the one with the least time summed over both adapter counts.
 
 A decode step's LoRA on one projection is two launches: ``bgmv_shrink`` (x [T, hidden] -> t) and
 ``bgmv_expand`` (t -> out). Unsplit, the shrink has one program per token: 64 programs for 64
@@ -105,19 +106,29 @@ def pair(p: dict, cfg: dict):
     return call, buf
 
 
-EXPAND_WIDTHS, EXPAND_ADAPTERS = (4096, 1024, 14336), (8, 32)
+EXPAND_WIDTHS, EXPAND_ADAPTERS, EXPAND_TOKENS = (4096, 1024, 14336), (8, 32), (16, 32, 64, 256)
 
 
 def expand_configs(smoke: bool) -> list[dict]:
-    grid = [dict(schedule="slot", block_n=bn, block_t=bt, num_warps=w)
-            for bn in (32, 64, 128) for bt in (16, 32, 64) for w in (4, 8)]
-    return [dict(schedule="token")] + (grid[:2] if smoke else grid)
+    grid = [dict(schedule="sorted", block_m=bm, block_n=bn, num_warps=w)
+            for bm in (16, 32, 64) for bn in (64, 128, 256) for w in (4, 8)]
+    return [dict(schedule="token"), dict(schedule="sorted")] + (grid[:2] if smoke else grid)
+
+
+def sorted_decode_info(slots: list[int], ranks: list[int], scalings: list[float], device):
+    """A decode batch as a CUDA graph's StaticLoRABatch carries it: token_slots in batch order and
+    the slot-sorted view, one segment per pool slot (empty ones included)."""
+    order = sorted(range(len(slots)), key=lambda i: slots[i])
+    counts = [slots.count(s) for s in range(len(ranks))]
+    info = build_batch_info(counts, list(range(len(ranks))), ranks, scalings, device,
+                            permutation=torch.tensor(order))
+    return info
 
 
 def sweep_expand(args, device, dtype, start) -> None:
     rows, best = [], []
     for rank in (4,) if args.smoke else RANKS:
-        for tokens in (20,) if args.smoke else TOKENS:
+        for tokens in (20,) if args.smoke else EXPAND_TOKENS:
             for width in (24,) if args.smoke else EXPAND_WIDTHS:
                 if time.monotonic() - start > args.budget_s:
                     break
@@ -126,8 +137,8 @@ def sweep_expand(args, device, dtype, start) -> None:
                     g = torch.Generator().manual_seed(rank + tokens + D)
                     A = (torch.randn(D + 1, rank, 64, generator=g) * 0.125).to(dtype).to(device)
                     B = (torch.randn(D + 1, width, rank, generator=g) * rank ** -0.5).to(dtype).to(device)
-                    info = build_batch_info([1] * tokens, [1 + i % D for i in range(tokens)], [0] + [rank] * D,
-                                            [0.0] + [2.0] * D, device)
+                    info = sorted_decode_info([1 + i % D for i in range(tokens)], [0] + [rank] * D,
+                                              [0.0] + [2.0] * D, device)
                     x = torch.randn(tokens, 64, generator=g).to(dtype).to(device)
                     t = torch.zeros(4, tokens, rank, dtype=torch.float32, device=device)
                     bgmv_shrink(x, A, info, t)
@@ -149,13 +160,15 @@ def sweep_expand(args, device, dtype, start) -> None:
                 n_cases = 1 if args.smoke else len(EXPAND_ADAPTERS)
                 full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
                 token = full.get(json.dumps(dict(schedule="token"), sort_keys=True), float("nan"))
+                default = full.get(json.dumps(dict(schedule="sorted"), sort_keys=True), float("nan"))
                 key = min(full, key=full.get) if full else None
                 best.append(dict(width=width, rank=rank, tokens=tokens, token_us_sum=round(token, 2),
+                                 sorted_defaults_us_sum=round(default, 2),
                                  best_us_sum=round(full[key], 2) if key else None,
                                  best=json.loads(key) if key else None))
-                print(f"expand r={rank:2d} T={tokens:4d} width {width:5d}: token {token:7.1f} us  best "
-                      f"{full.get(key, float('nan')):7.1f} us (sum over adapters {EXPAND_ADAPTERS})  "
-                      f"{json.loads(key) if key else None}", flush=True)
+                print(f"expand r={rank:2d} T={tokens:4d} width {width:5d}: token {token:7.1f} us  sorted defaults "
+                      f"{default:7.1f} us  best {full.get(key, float('nan')):7.1f} us (sum over adapters "
+                      f"{EXPAND_ADAPTERS})  {json.loads(key) if key else None}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,

@@ -106,14 +106,16 @@ class StaticLoRABatch:
             mirrors only when slot ownership changed.
         seg_indptr [num_slots + 1] int32, seg_lens [num_slots] int32, weight_indices [num_slots]
             int32 (= arange), permutation [max_tokens] int64: the slot-sorted view (TensorRT-LLM's
-            per-slot counts, offsets and sorted token ids), read by SGMV when tokens_per_seq > 1.
+            per-slot counts, offsets and sorted token ids), read by SGMV when tokens_per_seq > 1
+            and, at one token per sequence, by the decode expand's "sorted" schedule
+            (``reference.ops.bgmv_expand``: one B tile per slot for all of its tokens).
     Each has a pinned host twin (``staging``); :meth:`update` fills the twins on the host and
     copies them with ``non_blocking`` copies, so no device buffer is ever reallocated and no device
     value is read.
 
     :meth:`batch_info` gives, per bucket, a :class:`LoRABatchInfo` of views into these buffers:
     with one token per sequence it carries ``max_len = 1`` and ``token_slots``, so the layers choose
-    BGMV (chapter 07's rule); with several (speculative verification) it carries the slot-sorted
+    BGMV (chapter 07's rule), and the slot-sorted view too, which the BGMV expand may read; with several (speculative verification) it carries the slot-sorted
     segments with ``max_len`` = the bucket's token count, so SGMV's grid covers any segment.
     """
 
@@ -203,7 +205,7 @@ class StaticLoRABatch:
                 bs=bucket, num_segments=self.num_slots, max_len=1 if decode else tokens,
                 has_active_lora=True, seg_lens=b["seg_lens"], seg_indptr=b["seg_indptr"],
                 weight_indices=b["weight_indices"], lora_ranks=b["lora_ranks"], scalings=b["scalings"],
-                permutation=None if decode else b["permutation"][:tokens],
+                permutation=b["permutation"][:tokens],
                 token_slots=b["token_slots"][:tokens])
         return self._views[bucket]
 

@@ -145,34 +145,51 @@ def test_split_k_shrink_partials_sum_to_the_shrink_and_the_expand_reads_their_su
     assert torch.equal(got[rank0], base[rank0])  # rank 0 adds exactly nothing, whatever its partials
 
 
+def _static_decode_info(slots, ranks, bucket, device):
+    """A CUDA-graph decode batch: StaticLoRABatch's view (token_slots, the slot-sorted segments of
+    every pool slot, the permutation), padding rows in slot 0 (rank 0)."""
+    from reference.cuda_graph import StaticLoRABatch
+
+    static = StaticLoRABatch(len(ranks), bucket, device=device)
+    scalings = [0.0 if r == 0 else 0.5 + s for s, r in enumerate(ranks)]
+    static.update(slots, bucket, 0, ranks, scalings, ownership_changed=True)
+    return static.batch_info(bucket)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_bgmv_expand_slot_schedule_matches_the_token_schedule(splits, dtype):
-    """The adapter-grouped expand: 40 tokens in blocks of 16 (three blocks, the last one partial),
-    slots 0..4 with ranks 0/3/16/9 and an unused slot 4 (its programs find no token), three slices
-    (one empty), column tiles of 16 over slices of 24 and 20 (two tiles each), NaN past every rank."""
+def test_bgmv_expand_sorted_schedule_matches_the_token_schedule(splits, dtype):
+    """The slot-sorted expand on a CUDA-graph decode view: 80 tokens in a bucket of 84 (4 padding
+    rows), slot 2 holds 40 of them (three 16-row blocks, the last partial), slots 1/3 about 13 each,
+    slot 0 (rank 0) the rest and the padding, slot 4 none (an empty segment); ranks 0/3/16/9/5, three
+    slices (one empty), 16-column tiles over slices of 24 and 20 (two tiles each), NaN past every
+    rank, split-K partials summed as t loads."""
     device = TRITON_DEVICE
-    g = torch.Generator().manual_seed(20 + splits)
+    g = torch.Generator().manual_seed(30 + splits)
     ranks = [0, 3, 16, 9, 5]
     A, B = _pool(g, ranks, 16, 48, 44, dtype, device, stack=3)
-    slots = [(7 * i) % 4 for i in range(40)]
-    info = _batch([1] * 40, slots, ranks, device)
-    x = torch.randn(40, 48, generator=g).to(dtype).to(device)
-    shape = (40, 48) if splits == 1 else (splits, 40, 48)
+    slots = [2 if i % 2 == 0 else (1, 3, 0)[(i // 2) % 3] for i in range(80)]
+    info = _static_decode_info(slots, ranks, 84, device)
+    assert info.num_segments == 5 and info.permutation.shape[0] == 84
+    x = torch.randn(84, 48, generator=g).to(dtype).to(device)
+    shape = (84, 48) if splits == 1 else (splits, 84, 48)
     t = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=dtype if splits == 1 else torch.float32,
                                            device=device), stack_num=3, block_k=16)
-    base = torch.randn(40, 44, generator=g).to(dtype).to(device)
+    base = torch.randn(84, 44, generator=g).to(dtype).to(device)
     rank0 = info.token_slots == 0
     base[rank0] = -0.0  # a program that rewrote rows of other slots (adding 0) would turn -0.0 into +0.0
     slices = [0, 24, 24, 44]
     want = bgmv_expand(t, B, info, base.clone(), slices, schedule="token")
-    got = bgmv_expand(t, B, info, base.clone(), slices, schedule="slot", block_t=16, block_n=16)
+    got = bgmv_expand(t, B, info, base.clone(), slices, schedule="sorted", block_m=16, block_n=16)
     _close(got, want, dtype)
     summed = t if splits == 1 else torch.where(torch.isnan(t).any(0), NAN, t.sum(0))
     _close(got, torch_ref.bgmv_expand(torch.nan_to_num(summed, nan=0.0), B, info, base.clone(), slices), dtype)
     assert torch.equal(torch.signbit(got[rank0]), torch.signbit(base[rank0]))  # rows it does not own: untouched
     with pytest.raises(ValueError, match="schedule"):
-        bgmv_expand(t, B, info, base.clone(), slices, schedule="rows")
+        bgmv_expand(t, B, info, base.clone(), slices, schedule="slot")
+    plain = build_batch_info([1] * 84, info.token_slots.tolist(), ranks, [0.5 + s for s in range(5)], device)
+    with pytest.raises(ValueError, match="permutation"):
+        bgmv_expand(t, B, plain, base.clone(), slices, schedule="sorted")
 
 
 def test_split_k_arguments_are_checked():

@@ -42,11 +42,11 @@ def _sgmv_expand_kernel(
     # sizes
     num_n_tiles, OFF0, OFF1, OFF2, OFF3,
     # strides
-    stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
+    stride_ts, stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
     # batch metadata
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, permutation_ptr,
     # constexpr
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
@@ -55,7 +55,7 @@ def _sgmv_expand_kernel(
     stride_tm, stride_tk = tl.cast(stride_tm, tl.int64), tl.cast(stride_tk, tl.int64)
     stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
     stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
-    stride_on = tl.cast(stride_on, tl.int64)
+    stride_on, stride_ts = tl.cast(stride_on, tl.int64), tl.cast(stride_ts, tl.int64)
     # 1. map the program to (segment, slice, row tile, column tile)
     seg = tl.program_id(1)
     part = tl.program_id(2)
@@ -87,10 +87,14 @@ def _sgmv_expand_kernel(
     for k in range(0, tl.cdiv(rank, BLOCK_K)):
         k_mask = offs_k < rank - k * BLOCK_K
         t_tile = tl.load(t_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        for s in tl.static_range(1, NUM_SPLITS):  # split-K partials (fp32): their sum is the shrink
+            t_tile += tl.load(t_ptrs + s * stride_ts, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b_tile = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             t_tile = t_tile.to(tl.float32)
             b_tile = b_tile.to(tl.float32)
+        else:  # fp32 partials meet a 16-bit B: rounded to B's dtype, as a two-kernel path rounds t to x's
+            t_tile = t_tile.to(b_ptr.dtype.element_ty)
         if IEEE_FP32:
             acc += tl.dot(t_tile, b_tile, input_precision="ieee")
         else:
@@ -117,7 +121,7 @@ def slice_bounds(slice_offsets: Optional[Sequence[int]], out_width: int) -> tupl
 
 
 def sgmv_expand(
-    t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank]
+    t: torch.Tensor,  # [num_tokens, >= num_slices * max_rank], or [S, num_tokens, ...]: split-K partials
     B_stack: torch.Tensor,  # [num_slots, out_total, max_rank]
     batch_info: LoRABatchInfo,
     out: torch.Tensor,  # [num_tokens, out_total], updated in place
@@ -125,34 +129,48 @@ def sgmv_expand(
     block_m: Optional[int] = None,
     block_n: int = 128,
     num_warps: int = 4,
+    max_len: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the SGMV expand kernel (see the module docstring). Returns ``out``.
+
+    ``t`` may be the split-K shrink's fp32 partials [S, num_tokens, width] (``bgmv_shrink`` with a
+    3-D out): the kernel sums them as it loads t, rounded to B's dtype. ``max_len`` (default
+    ``batch_info.max_len``) is the longest segment the grid covers: a decode batch's slot-sorted
+    view (``bgmv_expand(schedule="sorted")``) passes its token count, since its ``max_len`` of 1
+    is what routes the layers to BGMV. ``num_stages`` (default: Triton's) is the K loop's software
+    pipelining depth.
 
     Raises:
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.
     """
     check_same_device(t, B_stack, out)
+    if t.dim() not in (2, 3):
+        raise ValueError(f"t must be [num_tokens, width] or split-K partials [S, num_tokens, width], got "
+                         f"{list(t.shape)}")
+    splits, rows = (t.shape[0], t[0]) if t.dim() == 3 else (1, t)
     bounds = slice_bounds(slice_offsets, out.shape[1])
     num_slices = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a) if slice_offsets is None else len(slice_offsets) - 1
-    if out.shape[0] != t.shape[0] or B_stack.shape[1] < bounds[-1]:
+    if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
-    if batch_info.num_segments == 0 or batch_info.max_len == 0 or t.shape[0] == 0:
+    max_len = batch_info.max_len if max_len is None else max_len
+    if batch_info.num_segments == 0 or max_len == 0 or rows.shape[0] == 0:
         return out
     max_rank = B_stack.shape[2]
     block_m = block_m or (128 if max_rank <= 16 else 64)  # tuned on an H200 at rank 16 and 64
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_n_tiles = triton.cdiv(max(widest, 1), block_n)
-    grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments, max(num_slices, 1))
+    grid = (triton.cdiv(max_len, block_m) * num_n_tiles, batch_info.num_segments, max(num_slices, 1))
     perm = batch_info.permutation
     _sgmv_expand_kernel[grid](
         t, B_stack, out,
         num_n_tiles, *bounds,
-        t.stride(0), t.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
-        out.stride(0), out.stride(1),
+        t.stride(0) if t.dim() == 3 else 0, rows.stride(0), rows.stride(1), B_stack.stride(0),
+        B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.scalings,
         perm if perm is not None else batch_info.seg_indptr,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank),
-        HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(t, B_stack),
-        num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank), NUM_SPLITS=splits,
+        HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(rows, B_stack),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
