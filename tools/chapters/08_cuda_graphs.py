@@ -847,12 +847,164 @@ for t in step_fused["targets"]:
 # rows arrive in request order (`token_slots` unsorted), and at 64 rows one 64-row tile holds
 # every adapter of the batch whatever the order; rows sorted by slot (the permutation of chapter 07)
 # help only with tiles small enough to hold one or two adapters, which then read W more often.
-# The other lever is loading the B tiles while the K loop still runs. A second epilogue is already in the kernel and its tests,
+# The other lever is loading the B tiles while the K loop still runs. A second epilogue is in the kernel and its tests,
 # `config={"epilogue": "gather"}`: each row gathers its own adapter's B one rank column at a time,
-# so no pass waits on another; the committed measurements above predate it. The systems of the
-# next section run their LoRA kernels beside the base GEMM, as the default path here does.
+# so no pass waits on another. The same results file measures it beside the first:
+
+# %%
+for r in fusion["layer"]:
+    print(f"{r['rows']:5d} rows, {r['adapters']:2d} adapters, rank {r['rank']:2d}: fused (per-adapter passes) "
+          f"{100 * r['fused_overhead']:+5.0f}%, fused (gather) {100 * r['fused_gather_overhead']:+5.0f}%, "
+          f"separate {100 * r['separate_overhead']:+5.0f}%")
+
+# %% [markdown]
+# The gather epilogue helps where one tile holds few rows and adapters and loses elsewhere: it
+# gathers B row by row, so it reads more bytes per output tile. The systems of section 10 run
+# their LoRA kernels beside the base GEMM, as the default path here does. The next section makes
+# those separate kernels cheaper instead.
 #
-# ## 9. How production systems do it
+# ## 9. Filling the GPU: split-K for the decode shrink
+#
+# The profile of section 7 lists the LoRA kernels of a decode step. Take the shrink: BGMV gives
+# each token one program per column tile of t, and t is narrow (`stack_num * r` columns: 48 for q/k/v
+# at rank 16, one tile). At 64 sequences that is 64 programs, fewer than an H200 has SMs, and each
+# one streams its adapter's whole A (hidden x 48 values) alone, in one long dependent loop. The GPU
+# is mostly idle while they run.
+#
+# **Split-K** cuts the reduction dimension (the hidden size) into S pieces and gives each piece its
+# own program: S times as many programs, each with an S-th of the loop. Their results must be added.
+# The book's kernels add them without another kernel and without atomics: `bgmv_shrink` writes S
+# fp32 **partials** `[S, num_tokens, width]` when its `out` is 3-D, and `bgmv_expand` sums them as it
+# loads t (the expand reads t anyway). The pieces are whole `block_k` blocks; a trailing piece with
+# no block left writes zeros. On a small case (the interpreter without a GPU):
+
+# %%
+gen = torch.Generator().manual_seed(9)
+ranks_split = [0, 4, 8]
+x_split = torch.randn(6, 64, generator=gen).to(device)
+A_split = (torch.randn(3, 8, 64, generator=gen) * 64 ** -0.5).to(device)
+B_split = (torch.randn(3, 24, 8, generator=gen) * 8 ** -0.5).to(device)
+info_split = build_batch_info([1] * 6, [1, 2, 0, 2, 1, 1], ranks_split, [0.0, 2.0, 1.0], device)
+whole = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(6, 8, device=device), block_k=16)
+parts = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(3, 6, 8, device=device), block_k=16)
+print("partials:", list(parts.shape), "(S, tokens, width); their sum vs the unsplit shrink: max |difference|",
+      f"{(parts.sum(0) - whole).abs().max().item():.1e}")
+y_whole = ops.bgmv_expand(whole, B_split, info_split, torch.zeros(6, 24, device=device))
+y_parts = ops.bgmv_expand(parts, B_split, info_split, torch.zeros(6, 24, device=device))
+print(f"expand from the partials vs from t: max |difference| {(y_parts - y_whole).abs().max().item():.1e}")
+
+# %% [markdown]
+# How many pieces is a measurement, not a formula: more pieces mean more programs but more partials
+# for the expand to read. `benchmarks/sweep_split_k.py` times the shrink and expand pair of each
+# Llama-3-8B projection in a CUDA graph over S, `block_k` and warps; the best per shape is the table
+# `reference.ops.bgmv_shrink.TUNED_H200` that the layers' "triton" backend reads (other shapes and
+# GPUs fall back to a rule that aims for a few hundred programs). The committed sweep:
+
+# %%
+split_sweep = json.loads((root / "decode_split_k_h200.json").read_text())
+print(f"device: {split_sweep['device']}; {split_sweep['method']}")
+print(f"{'projection':>13} {'rank':>4} {'tokens':>6} {'unsplit us':>10} {'best us':>8} {'speed-up':>8}  best config")
+for b in split_sweep["best"]:
+    cfg = b["best"]
+    shown = "unsplit" if cfg.get("splits", 1) == 1 else f"S={cfg['splits']}, block_k={cfg['block_k']}, {cfg['num_warps']} warps"
+    print(f"{b['projection']:>13} {b['rank']:4d} {b['tokens']:6d} {b['unsplit_us']:10.1f} {b['best_us']:8.1f} "
+          f"{b['unsplit_us'] / b['best_us']:7.2f}x  {shown}")
+
+# %% [markdown]
+# The gain is largest where the programs were fewest (16 and 64 tokens) and the loop longest
+# (`down_proj`, whose hidden size is the 14336 of the MLP; rank 64). At 256 tokens the unsplit grid
+# already fills the GPU and the split gains little or nothing. In the whole decode step (the
+# benchmark of section 7 with 8 layers and 1024 cached positions, one run, `triton_nosplit` being the
+# path before split-K and `triton_token` the layers' default since):
+
+# %%
+sorted_step = json.loads((root / "decode_step_sorted_h200.json").read_text())
+print(f"device: {sorted_step['device']}; {sorted_step['layers']} layers, {sorted_step['context']} cached positions")
+by_case = {}
+for r in sorted_step["rows"]:
+    if r["lora_overhead"] is not None:
+        by_case.setdefault((r["seqs"], r["adapters"], r["rank"]), {})[r["backend"]] = r["lora_overhead"]
+print(f"{'seqs':>5} {'adapters':>8} {'rank':>4} {'unsplit adds':>12} {'split adds':>10}")
+for (n, D, rank), v in sorted(by_case.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+    print(f"{n:5d} {D:8d} {rank:4d} {100 * v['triton_nosplit']:11.1f}% {100 * v['triton_token']:9.1f}%")
+most = max(b["best"].get("splits", 1) for b in split_sweep["best"])
+print(f"(the tuned table splits into up to {most} pieces; the expand sweep below reads {json.loads((root / 'decode_expand_h200.json').read_text())['partials']} partials)")
+for t in sorted_step["targets"]:
+    if "triton_token" in t["target"]:
+        print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_token backend)", ""),
+              f"(measured {t['value']})")
+
+# %% [markdown]
+# What is left at rank 64 is the expand. The profile of one eager step at 64 sequences, 8 adapters,
+# rank 64, with the split shrink:
+
+# %%
+prof = sorted_step["kernel_profiles"]["seqs 64 adapters 8 rank 64 triton_token"]
+for k in prof["lora"]["top"]:
+    if "bgmv" in k["kernel"]:
+        print(f"{k['kernel']:22s} {k['us']:7.0f} us in {k['calls']:2d} launches ({k['us'] / k['calls']:5.1f} us each)")
+print(f"the base step's kernels: {prof['base']['total_kernel_us']:.0f} us; the LoRA step's: "
+      f"{prof['lora']['total_kernel_us']:.0f} us")
+
+# %% [markdown]
+# The per-token expand gives every token its own copy of its adapter's B tile: at 64 tokens on 8
+# adapters each tile is read 8 times (from L2, but still), and a rank-64 gate/up B is 14336 x 64
+# values. The cure looks obvious: group the tokens by adapter and read each tile once. The book
+# tried it twice and measured both (`benchmarks/sweep_split_k.py --expand`, the expand alone in a
+# CUDA graph, summed over 8 and 32 adapters since one captured graph serves both):
+#
+# - **"slot"**: one program per pool slot and column tile, scanning all of `token_slots` for its own
+#   tokens, one `tl.dot` per block of them;
+# - **"sorted"**: SGMV's expand kernel over the slot-sorted view the CUDA-graph batch already
+#   carries (section 3's `seg_indptr` by slot and `permutation`), one program per block of one
+#   slot's tokens: no scan (`bgmv_expand(..., schedule="sorted")`).
+
+# %%
+def slower_than_token(sweep, schedule):
+    """Per swept shape: the schedule's best config (least time summed over the adapter counts) / token."""
+    totals = {}
+    for r in sweep["rows"]:
+        if "us" in r:
+            key = (r["width"], r["rank"], r["tokens"], r["config"].get("schedule"), json.dumps(r["config"], sort_keys=True))
+            totals[key] = totals.get(key, 0.0) + r["us"]
+    ratios = {}
+    for (w, rank, T, sched, _), us in totals.items():
+        if sched == schedule:
+            token = totals[(w, rank, T, "token", json.dumps({"schedule": "token"}))]
+            ratios[w, rank, T] = min(ratios.get((w, rank, T), float("inf")), us / token)
+    return ratios
+
+
+slot_sweep = json.loads((root / "decode_expand_slot_h200.json").read_text())
+slot = slower_than_token(slot_sweep, "slot")
+print(f"'slot' over 'token', best config per shape: {min(slot.values()):.2f}x to {max(slot.values()):.2f}x "
+      f"over {len(slot)} shapes")
+sorted_sweep = json.loads((root / "decode_expand_h200.json").read_text())
+for D in sorted_sweep["adapters"]:
+    for T in (64, 256):
+        rows = [r for r in sorted_sweep["rows"] if "us" in r and (r["width"], r["rank"], r["tokens"], r["adapters"]) == (14336, 64, T, D)]
+        token = next(r["us"] for r in rows if r["config"] == {"schedule": "token"})
+        best = min(r["us"] for r in rows if r["config"]["schedule"] == "sorted")
+        print(f"gate/up expand, rank 64, {T:3d} tokens on {D:2d} adapters: token {token:6.1f} us, best 'sorted' {best:6.1f} us")
+print("whole step with 'sorted' from 64 tokens (the 'triton' rows of the same run), LoRA adds:",
+      ", ".join(f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
+                for r in sorted_step["rows"] if r["backend"] == "triton" and r["lora_overhead"] is not None
+                and r["seqs"] >= 64))
+
+# %% [markdown]
+# Both lose as defaults. The scan costs every slot's program a pass over all the tokens. The
+# sorted schedule wins when each adapter has many tokens (8 adapters at 256 tokens) and loses when
+# it has few (32 adapters at 64 tokens: a segment of two tokens still reads its whole B tile, into
+# a 16-row `tl.dot` that is mostly padding). A captured graph cannot know how many adapters its
+# batches will hold. And in the whole step it was several times slower still, which the
+# kernel-alone sweep did not predict: that sweep reads 4 partials per row, the step as many as the
+# tuned table asks for, the likeliest difference but not yet isolated.
+# So the layers keep the split shrink and the per-token expand, and rank 64 stays above the 25%
+# that issue #16 asked for. Where it goes next: an expand that reads few partials (fewer, wider
+# pieces when the expand is grouped), and choosing the schedule per step from the batch's adapter
+# count, with one graph per choice.
+#
+# ## 10. How production systems do it
 #
 # - **TensorRT-LLM** (PyTorch backend): `tensorrt_llm/_torch/peft/lora/cuda_graph_lora_params.py`
 #   (`CudaGraphLoraParams`: per-slot counts, offsets and sorted token ids in fixed-size buffers, the
@@ -881,6 +1033,10 @@ for t in step_fused["targets"]:
 #   flag, hits and host-cache drops do not; a missed flag serves a stale adapter silently.
 # - Several tokens per sequence use the slot-sorted view and SGMV; one token per sequence uses BGMV,
 #   as the batch info says.
+# - Fusing the expand into the base GEMM's epilogue lost to separate kernels here (a Triton GEMM
+#   behind cuBLAS, one epilogue pass per adapter in a tile); split-K (fp32 partials summed by the
+#   expand) fills the GPU in the decode shrink; grouping the expand's tokens by adapter wins only
+#   when each adapter has many tokens. Every one of these choices is a committed measurement.
 #
 # ## Review questions
 #
