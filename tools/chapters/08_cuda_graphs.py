@@ -796,7 +796,8 @@ print("epilogue passes the kernel makes for this tile (its distinct slots of ran
 root = Path(reference.__file__).resolve().parents[1] / "benchmarks" / "results"
 fusion = json.loads((root / "lora_gemm_h200.json").read_text())
 print(f"device: {fusion['device']} (torch {fusion['torch']}, triton {fusion['triton']}); {fusion['method']}")
-print(f"{'rows':>5} {'K':>6} {'N':>6} {'cuBLAS us':>10} {'default us':>11} {'ratio':>6} {'best of 4 us':>13} {'ratio':>6}")
+tried = len(fusion["gemm"][0]["tried"])
+print(f"{'rows':>5} {'K':>6} {'N':>6} {'cuBLAS us':>10} {'default us':>11} {'ratio':>6} {f'best of {tried} us':>13} {'ratio':>6}")
 for g in fusion["gemm"]:
     print(f"{g['rows']:5d} {g['K']:6d} {g['N']:6d} {g['cublas_us']:10.1f} {g['default_us']:11.1f} "
           f"{g['default_over_cublas']:6.2f} {g['best_us']:13.1f} {g['best_over_cublas']:6.2f}")
@@ -807,19 +808,21 @@ for r in fusion["layer"]:
           f"{100 * r['fused_overhead']:+8.0f}% {100 * (r['fused_base_over_base'] - 1):+17.0f}%")
 
 # %% [markdown]
-# The fused path loses (at 64 rows / 8 adapters / rank 64 it roughly ties), and the tables say why,
-# in two parts:
+# The fused path loses (in the whole decode step further down, at 64 rows / 8 adapters / rank 64,
+# it roughly ties), and the tables say why, in three parts:
 #
 # 1. **The Triton GEMM is not cuBLAS.** The last column is the fused path with no adapter in the
-#    batch: its base GEMMs alone. The GEMM table says where that comes from: the Triton GEMM (four
-#    tile configs tried per row count, no split-K) keeps up with cuBLAS on some of the 16-row shapes
-#    and is slower from 64 rows on, so fusion starts behind before any LoRA work. (One run: where the
-#    "best of 4" is slower than the default config, which is one of the four, that row's timing is
-#    noisy; the fused path runs the default.)
+#    batch: its base GEMMs alone. The GEMM table says where that comes from: the Triton GEMM (a
+#    few tile configs tried per row count, no split-K) keeps up with cuBLAS on some of the 16-row
+#    shapes and is slower from 64 rows on, so fusion starts behind before any LoRA work. The fused
+#    path runs the default config, which at 16 rows can be several times slower than the best
+#    one tried: kernels this short are sensitive to the tile order (`group_m`) and to the run.
 # 2. **The epilogue sits on every program's critical path, once per adapter in its tile.** A
 #    separate expand kernel spreads its work over all the SMs; the epilogue instead adds, after each
 #    tile's K loop, one dependent load-and-`tl.dot` pass per distinct adapter among the tile's rows.
 #    Compare the two 64-row decode cases below: the same rows, four times the adapters.
+# 3. **The separate path here already has section 9's split-K shrink; the fused path's shrink is
+#    unsplit** (the `triton_fused` backend has no `split_k`), so part of the gap is that shrink.
 
 # %%
 layer = {(r["rows"], r["adapters"], r["rank"]): r for r in fusion["layer"]}
@@ -832,12 +835,11 @@ step_fused = json.loads((root / "decode_step_fused_h200.json").read_text())
 print(f"\nwhole decode step ({step_fused['layers']} layers, {step_fused['context']} cached positions, CUDA graph), "
       f"LoRA overhead over the cuBLAS base step (another run than section 7's table, which has "
       f"{step['layers']} layers and {step['context']} cached positions, so its 'triton' numbers differ):")
+labels = {"triton": "triton (run before section 9's split-K)"}
 for backend in step_fused["backends"]:
     cells = [f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
              for r in step_fused["rows"] if r["backend"] == backend and r["lora_overhead"] is not None]
-    print(f"  {backend:13s} " + ", ".join(cells))
-for t in step_fused["targets"]:
-    print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']})")
+    print(f"  {labels.get(backend, backend)}: " + ", ".join(cells))
 
 # %% [markdown]
 # So the layers keep the separate kernels as their default (`backend="triton"`): the choice is the
@@ -858,8 +860,9 @@ for r in fusion["layer"]:
           f"separate {100 * r['separate_overhead']:+5.0f}%")
 
 # %% [markdown]
-# The gather epilogue helps where one tile holds few rows and adapters and loses elsewhere: it
-# gathers B row by row, so it reads more bytes per output tile. The systems of section 10 run
+# The gather epilogue beats the per-adapter passes only with 16 rows at rank 16, and never the
+# separate kernels: it gathers B row by row, so it reads more bytes per output tile, and more so
+# as the rank grows. The systems of section 10 run
 # their LoRA kernels beside the base GEMM, as the default path here does. The next section makes
 # those separate kernels cheaper instead.
 #
@@ -889,6 +892,9 @@ whole = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(6, 8, device=d
 parts = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(3, 6, 8, device=device), block_k=16)
 print("partials:", list(parts.shape), "(S, tokens, width); their sum vs the unsplit shrink: max |difference|",
       f"{(parts.sum(0) - whole).abs().max().item():.1e}")
+piece = -(-(-(-64 // 3)) // 16) * 16  # ceil(ceil(K / S) / block_k) * block_k columns of x per piece
+print(f"pieces of {piece} columns of the 64: the third starts at {2 * piece} and has none; its partial is all zeros:",
+      bool((parts[-1] == 0).all()))
 y_whole = ops.bgmv_expand(whole, B_split, info_split, torch.zeros(6, 24, device=device))
 y_parts = ops.bgmv_expand(parts, B_split, info_split, torch.zeros(6, 24, device=device))
 print(f"expand from the partials vs from t: max |difference| {(y_parts - y_whole).abs().max().item():.1e}")
@@ -911,9 +917,9 @@ for b in split_sweep["best"]:
           f"{b['unsplit_us'] / b['best_us']:7.2f}x  {shown}")
 
 # %% [markdown]
-# The gain is largest where the programs were fewest (16 and 64 tokens) and the loop longest
-# (`down_proj`, whose hidden size is the 14336 of the MLP; rank 64). At 256 tokens the unsplit grid
-# already fills the GPU and the split gains little or nothing. In the whole decode step (the
+# The gain is largest at 16 tokens and rank 64, where the unsplit grid was smallest and each
+# program's loop the longest (q/k/v and `down_proj` alike). At 256 tokens the unsplit grid is four
+# times larger and the split gains less (`o_proj` at rank 16 nothing). In the whole decode step (the
 # benchmark of section 7 with 8 layers and 1024 cached positions, one run, `triton_nosplit` being the
 # path before split-K and `triton_token` the layers' default since):
 
@@ -927,8 +933,6 @@ for r in sorted_step["rows"]:
 print(f"{'seqs':>5} {'adapters':>8} {'rank':>4} {'unsplit adds':>12} {'split adds':>10}")
 for (n, D, rank), v in sorted(by_case.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
     print(f"{n:5d} {D:8d} {rank:4d} {100 * v['triton_nosplit']:11.1f}% {100 * v['triton_token']:9.1f}%")
-most = max(b["best"].get("splits", 1) for b in split_sweep["best"])
-print(f"(the tuned table splits into up to {most} pieces; the expand sweep below reads {json.loads((root / 'decode_expand_h200.json').read_text())['partials']} partials)")
 for t in sorted_step["targets"]:
     if "triton_token" in t["target"]:
         print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_token backend)", ""),
@@ -958,6 +962,9 @@ print(f"the base step's kernels: {prof['base']['total_kernel_us']:.0f} us; the L
 # - **"sorted"**: SGMV's expand kernel over the slot-sorted view the CUDA-graph batch already
 #   carries (section 3's `seg_indptr` by slot and `permutation`), one program per block of one
 #   slot's tokens: no scan (`bgmv_expand(..., schedule="sorted")`).
+#
+# The whole-step rows of the same run as above took "sorted" from 64 tokens (that run's `triton`,
+# withdrawn since; `--backends triton_sorted` reproduces it).
 
 # %%
 def slower_than_token(sweep, schedule):
@@ -980,29 +987,36 @@ slot = slower_than_token(slot_sweep, "slot")
 print(f"'slot' over 'token', best config per shape: {min(slot.values()):.2f}x to {max(slot.values()):.2f}x "
       f"over {len(slot)} shapes")
 sorted_sweep = json.loads((root / "decode_expand_h200.json").read_text())
+ratio = slower_than_token(sorted_sweep, "sorted")
+print(f"'sorted' over 'token' ({sorted_sweep['partials']} partials), best config per shape: "
+      f"{min(ratio.values()):.2f}x to {max(ratio.values()):.2f}x over {len(ratio)} shapes")
 for D in sorted_sweep["adapters"]:
     for T in (64, 256):
         rows = [r for r in sorted_sweep["rows"] if "us" in r and (r["width"], r["rank"], r["tokens"], r["adapters"]) == (14336, 64, T, D)]
         token = next(r["us"] for r in rows if r["config"] == {"schedule": "token"})
         best = min(r["us"] for r in rows if r["config"]["schedule"] == "sorted")
-        print(f"gate/up expand, rank 64, {T:3d} tokens on {D:2d} adapters: token {token:6.1f} us, best 'sorted' {best:6.1f} us")
-print("whole step with 'sorted' from 64 tokens (the 'triton' rows of the same run), LoRA adds:",
+        print(f"  gate/up expand, rank 64, {T:3d} tokens on {D:2d} adapters ({T // D:2d} per adapter): token "
+              f"{token:6.1f} us, 'sorted' {best:6.1f} us (its best config for this adapter count alone)")
+most = max(b["best"].get("splits", 1) for b in split_sweep["best"] if b["tokens"] >= 64)
+print(f"whole step, 'sorted' from 64 tokens (reading up to {most} partials per row), LoRA adds:",
       ", ".join(f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
                 for r in sorted_step["rows"] if r["backend"] == "triton" and r["lora_overhead"] is not None
                 and r["seqs"] >= 64))
 
 # %% [markdown]
 # Both lose as defaults. The scan costs every slot's program a pass over all the tokens. The
-# sorted schedule wins when each adapter has many tokens (8 adapters at 256 tokens) and loses when
-# it has few (32 adapters at 64 tokens: a segment of two tokens still reads its whole B tile, into
-# a 16-row `tl.dot` that is mostly padding). A captured graph cannot know how many adapters its
-# batches will hold. And in the whole step it was several times slower still, which the
-# kernel-alone sweep did not predict: that sweep reads 4 partials per row, the step as many as the
-# tuned table asks for, the likeliest difference but not yet isolated.
-# So the layers keep the split shrink and the per-token expand, and rank 64 stays above the 25%
-# that issue #16 asked for. Where it goes next: an expand that reads few partials (fewer, wider
-# pieces when the expand is grouped), and choosing the schedule per step from the batch's adapter
-# count, with one graph per choice.
+# sorted schedule, in the kernel alone, wins when each adapter has several tokens and loses when
+# it has two (32 adapters on 64 tokens: a segment of two tokens still reads its whole B tile into
+# a `tl.dot` whose rows are mostly padding); a captured graph cannot know how many adapters its
+# batches will hold. And in the whole step it lost everywhere at rank 64, by far more than the
+# kernel-alone sweep predicts. That sweep differs from the step in the partials it reads (4 per
+# row against the tuned table's count), in its pipelining (`num_stages` 3 against 1) and in its
+# column tile (128 against 256); which of these costs the step is not yet isolated.
+#
+# So the layers keep the split shrink and the per-token expand. In this run rank 16 lands at the
+# 15% line (missed by a hair) and rank 64 stays well above the 25% issue #16 asked for. Where it
+# goes next: find what costs the sorted expand inside the step, and choose the expand per step from
+# the batch's tokens per adapter, with one graph per choice.
 #
 # ## 10. How production systems do it
 #
@@ -1035,8 +1049,9 @@ print("whole step with 'sorted' from 64 tokens (the 'triton' rows of the same ru
 #   as the batch info says.
 # - Fusing the expand into the base GEMM's epilogue lost to separate kernels here (a Triton GEMM
 #   behind cuBLAS, one epilogue pass per adapter in a tile); split-K (fp32 partials summed by the
-#   expand) fills the GPU in the decode shrink; grouping the expand's tokens by adapter wins only
-#   when each adapter has many tokens. Every one of these choices is a committed measurement.
+#   expand) fills the GPU in the decode shrink; grouping the expand's tokens by adapter won in the
+#   kernel alone with several tokens per adapter and lost in the whole step (cause not yet
+#   isolated). Every one of these choices is a committed measurement.
 #
 # ## Review questions
 #
