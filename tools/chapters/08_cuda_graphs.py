@@ -1002,6 +1002,11 @@ print(f"whole step, 'sorted' from 64 tokens (reading up to {most} partials per r
       ", ".join(f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
                 for r in sorted_step["rows"] if r["backend"] == "triton" and r["lora_overhead"] is not None
                 and r["seqs"] >= 64))
+for backend, kernel in (("triton_token", "_bgmv_expand_kernel"), ("triton", "_sgmv_expand_kernel")):
+    k = next(k for k in sorted_step["kernel_profiles"][f"seqs 64 adapters 8 rank 64 {backend}"]["lora"]["top"]
+             if k["kernel"] == kernel)
+    print(f"  profile, 64 seqs / 8 adapters / rank 64, {'per-token' if backend == 'triton_token' else 'sorted'} "
+          f"expand: {k['us'] / k['calls']:6.1f} us per launch ({k['calls']} launches)")
 
 # %% [markdown]
 # Both lose as defaults. The scan costs every slot's program a pass over all the tokens. The
@@ -1009,7 +1014,7 @@ print(f"whole step, 'sorted' from 64 tokens (reading up to {most} partials per r
 # it has two (32 adapters on 64 tokens: a segment of two tokens still reads its whole B tile into
 # a `tl.dot` whose rows are mostly padding); a captured graph cannot know how many adapters its
 # batches will hold. And in the whole step it lost everywhere at rank 64, by far more than the
-# kernel-alone sweep predicts. That sweep differs from the step in the partials it reads (4 per
+# kernel-alone sweep predicts; the profile puts all of the loss in the expand kernel itself. That sweep differs from the step in the partials it reads (4 per
 # row against the tuned table's count), in its pipelining (`num_stages` 3 against 1) and in its
 # column tile (128 against 256); which of these costs the step is not yet isolated.
 #
