@@ -105,6 +105,8 @@ def backend_named(name: str):
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
+    "triton_sorted_presum" (the same, the split-K partials summed by one torch reduction first: does
+    the sorted expand lose to the partials it sums?);
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
@@ -120,11 +122,16 @@ def backend_named(name: str):
     if name == "triton_token":
         return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
                                                                                          schedule="token"))
-    if name == "triton_sorted":
+    if name in ("triton_sorted", "triton_sorted_presum"):
+        presum = name == "triton_sorted_presum"
+
         def sorted_expand(t, B_stack, batch_info, out, slice_offsets=None):
             rows = t.shape[-2]
-            schedule = "sorted" if batch_info.permutation is not None and rows >= 64 else "token"
-            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule=schedule)
+            if batch_info.permutation is None or rows < 64:
+                return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="token")
+            if presum and t.dim() == 3:  # one reduction launch, so the expand reads one fp32 t
+                t = t.sum(0)
+            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted")
         return get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
     if name == "triton_tuned":
         if not SPLIT_TABLE and not EXPAND_TABLE:
