@@ -129,7 +129,7 @@ def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
                            split_k=ops.decode_splits)
     if backend == "triton_fused":
         return LoRABackend("triton_fused", ops.sgmv_shrink, ops.sgmv_expand, ops.bgmv_shrink, ops.bgmv_expand,
-                           ops.lora_gemm)
+                           ops.lora_gemm, split_k=ops.decode_splits)
     if backend == "torch_fused":
         return LoRABackend("torch_fused", ops.torch_ref.shrink, ops.torch_ref.expand, ops.torch_ref.bgmv_shrink,
                            ops.torch_ref.bgmv_expand, ops.torch_ref.lora_gemm)
@@ -299,7 +299,7 @@ class LoRALinear(nn.Module):
                 raise ValueError(f"layer {self.layer} {self.spec.name}: the {self.backend.name} backend reads "
                                  "batch_info.token_slots, which this batch info lacks")
             shrink, _ = _ops_for(self.backend, info)
-            t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink))
+            t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink, splits=True))
             lo, hi = self.rows_of_B
             B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]
             y = self.backend.gemm(rows, W, t=t, B_stack=B, batch_info=info, part=self.part)
@@ -308,8 +308,9 @@ class LoRALinear(nn.Module):
     def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable, splits: bool = False) -> torch.Tensor:
         """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified.
 
-        With ``splits`` (the expand is the backend's decode_expand, which sums partials) and a
-        decode batch, the backend's ``split_k`` may ask for [S, num_tokens, width] fp32 partials."""
+        With ``splits`` (the reader is the backend's decode_expand or its fused GEMM's epilogue, both
+        of which sum partials) and a decode batch, the backend's ``split_k`` may ask for
+        [S, num_tokens, width] fp32 partials."""
         A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
         S = 1
         if splits and self.backend.split_k is not None and uses_token_slots(info):

@@ -36,8 +36,9 @@ RUN_IDS = [f"{b}-{d}" for b, d in RUNS]
 # decode batches also run "triton_split": the decode shrink split into 3 pieces of the hidden size
 # whatever the shape (the default splits only hidden sizes >= 1024; 3 leaves an empty last piece at 64),
 # and the expand through the permutation (bgmv_expand's "sorted" schedule) on every batch that has
-# one (the default expand is the per-token schedule)
-DECODE_RUNS = RUNS + [("triton_split", "cuda" if CUDA else "cpu")]
+# one (the default expand is the per-token schedule); and "triton_fused_split", the same forced split
+# read by the fused GEMM's epilogue
+DECODE_RUNS = RUNS + [("triton_split", "cuda" if CUDA else "cpu"), ("triton_fused_split", "cuda" if CUDA else "cpu")]
 DECODE_IDS = [f"{b}-{d}" for b, d in DECODE_RUNS]
 RTOL = 1e-5  # fp32: PEFT and our ops sum the same short products in another order (errors ~1e-7)
 
@@ -120,6 +121,8 @@ def _backend(name):
             return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule=schedule)
         return get_backend("triton")._replace(name=name, split_k=lambda tokens, in_features, width: 3,
                                               decode_expand=expand)
+    if name == "triton_fused_split":  # the fused GEMM's epilogue sums the 3 partials
+        return get_backend("triton_fused")._replace(name=name, split_k=lambda tokens, in_features, width: 3)
     return name
 
 

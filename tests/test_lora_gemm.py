@@ -68,6 +68,30 @@ def test_matches_the_torch_reference_and_base_rows_are_bit_exact(name, M, N, K, 
     assert torch.equal(got[base_rows], base[base_rows]), "a base row differs from the base-only launch"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", ["dot", "gather"])
+def test_split_k_partials_are_summed_by_the_epilogue(dtype, epilogue):
+    """t as 3 fp32 split-K partials (the decode shrink's split): the epilogue reads their sum. Part 2
+    of a q/k/v shrink over 2 row tiles with 4 slots (ranks 0/5/16/9), NaN wherever the part must not
+    read (in every partial), base rows bit-exact with the base-only launch."""
+    M, N, K, ranks, part = 33, 24, 48, [0, 5, 16, 9], 2
+    slots = [(m * 7) % 4 for m in range(M)]
+    x, W, t, B, info = _case(M, N, K, ranks, slots, 3, part, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    parts = (torch.randn(3, *t.shape, generator=g) * 0.5).to(DEVICE)
+    parts[:, torch.isnan(t)] = NAN
+    parts[-1] = t.float() - parts[:-1].sum(0)  # the partials sum to t (NaN stays NaN)
+    got = lora_gemm(x, W, t=parts, B_stack=B, batch_info=info, part=part, config={**SMALL, "epilogue": epilogue})
+    exp = torch_ref.lora_gemm(x, W, t=parts.sum(0).to(dtype), B_stack=B, batch_info=info, part=part)
+    assert not got.isnan().any(), "read a poisoned shrink column"
+    _check(got, exp, dtype)
+    base_rows = torch.tensor([ranks[s] == 0 for s in slots], device=DEVICE)
+    assert torch.equal(got[base_rows], lora_gemm(x, W, config=SMALL)[base_rows])
+    with pytest.raises(ValueError, match="partials"):
+        lora_gemm(x, W, t=parts.to(dtype) if dtype != torch.float32 else parts.double(), B_stack=B,
+                  batch_info=info, part=part)
+
+
 def test_default_config_and_empty_batches():
     x, W, t, B, info = _case(24, 40, 72, [0, 8], [m % 2 for m in range(24)], 1, 0, torch.float32)
     got = lora_gemm(x, W, t=t, B_stack=B, batch_info=info)

@@ -821,8 +821,10 @@ for r in fusion["layer"]:
 #    separate expand kernel spreads its work over all the SMs; the epilogue instead adds, after each
 #    tile's K loop, one dependent load-and-`tl.dot` pass per distinct adapter among the tile's rows.
 #    Compare the two 64-row decode cases below: the same rows, four times the adapters.
-# 3. **The separate path here already has section 9's split-K shrink; the fused path's shrink is
-#    unsplit** (the `triton_fused` backend has no `split_k`), so part of the gap is that shrink.
+# 3. **In this run the separate path already had section 9's split-K shrink and the fused path's
+#    shrink was unsplit**, so part of the gap is that shrink. (The fused backend splits its decode
+#    shrink too since, its epilogue summing the partials as section 9's expand does; that version
+#    is not in these results yet.)
 
 # %%
 layer = {(r["rows"], r["adapters"], r["rank"]): r for r in fusion["layer"]}
