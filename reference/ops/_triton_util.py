@@ -1,12 +1,14 @@
-"""Small helpers shared by the book's Triton ops (host side only)."""
+"""Small helpers shared by the book's Triton ops: host-side checks, and the one device helper that
+every reader of the split-K shrink's partials uses."""
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from reference.device import interpreting
 
-__all__ = ["upcast", "next_pow2_at_least", "check_same_device", "tl_float32_dot"]
+__all__ = ["upcast", "next_pow2_at_least", "check_same_device", "tl_float32_dot", "shrink_rows", "load_summed"]
 
 
 def upcast(*tensors: torch.Tensor) -> bool:
@@ -33,3 +35,31 @@ def check_same_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
+
+
+def shrink_rows(t: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """What a kernel reading a shrink's output needs: ``(S, rows, stride_s)``.
+
+    ``t`` [num_tokens, width] -> (1, t, 0); the split-K shrink's fp32 partials [S, num_tokens, width]
+    (``bgmv_shrink`` with a 3-D out) -> (S, t[0], t.stride(0)), whose sum over S is the shrink.
+
+    Raises:
+        ValueError: t neither 2-D nor 3-D, or 3-D partials not in float32.
+    """
+    if t.dim() == 2:
+        return 1, t, 0
+    if t.dim() == 3 and t.dtype == torch.float32:
+        return t.shape[0], t[0], t.stride(0)
+    raise ValueError(f"t must be [num_tokens, width] or fp32 split-K partials [S, num_tokens, width], got "
+                     f"{list(t.shape)} ({t.dtype})")
+
+
+@triton.jit
+def load_summed(ptrs, stride_s, mask, NUM_SPLITS: tl.constexpr):
+    """Load a tile of the shrink's output: with NUM_SPLITS > 1 the sum of its fp32 split-K partials
+    (``stride_s`` apart), added as they are loaded, so the split needs no reduction kernel."""
+    stride_s = tl.cast(stride_s, tl.int64)  # S * stride_s passes 2^31 at real sizes, as every stride here
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, NUM_SPLITS):
+        acc += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+    return acc

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least
+from reference.ops._triton_util import check_same_device, load_summed, next_pow2_at_least, shrink_rows
 from reference.ops.sgmv_expand import _slice_bound, sgmv_expand, slice_bounds
 
 __all__ = ["bgmv_expand"]
@@ -92,9 +92,7 @@ def _bgmv_expand_kernel(
     n_mask = offs_n < hi
     k_mask = offs_k < rank
     t_ptrs = t_ptr + tok * stride_tm + (part * rank + offs_k) * stride_tk
-    t_row = tl.load(t_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, NUM_SPLITS):  # split-K partials: their sum is the shrink
-        t_row += tl.load(t_ptrs + s * stride_ts, mask=k_mask, other=0.0).to(tl.float32)
+    t_row = load_summed(t_ptrs, stride_ts, k_mask, NUM_SPLITS).to(tl.float32)  # split-K partials summed
     b_tile = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk,
                      mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     delta = tl.sum(b_tile.to(tl.float32) * t_row[None, :], axis=1)
@@ -134,10 +132,7 @@ def bgmv_expand(
         unknown schedule, or "sorted" without a permutation.
     """
     check_same_device(t, B_stack, out)
-    if t.dim() not in (2, 3):
-        raise ValueError(f"t must be [num_tokens, width] or split-K partials [S, num_tokens, width], got "
-                         f"{list(t.shape)}")
-    splits, rows = (t.shape[0], t[0]) if t.dim() == 3 else (1, t)
+    splits, rows, stride_ts = shrink_rows(t)
     if batch_info.token_slots is None or batch_info.token_slots.shape[0] != rows.shape[0]:
         raise ValueError("bgmv_expand needs batch_info.token_slots with one slot per row of t")
     bounds = slice_bounds(slice_offsets, out.shape[1])
@@ -163,7 +158,7 @@ def bgmv_expand(
     grid = (rows.shape[0], triton.cdiv(max(widest, 1), block_n), num_slices)
     _bgmv_expand_kernel[grid](
         t, B_stack, out, *bounds,
-        t.stride(0) if t.dim() == 3 else 0, rows.stride(0), rows.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
+        stride_ts, rows.stride(0), rows.stride(1), B_stack.stride(0), B_stack.stride(1), B_stack.stride(2),
         out.stride(0), out.stride(1),
         batch_info.token_slots, batch_info.lora_ranks, batch_info.scalings,
         BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(B_stack.shape[2]), NUM_SPLITS=splits,

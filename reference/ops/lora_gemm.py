@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
+from reference.ops._triton_util import (check_same_device, load_summed, next_pow2_at_least, shrink_rows,
+                                         tl_float32_dot, upcast)
 
 __all__ = ["lora_gemm", "default_config"]
 
@@ -111,10 +112,8 @@ def _lora_gemm_kernel(
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(0, tl.max(tl.where(live, ranks, 0), axis=0)):
             use = live & (j < ranks)
-            t_col_ptrs = t_ptr + offs_m * stride_tm + (part * ranks + j) * stride_tr
-            t_col = tl.load(t_col_ptrs, mask=use, other=0.0)
-            for s in tl.static_range(1, NUM_SPLITS):  # split-K partials (fp32): their sum is the shrink
-                t_col += tl.load(t_col_ptrs + s * stride_ts, mask=use, other=0.0)
+            t_col = load_summed(t_ptr + offs_m * stride_tm + (part * ranks + j) * stride_tr, stride_ts, use,
+                                NUM_SPLITS)  # split-K partials summed
             t_col = t_col.to(x_ptr.dtype.element_ty).to(tl.float32)  # t in x's dtype, as a two-kernel path
             b_col = tl.load(b_ptr + slots[:, None] * stride_bs + offs_n[None, :] * stride_bn + j * stride_br,
                             mask=use[:, None] & n_mask[None, :], other=0.0)
@@ -131,10 +130,8 @@ def _lora_gemm_kernel(
             rank = tl.load(lora_ranks_ptr + cur)
             scaling = tl.load(scalings_ptr + cur)
             r_mask = offs_r < rank
-            t_ptrs = t_ptr + offs_m[:, None] * stride_tm + (part * rank + offs_r)[None, :] * stride_tr
-            t_tile = tl.load(t_ptrs, mask=rows[:, None] & r_mask[None, :], other=0.0)
-            for s in tl.static_range(1, NUM_SPLITS):  # split-K partials (fp32): their sum is the shrink
-                t_tile += tl.load(t_ptrs + s * stride_ts, mask=rows[:, None] & r_mask[None, :], other=0.0)
+            t_tile = load_summed(t_ptr + offs_m[:, None] * stride_tm + (part * rank + offs_r)[None, :] * stride_tr,
+                                 stride_ts, rows[:, None] & r_mask[None, :], NUM_SPLITS)  # split-K partials summed
             t_tile = t_tile.to(x_ptr.dtype.element_ty)  # t in x's dtype, as a two-kernel path stores it
             b_tile = tl.load(b_ptr + cur * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                              mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -229,12 +226,10 @@ def lora_gemm(
     if has_lora:
         if batch_info.token_slots is None or batch_info.token_slots.shape[0] != M:
             raise ValueError("lora_gemm needs batch_info.token_slots with one slot per row of x")
-        t_rows = t[0] if t.dim() == 3 else t
-        if (B_stack.dim() != 3 or B_stack.shape[1] != N or t.dim() not in (2, 3) or t_rows.shape[0] != M
-                or (t.dim() == 3 and t.dtype != torch.float32)):
-            raise ValueError(f"t {list(t.shape)} ({t.dtype}) and B_stack {list(B_stack.shape)}: expected t "
-                             f"[{M}, stack*max_rank] or fp32 split-K partials [S, {M}, stack*max_rank], and "
-                             f"B_stack [num_slots, {N}, max_rank]")
+        splits, t_rows, stride_ts = shrink_rows(t)
+        if B_stack.dim() != 3 or B_stack.shape[1] != N or t_rows.shape[0] != M:
+            raise ValueError(f"t {list(t.shape)} and B_stack {list(B_stack.shape)}: expected t [{M}, stack*max_rank] "
+                             f"(or fp32 split-K partials [S, {M}, stack*max_rank]) and B_stack [num_slots, {N}, max_rank]")
         if part < 0 or (part + 1) * B_stack.shape[2] > t_rows.shape[1]:
             raise ValueError(f"part {part} of a shrink with {t_rows.shape[1]} columns and max rank {B_stack.shape[2]}")
     if M == 0 or N == 0:
@@ -248,15 +243,14 @@ def lora_gemm(
         x, W, out, t if has_lora else dummy, B_stack if has_lora else dummy,
         M, N, K, part,
         x.stride(0), x.stride(1), W.stride(0), W.stride(1), out.stride(0), out.stride(1),
-        t.stride(0) if has_lora and t.dim() == 3 else 0,
-        t_rows.stride(0) if has_lora else 0, t_rows.stride(1) if has_lora else 0,
+        stride_ts if has_lora else 0, t_rows.stride(0) if has_lora else 0, t_rows.stride(1) if has_lora else 0,
         B_stack.stride(0) if has_lora else 0, B_stack.stride(1) if has_lora else 0,
         B_stack.stride(2) if has_lora else 0,
         batch_info.token_slots if has_lora else dummy, batch_info.lora_ranks if has_lora else dummy,
         batch_info.scalings if has_lora else dummy,
         HAS_LORA=has_lora, GATHER=cfg["epilogue"] == "gather", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         BLOCK_R=next_pow2_at_least(B_stack.shape[2] if has_lora else 16, floor=16), GROUP_M=cfg["group_m"],
-        NUM_SPLITS=t.shape[0] if has_lora and t.dim() == 3 else 1,
+        NUM_SPLITS=splits if has_lora else 1,
         UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, W), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
+from reference.ops._triton_util import (check_same_device, load_summed, next_pow2_at_least, shrink_rows,
+                                         tl_float32_dot, upcast)
 
 __all__ = ["sgmv_expand", "slice_bounds"]
 
@@ -86,9 +87,7 @@ def _sgmv_expand_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(rank, BLOCK_K)):
         k_mask = offs_k < rank - k * BLOCK_K
-        t_tile = tl.load(t_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        for s in tl.static_range(1, NUM_SPLITS):  # split-K partials (fp32): their sum is the shrink
-            t_tile += tl.load(t_ptrs + s * stride_ts, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        t_tile = load_summed(t_ptrs, stride_ts, m_mask[:, None] & k_mask[None, :], NUM_SPLITS)  # partials summed
         b_tile = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             t_tile = t_tile.to(tl.float32)
@@ -145,10 +144,7 @@ def sgmv_expand(
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.
     """
     check_same_device(t, B_stack, out)
-    if t.dim() not in (2, 3):
-        raise ValueError(f"t must be [num_tokens, width] or split-K partials [S, num_tokens, width], got "
-                         f"{list(t.shape)}")
-    splits, rows = (t.shape[0], t[0]) if t.dim() == 3 else (1, t)
+    splits, rows, stride_ts = shrink_rows(t)
     bounds = slice_bounds(slice_offsets, out.shape[1])
     num_slices = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a) if slice_offsets is None else len(slice_offsets) - 1
     if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
@@ -165,7 +161,7 @@ def sgmv_expand(
     _sgmv_expand_kernel[grid](
         t, B_stack, out,
         num_n_tiles, *bounds,
-        t.stride(0) if t.dim() == 3 else 0, rows.stride(0), rows.stride(1), B_stack.stride(0),
+        stride_ts, rows.stride(0), rows.stride(1), B_stack.stride(0),
         B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.scalings,
         perm if perm is not None else batch_info.seg_indptr,
