@@ -116,13 +116,13 @@ def expand_configs(smoke: bool) -> list[dict]:
 
 
 def sorted_decode_info(slots: list[int], ranks: list[int], scalings: list[float], device):
-    """A decode batch as a CUDA graph's StaticLoRABatch carries it: token_slots in batch order and
-    the slot-sorted view, one segment per pool slot (empty ones included)."""
-    order = sorted(range(len(slots)), key=lambda i: slots[i])
-    counts = [slots.count(s) for s in range(len(ranks))]
-    info = build_batch_info(counts, list(range(len(ranks))), ranks, scalings, device,
-                            permutation=torch.tensor(order))
-    return info
+    """A decode batch as a CUDA graph carries it: ``StaticLoRABatch``'s view (token_slots in batch
+    order and the slot-sorted view, one segment per pool slot, empty ones included)."""
+    from reference.cuda_graph import StaticLoRABatch
+
+    static = StaticLoRABatch(len(ranks), len(slots), device=device)
+    static.update(slots, len(slots), 0, ranks, scalings, ownership_changed=True)  # slot 0: rank 0
+    return static.batch_info(len(slots))
 
 
 def sweep_expand(args, device, dtype, start) -> None:
