@@ -106,7 +106,8 @@ def backend_named(name: str):
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
     "triton_sorted_presum" (the same, the split-K partials summed by one torch reduction first: does
-    the sorted expand lose to the partials it sums?);
+    the sorted expand lose to the partials it sums?); either with ":block_n=64,num_stages=3" (any of
+    block_m, block_n, num_warps, num_stages) sets the sorted launch's config;
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
@@ -122,8 +123,15 @@ def backend_named(name: str):
     if name == "triton_token":
         return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
                                                                                          schedule="token"))
-    if name in ("triton_sorted", "triton_sorted_presum"):
-        presum = name == "triton_sorted_presum"
+    stem, _, overrides = name.partition(":")
+    if stem in ("triton_sorted", "triton_sorted_presum"):
+        presum = stem == "triton_sorted_presum"
+        # "triton_sorted:block_n=64,num_stages=3": the sorted launch's config overrides, so one run
+        # can set configs side by side in the whole step
+        config = {k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)}
+        unknown = set(config) - {"block_m", "block_n", "num_warps", "num_stages"}
+        if unknown:
+            raise SystemExit(f"{name}: unknown sorted-expand settings {sorted(unknown)}")
 
         def sorted_expand(t, B_stack, batch_info, out, slice_offsets=None):
             rows = t.shape[-2]
@@ -131,7 +139,7 @@ def backend_named(name: str):
                 return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="token")
             if presum and t.dim() == 3:  # one reduction launch, so the expand reads one fp32 t
                 t = t.sum(0)
-            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted")
+            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted", **config)
         return get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
     if name == "triton_tuned":
         if not SPLIT_TABLE and not EXPAND_TABLE:
@@ -174,30 +182,38 @@ def timer(device: torch.device, rep: int = 100):
     return wall
 
 
-def kernel_breakdown(runner, n: int, top: int = 15) -> dict:
-    """CUDA time per kernel name (torch.profiler) of one eager base step and one eager LoRA step of
-    ``n`` sequences: where a decode step's time goes."""
+def profile_kernels(steps: dict, top: int = 15, what: str = "step") -> dict:
+    """CUDA time per kernel name (torch.profiler) of one call of each step (name -> a callable,
+    run once untimed first): where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = {}
-    for lora in (False, True):
+    for name, step in steps.items():
         with torch.inference_mode():
-            runner._step(n, lora)
+            step()
             sync()
             with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                runner._step(n, lora)
+                step()
                 sync()
         time_of = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
         events = sorted(prof.key_averages(), key=lambda e: -time_of(e))
         rows = [dict(kernel=e.key[:90], us=round(time_of(e), 1), calls=e.count) for e in events[:top]]
         total = sum(time_of(e) for e in events)
-        out["lora" if lora else "base"] = dict(total_kernel_us=round(total, 1), top=rows)
-        print(f"  {'LoRA' if lora else 'base'} eager step, {n} seqs: {total:.0f} us of kernels; top:")
+        out[name] = dict(total_kernel_us=round(total, 1), top=rows)
+        print(f"  {name} {what}: {total:.0f} us of kernels; top:")
         for r in rows[:8]:
             print(f"    {r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     return out
+
+
+def kernel_breakdown(runner, n: int, top: int = 15) -> dict:
+    """:func:`profile_kernels` of one eager base step and one eager LoRA step (the graph the runner
+    chose last: token or sorted expand) of ``n`` sequences."""
+    lora = runner.last_key[1] if runner.last_key and runner.last_key[1] else True
+    return profile_kernels({"base": lambda: runner._step(n, False), "lora": lambda: runner._step(n, lora)}, top,
+                           f"eager step, {n} seqs")
 
 
 PROFILES: dict = {}
@@ -255,12 +271,13 @@ def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base) 
     ids = [[i % cfg["vocab_size"]] for i in range(n)]
     runner.decode(ids, [context] * n, list(range(n)), uids)  # writes the static buffers
     lora = D > 0
-    graph, _ = runner.graphs[(n, lora)]
+    key = runner.last_key  # the graph decode() chose: the base, or LoRA with the token / sorted expand
+    graph, _ = runner.graphs[key]
     graph_us = timeit(graph.replay) if graph is not None else float("nan")
     eager_us = float("nan")
     if eager:
         with torch.inference_mode():  # as decode() runs it (outside, autograd would chain
-            eager_us = timeit(lambda: runner._step(n, lora))  # every step through the KV cache)
+            eager_us = timeit(lambda: runner._step(n, key[1]))  # every step through the KV cache)
     base_graph, _ = runner.graphs[(n, False)]
     if base_graph is not None:
         base_us = timeit(base_graph.replay)
@@ -268,12 +285,14 @@ def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base) 
         with torch.inference_mode():
             base_us = timeit(lambda: runner._step(n, False))
     ref_us = first_base.setdefault(n, base_us)
-    row = dict(backend=backend, seqs=n, adapters=D, rank=rank, graph_us=round(graph_us, 2),
+    graph_kind = {True: "token", False: "base"}.get(key[1], key[1])
+    row = dict(backend=backend, seqs=n, adapters=D, rank=rank, graph=graph_kind, graph_us=round(graph_us, 2),
                eager_us=round(eager_us, 2) if eager else None, base_graph_us=round(base_us, 2),
                reference_base_graph_us=round(ref_us, 2),
                graph_speedup=round(eager_us / graph_us, 3) if graph is not None and eager else None,
                lora_overhead=round(graph_us / ref_us - 1, 4) if lora and graph is not None else None)
-    print(f"{backend:13s} seqs {n:4d} adapters {D:3d} rank {rank:3d}: graph {graph_us:9.1f} us, eager {eager_us:9.1f} us, "
+    print(f"{backend:13s} seqs {n:4d} adapters {D:3d} rank {rank:3d}: graph ({graph_kind}) {graph_us:9.1f} us, "
+          f"eager {eager_us:9.1f} us, "
           f"base graph {base_us:9.1f} us"
           + (f", LoRA +{100 * row['lora_overhead']:.1f}% of {ref_us:.1f} us" if row["lora_overhead"] is not None else ""),
           flush=True)

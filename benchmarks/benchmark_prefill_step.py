@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_decode_step import FULL, SMOKE, backend_named, modules, random_adapter, timer  # noqa: E402
+from benchmark_decode_step import (FULL, SMOKE, backend_named, modules, profile_kernels,  # noqa: E402
+                                  random_adapter, timer)
 
 from reference.batch_info import batch_info_from_requests  # noqa: E402
 from reference.layers import LoRAContext, unwrap_llama, wrap_llama  # noqa: E402
@@ -42,8 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(layers: int, seqs: int, seq_len: int, adapter_counts, ranks, cfg: dict, device: torch.device,
-        backends=("triton",)) -> list[dict]:
-    """Every (rank, backend, adapters) case; rows in that order (see the module docstring)."""
+        backends=("triton",), profiles: dict | None = None) -> list[dict]:
+    """Every (rank, backend, adapters) case; rows in that order (see the module docstring). With
+    ``profiles`` (a dict), the first backend's base step and its step with the most adapters are
+    profiled per kernel into it, per rank."""
     import transformers
 
     config = transformers.LlamaConfig(num_hidden_layers=layers, max_position_embeddings=seq_len + 8, **cfg)
@@ -85,6 +88,9 @@ def run(layers: int, seqs: int, seq_len: int, adapter_counts, ranks, cfg: dict, 
                 extra = "" if D == 0 else f", LoRA {100 * row['lora_overhead']:+.1f}% of {reference_us:.0f} us"
                 print(f"{backend:13s} rank {rank:3d} {seqs} x {seq_len} tokens, {D:2d} adapters: {us:10.1f} us{extra}",
                       flush=True)
+                if profiles is not None and backend == backends[0] and D in (0, max(adapter_counts)):
+                    profiles.setdefault(f"rank {rank} {backend}", {}).update(
+                        profile_kernels({"base" if D == 0 else f"lora {D} adapters": step}, what="prefill step"))
             unwrap_llama(model)
         del pool
         if device.type == "cuda":
@@ -109,6 +115,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["triton"],
                     help="layer backends compared in one run (e.g. triton triton_fused); overheads are against "
                          "the first one's base step")
+    ap.add_argument("--profile", action="store_true", help="also profile the base and the most-adapters step per kernel")
     ap.add_argument("--smoke", action="store_true", help="tiny model and batch (any machine)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -119,7 +126,9 @@ def main() -> None:
         layers, seqs, seq_len, cfg, ranks = 1, 2, 8, SMOKE, [4]
     else:
         layers, seqs, seq_len, cfg, ranks = args.layers, args.seqs, args.seq_len, FULL, args.ranks
-    rows = run(layers, seqs, seq_len, sorted({0, 1, seqs}), ranks, cfg, device, backends=args.backends)
+    profiles = {} if args.profile else None
+    rows = run(layers, seqs, seq_len, sorted({0, 1, seqs}), ranks, cfg, device, backends=args.backends,
+               profiles=profiles)
     met = targets(rows)
     for t in met:
         print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
@@ -129,7 +138,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                   transformers=transformers.__version__, layers=layers, seqs=seqs, seq_len=seq_len,
-                  smoke=args.smoke, model=cfg, backends=args.backends, rows=rows, targets=met,
+                  smoke=args.smoke, model=cfg, backends=args.backends, rows=rows, targets=met, kernel_profiles=profiles,
                   method="do_bench median (us) of one eager prefill of the decoder stack (no LM head)")
     out = args.out or (ROOT / "benchmarks" / "results" /
                        ("prefill_step_smoke.json" if args.smoke else "prefill_step_h200.json"))

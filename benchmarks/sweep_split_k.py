@@ -7,7 +7,7 @@ schedule (chapter 08, issue #16).
 
 ``--expand``: the expand alone, per output width of one layer call (4096: q, o, down; 1024: k, v;
 14336: gate, up), ranks 16 and 64, 16 / 32 / 64 / 256 tokens, 8 and 32 adapters, reading the
-shrink's split-K partials (S = 4): the "token" schedule (its defaults) against the "sorted"
+shrink's split-K partials (S = 4; ``--partials 16`` as the decode step's widest shrinks): the "token" schedule (its defaults) against the "sorted"
 schedule (SGMV's expand over the slot-sorted view a CUDA-graph decode batch carries: one segment
 per pool slot, the base slot's empty) over block_m x block_n x num_warps, and the "sorted"
 defaults. Since the pool's adapter count is not known when a graph is captured, the best config
@@ -109,9 +109,10 @@ def pair(p: dict, cfg: dict):
 EXPAND_WIDTHS, EXPAND_ADAPTERS, EXPAND_TOKENS = (4096, 1024, 14336), (8, 32), (16, 32, 64, 256)
 
 
-def expand_configs(smoke: bool) -> list[dict]:
-    grid = [dict(schedule="sorted", block_m=bm, block_n=bn, num_warps=w)
-            for bm in (16, 32, 64) for bn in (64, 128, 256) for w in (4, 8)]
+def expand_configs(smoke: bool, stages=(None,)) -> list[dict]:
+    grid = [dict(schedule="sorted", block_m=bm, block_n=bn, num_warps=w,
+                 **({} if ns is None else {"num_stages": ns}))
+            for bm in (16, 32, 64) for bn in (64, 128, 256) for w in (4, 8) for ns in stages]
     return [dict(schedule="token"), dict(schedule="sorted")] + (grid[:2] if smoke else grid)
 
 
@@ -127,9 +128,10 @@ def sorted_decode_info(slots: list[int], ranks: list[int], scalings: list[float]
 
 def sweep_expand(args, device, dtype, start) -> None:
     rows, best = [], []
-    for rank in (4,) if args.smoke else RANKS:
-        for tokens in (20,) if args.smoke else EXPAND_TOKENS:
-            for width in (24,) if args.smoke else EXPAND_WIDTHS:
+    S = args.partials
+    for rank in (4,) if args.smoke else args.ranks or RANKS:
+        for tokens in (20,) if args.smoke else args.tokens or EXPAND_TOKENS:
+            for width in (24,) if args.smoke else args.widths or EXPAND_WIDTHS:
                 if time.monotonic() - start > args.budget_s:
                     break
                 totals: dict = {}
@@ -140,12 +142,14 @@ def sweep_expand(args, device, dtype, start) -> None:
                     info = sorted_decode_info([1 + i % D for i in range(tokens)], [0] + [rank] * D,
                                               [0.0] + [2.0] * D, device)
                     x = torch.randn(tokens, 64, generator=g).to(dtype).to(device)
-                    t = torch.zeros(4, tokens, rank, dtype=torch.float32, device=device)
-                    bgmv_shrink(x, A, info, t)
+                    t = torch.zeros(S, tokens, rank, dtype=torch.float32, device=device)
+                    bgmv_shrink(x, A, info, t if S > 1 else t[0])
                     out = torch.randn(tokens, width, generator=g).to(dtype).to(device)
                     expected = torch_ref.bgmv_expand(t, B, info, out.clone())
                     group = dict(width=width, rank=rank, tokens=tokens, adapters=D)
-                    for cfg in expand_configs(args.smoke):
+                    if S == 1:
+                        t = t[0]
+                    for cfg in expand_configs(args.smoke, args.stages):
                         buf = out.clone()
                         try:
                             bgmv_expand(t, B, info, buf, **cfg)
@@ -172,7 +176,7 @@ def sweep_expand(args, device, dtype, start) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
-        triton=triton.__version__, adapters=list(EXPAND_ADAPTERS), partials=4,
+        triton=triton.__version__, adapters=list(EXPAND_ADAPTERS), partials=S,
         method="bgmv_expand alone in a CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; bf16; "
                "best = least sum over the adapter counts",
         seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
@@ -185,6 +189,14 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--expand", action="store_true", help="sweep the expand's schedule instead")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes, few configs (CPU interpreter)")
+    parser.add_argument("--partials", type=int, default=4,
+                        help="--expand: split-K partials the expand reads (1: one unsplit t; the step's shrink "
+                             "uses up to 16, ops.decode_splits)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="--expand: ranks (default 16 64)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="--expand: token counts")
+    parser.add_argument("--widths", type=int, nargs="+", default=None, help="--expand: output widths")
+    parser.add_argument("--stages", type=int, nargs="+", default=[None],
+                        help="--expand: num_stages values for the sorted grid (default: the launch's own)")
     args = parser.parse_args()
     start = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -40,6 +40,7 @@ import torch
 from reference.batch_info import LoRABatchInfo, slot_sorted_view
 from reference.layers import LoRAContext
 from reference.mem_pool import LoRAMemoryPool
+from reference.ops.bgmv_expand import SORTED_MIN_TOKENS, choose_expand_schedule
 from reference.static_llama import StaticKVLlama
 
 __all__ = ["default_buckets", "bucket_for", "SlotChangeTracker", "StaticLoRABatch", "DecodeGraphRunner"]
@@ -187,27 +188,32 @@ class StaticLoRABatch:
         if self._copied is not None:
             self._copied.record()
 
-    def batch_info(self, bucket: int) -> LoRABatchInfo:
+    def batch_info(self, bucket: int, expand_schedule: str = "token") -> LoRABatchInfo:
         """The batch info a graph of ``bucket`` sequences is captured with (views, made once).
 
         ``has_active_lora`` is True: the LoRA launches are part of the graph whatever the batch.
         Padding sequences (from n to the bucket) sit in the pad slot's segment of the slot-sorted
-        view that :meth:`update` wrote for this bucket. Raises ValueError for a bucket outside
-        1..max_seqs.
+        view that :meth:`update` wrote for this bucket. ``expand_schedule`` ("token" or "sorted")
+        is the decode expand's schedule the graph is captured with (``reference.ops.bgmv_expand``);
+        both views read the same buffers. Raises ValueError for a bucket outside 1..max_seqs or
+        another schedule.
         """
         if bucket > self.max_seqs or bucket < 1:
             raise ValueError(f"bucket {bucket} outside 1..{self.max_seqs}")
-        if bucket not in self._views:
+        if expand_schedule not in ("token", "sorted"):
+            raise ValueError(f"expand_schedule must be 'token' or 'sorted', got {expand_schedule!r}")
+        key = bucket if expand_schedule == "token" else (bucket, expand_schedule)
+        if key not in self._views:
             b = self.buffers
             tokens = bucket * self.tokens_per_seq
             decode = self.tokens_per_seq == 1
-            self._views[bucket] = LoRABatchInfo(
+            self._views[key] = LoRABatchInfo(
                 bs=bucket, num_segments=self.num_slots, max_len=1 if decode else tokens,
                 has_active_lora=True, seg_lens=b["seg_lens"], seg_indptr=b["seg_indptr"],
                 weight_indices=b["weight_indices"], lora_ranks=b["lora_ranks"], scalings=b["scalings"],
                 permutation=b["permutation"][:tokens],
-                token_slots=b["token_slots"][:tokens])
-        return self._views[bucket]
+                token_slots=b["token_slots"][:tokens], expand_schedule=expand_schedule)
+        return self._views[key]
 
     def data_ptrs(self) -> dict[str, int]:
         """Address of every buffer (a test of the in-place discipline: they never change)."""
@@ -226,6 +232,13 @@ class DecodeGraphRunner:
     True) and one base-only. :meth:`decode` pads the batch to its bucket, keeps the pool's
     bookkeeping going for every step (``prepare_lora_batch``, base model kept resident: its slot, of
     rank 0, is where padding rows point), writes the static buffers in place and replays.
+
+    At one token per sequence, a bucket of at least ``ops.bgmv_expand.SORTED_MIN_TOKENS`` also gets
+    a third graph, its LoRA launches captured with the decode expand's "sorted" schedule (key
+    ``(bucket, "sorted")``; the others are ``(bucket, True)`` and ``(bucket, False)``): a graph
+    cannot change its kernels, so the choice by batch shape (``ops.bgmv_expand.choose_expand_schedule``
+    from the step's tokens and distinct adapters, host values) is a choice of graph.
+    ``last_key`` is the key of the graph the last step replayed.
 
     On CUDA the layers' ops must launch without reading the device (the Triton backend); the torch
     references read segment tables on the host and cannot be captured. Without CUDA (or with
@@ -260,21 +273,27 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(max_seqs, tokens_per_seq, dtype=torch.int64, device=device)
         self.cache_rows = torch.full((max_seqs,), self.llm.scratch_row, dtype=torch.int64, device=device)
         self.base_info = {}  # bucket -> the batch info of the base-only graphs (no LoRA launch)
-        self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, lora) -> (graph or None, output)
+        # (bucket, True | False | "sorted") -> (graph or None, output); see the class docstring
+        self.graphs: dict[tuple[int, object], tuple] = {}
+        self.last_key: Optional[tuple[int, object]] = None
         self.mempool = None
         self.replays = {"lora": 0, "base": 0}
 
     # ---- capture ---------------------------------------------------------------------------
-    def _step(self, bucket: int, lora: bool) -> torch.Tensor:
-        info = self.static.batch_info(bucket) if lora else self.base_info[bucket]
+    def _step(self, bucket: int, lora) -> torch.Tensor:
+        """``lora``: True (token-schedule expand), "sorted" or False (base only)."""
+        if lora:
+            info = self.static.batch_info(bucket, "sorted" if lora == "sorted" else "token")
+        else:
+            info = self.base_info[bucket]
         self.context.set_batch(info)
         return self.llm(self.input_ids[:bucket], self.positions[:bucket], self.cache_rows[:bucket])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's two graphs, largest bucket first (later, smaller graphs reuse the
-        shared pool's memory). The padding state the capture runs on: every row on the scratch row
-        of the KV cache and on the pad slot."""
+        """Capture every bucket's graphs (two, or three from ``SORTED_MIN_TOKENS`` tokens), largest
+        bucket first (later, smaller graphs reuse the shared pool's memory). The padding state the
+        capture runs on: every row on the scratch row of the KV cache and on the pad slot."""
         pad = self._pad_slot(self.pool.prepare_lora_batch([], running=[None]))
         self.static.update([], self.max_seqs, pad, self.pool.lora_ranks_host, self.pool.scalings_host,
                            ownership_changed=True)
@@ -283,7 +302,8 @@ class DecodeGraphRunner:
             info = self.static.batch_info(bucket)
             self.base_info[bucket] = LoRABatchInfo(**{**vars(info), "has_active_lora": False})
         for bucket in reversed(self.buckets):
-            for lora in (True, False):
+            sorted_too = self.tokens_per_seq == 1 and bucket >= SORTED_MIN_TOKENS
+            for lora in (True, "sorted", False) if sorted_too else (True, False):
                 if not self.use_graphs:
                     self.graphs[(bucket, lora)] = (None, None)
                     continue
@@ -327,11 +347,15 @@ class DecodeGraphRunner:
         uid_to_slot = self.pool.prepare_lora_batch(req_uids, running=[None])  # bookkeeping, every step
         slots = [uid_to_slot[u] for u in req_uids]
         ranks = self.pool.lora_ranks_host
-        lora = any(ranks[s] > 0 for s in slots)
+        adapters = len({s for s in slots if ranks[s] > 0})
+        lora = adapters > 0
+        if lora and (bucket, "sorted") in self.graphs and choose_expand_schedule(n * tps, adapters) == "sorted":
+            lora = "sorted"
         self.static.update(slots, bucket, self._pad_slot(uid_to_slot), ranks, self.pool.scalings_host,
                            ownership_changed=self.tracker.poll())
         self._write_inputs(input_ids, positions, cache_rows, bucket)
         graph, out = self.graphs[(bucket, lora)]
+        self.last_key = (bucket, lora)
         self.replays["lora" if lora else "base"] += 1
         if graph is not None:
             graph.replay()

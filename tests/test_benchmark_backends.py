@@ -17,7 +17,7 @@ from benchmark_decode_step import backend_named  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("name", ["triton_sorted", "triton_sorted_presum"])  # the others: token-schedule ops tested elsewhere
+@pytest.mark.parametrize("name", ["triton_sorted", "triton_sorted_presum", "triton_sorted:block_n=16,block_m=32"])  # the others: token-schedule ops tested elsewhere
 def test_decode_expand_variants_match_the_reference_on_a_graph_batch(name):
     """64 tokens (the sorted variants' threshold) in a CUDA-graph decode view over 4 slots (slot 0 of
     rank 0 holds the padding), three slices, split-K partials S = 3 and unsplit t."""
@@ -42,3 +42,8 @@ def test_decode_expand_variants_match_the_reference_on_a_graph_batch(name):
         want = torch_ref.bgmv_expand(t if splits == 1 else t.sum(0), B, info, base.clone(), offsets)
         got = expand(t, B, info, base.clone(), offsets)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sorted_override_it_does_not_know_stops_the_run():
+    with pytest.raises(SystemExit, match="blocks_n"):
+        backend_named("triton_sorted:blocks_n=64")

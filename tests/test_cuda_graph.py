@@ -228,6 +228,61 @@ def test_a_missed_change_flag_serves_a_stale_adapter(base, adapters, peft_model)
     assert (stale - want).abs().max() > 1e-3 * want.abs().max(), "the stale tables went unnoticed"
 
 
+def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(base, adapters, peft_model):
+    """Bucket 64 has a third graph, its expand on the slot-sorted view. 64 sequences on 4 adapters
+    (16 tokens each, interleaved so sorted order is not batch order, base rows among them) replay
+    it; 48 sequences in the same bucket (under SORTED_MIN_TOKENS) replay the token graph. Both
+    match PEFT; the Triton kernels run (in the interpreter on the CPU)."""
+    model, pool, context = _served(base, adapters, "triton", num_slots=5)
+    runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,))
+    names = list(ADAPTERS)
+    for n, want in ((64, "sorted"), (48, True)):
+        uids = [None if i % 9 == 4 else names[(5 * i) % 4] for i in range(n)]
+        tokens = [(7 * i + n) % CFG["vocab_size"] for i in range(n)]
+        logits = runner.decode([[t] for t in tokens], [0] * n, range(n), uids)[:, 0]
+        assert runner.last_key == (64, want), runner.last_key
+        for k in range(0, n, 5):
+            _close(logits[k], _peft_next_logits(peft_model, [tokens[k]], uids[k]), f"{n} sequences, row {k} ({uids[k]})")
+    assert set(runner.graphs) == {(64, True), (64, "sorted"), (64, False)}
+
+
+def test_expand_schedule_by_batch_shape():
+    from reference.ops.bgmv_expand import SORTED_MIN_TOKENS, SORTED_MIN_TOKENS_PER_ADAPTER, choose_expand_schedule
+
+    per = SORTED_MIN_TOKENS_PER_ADAPTER
+    assert choose_expand_schedule(SORTED_MIN_TOKENS, SORTED_MIN_TOKENS // per) == "sorted"
+    assert choose_expand_schedule(SORTED_MIN_TOKENS, SORTED_MIN_TOKENS // per + 1) == "token"
+    assert choose_expand_schedule(SORTED_MIN_TOKENS - 1, 1) == "token"
+    assert choose_expand_schedule(4 * SORTED_MIN_TOKENS, 1) == "sorted"
+    assert choose_expand_schedule(SORTED_MIN_TOKENS, 0) == "token"  # base only: no LoRA launch anyway
+
+
+def test_the_expand_follows_the_batch_schedule():
+    """bgmv_expand with no schedule argument reads the batch's: a "sorted" view without its
+    permutation is refused by the sorted schedule, proof that it was the one asked for."""
+    from dataclasses import replace
+
+    from reference.ops import bgmv_expand
+
+    static = StaticLoRABatch(2, 4, device=DEVICE)
+    static.update([1, 1, 1, 1], 4, 0, [0, 4], [0.0, 1.0], ownership_changed=True)
+    t, B, out = torch.ones(4, 4, device=DEVICE), torch.ones(2, 8, 4, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="'sorted' schedule needs"):
+        bgmv_expand(t, B, replace(static.batch_info(4, "sorted"), permutation=None), out)
+    bgmv_expand(t, B, replace(static.batch_info(4), permutation=None), out)  # token: no permutation read
+    assert torch.equal(out, torch.full_like(out, 4.0))
+
+
+def test_static_batch_views_carry_their_schedule():
+    static = StaticLoRABatch(3, 8)
+    token, sorted_ = static.batch_info(8), static.batch_info(8, "sorted")
+    assert (token.expand_schedule, sorted_.expand_schedule) == ("token", "sorted")
+    assert token.token_slots.data_ptr() == sorted_.token_slots.data_ptr()  # one set of buffers
+    assert static.batch_info(8, "sorted") is sorted_
+    with pytest.raises(ValueError, match="expand_schedule"):
+        static.batch_info(8, "slot")
+
+
 # ---- the static buffers -------------------------------------------------------------------------
 def test_buckets():
     assert default_buckets(40) == (1, 2, 4, 8, 16, 32, 40)

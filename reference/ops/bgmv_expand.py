@@ -29,13 +29,18 @@ Two schedules, same result:
   decode batch carries that view (``reference.cuda_graph.StaticLoRABatch``; TensorRT-LLM's per-slot
   counts, offsets and sorted token ids; vLLM sorts token indices by lora id the same way).
 
-The default is "token". Measured on an H200 (``benchmarks/sweep_split_k.py --expand`` ->
-``benchmarks/results/decode_expand_h200.json``, S = 4 partials): "sorted" wins when each adapter
-has many tokens (8 adapters at 256 tokens) and loses when it has few (32 adapters at 64 tokens,
-where each segment of ~2 tokens still reads its whole B tile), and a captured graph does not know
-how many adapters its batches will hold. In the whole decode step with the tuned split-K partials
-(up to 16 per row) it was far slower still (``benchmarks/results/decode_step_sorted_h200.json``):
-the schedule is there to measure and to teach, not the layers' default.
+Which one: :func:`choose_expand_schedule`, from host values (tokens, distinct adapters), so a
+CUDA-graph runner captures both and replays the one that fits the step (``schedule=None`` reads the
+batch's ``expand_schedule``, "token" unless its builder chose). Measured on an H200 in the whole
+8-layer decode step (``benchmarks/results/decode_step_r64_h200.json``, rank 64): "sorted" wins at 8
+or more tokens per adapter (64 x 8: +35.0% against +39.3% of the base step; 256 x 32: +41.4%
+against +53.9%) and loses at 2 (64 x 32: +54.8% against +43.1%): with ~2 tokens per segment a
+block of 16 rows is mostly padding, while per token the B tile is only re-read twice.
+
+"sorted" sums split-K partials with one torch reduction before its launch. Summed inside the
+``tl.dot`` kernel (as "token" does, per row) the S = 16 [16, rank 64] fp32 tiles of the widest
+shrinks cost registers and spills: 351.4 against 43.6 us for one gate/up expand at 64 tokens on 8
+adapters (``benchmarks/results/decode_expand_s16_h200.json``), and +233.7% on the whole step.
 
 A first adapter-grouped schedule without the sorted view (each slot's program scanned all of
 ``token_slots`` for its tokens) was 1.06-2.06x slower than "token" at every swept shape
@@ -54,7 +59,23 @@ from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, load_summed, next_pow2_at_least, shrink_rows
 from reference.ops.sgmv_expand import _slice_bound, sgmv_expand, slice_bounds
 
-__all__ = ["bgmv_expand"]
+__all__ = ["bgmv_expand", "choose_expand_schedule", "SORTED_MIN_TOKENS", "SORTED_MIN_TOKENS_PER_ADAPTER"]
+
+#: The "sorted" schedule only from this many tokens (below it one SM wave of "token" programs is
+#: already short) ...
+SORTED_MIN_TOKENS = 64
+#: ... and this many tokens per distinct adapter (measured: 8 wins, 2 loses; see the module docstring).
+SORTED_MIN_TOKENS_PER_ADAPTER = 8
+
+
+def choose_expand_schedule(num_tokens: int, num_adapters: int) -> str:
+    """The decode expand's schedule for a batch of ``num_tokens`` tokens over ``num_adapters``
+    distinct adapters of rank > 0 (host ints): "sorted" when there are at least
+    :data:`SORTED_MIN_TOKENS` tokens and :data:`SORTED_MIN_TOKENS_PER_ADAPTER` per adapter, else
+    "token". Examples: (64, 8) -> "sorted"; (64, 32) -> "token"; (16, 1) -> "token"."""
+    if num_adapters < 1 or num_tokens < SORTED_MIN_TOKENS:
+        return "token"
+    return "sorted" if num_tokens >= SORTED_MIN_TOKENS_PER_ADAPTER * num_adapters else "token"
 
 
 @triton.jit
@@ -115,11 +136,11 @@ def bgmv_expand(
 ) -> torch.Tensor:
     """Launch the BGMV expand kernel (see the module docstring). Returns ``out``.
 
-    ``schedule`` "token" (default) or "sorted" (see the module docstring); "sorted" needs the batch's
-    slot-sorted view (``permutation``, segments by slot) and takes ``block_m`` (tokens per program,
-    default 16), ``block_n`` (default 256), ``num_warps`` (default 4) and ``num_stages`` (default 1:
-    its K loop is one pass, and deeper pipelining of the split-K partials' loads only costs shared
-    memory).
+    ``schedule`` "token" or "sorted" (see the module docstring; default: the batch's
+    ``expand_schedule``); "sorted" needs the batch's slot-sorted view (``permutation``, segments by
+    slot), sums split-K partials first (one torch reduction) and takes ``block_m`` (tokens per
+    program, default 16), ``block_n`` (default 256), ``num_warps`` (default 4) and ``num_stages``
+    (default 1: its K loop is one pass).
 
     ``block_n`` (output columns per program) of the "token" schedule defaults by the pool's max
     rank, from a sweep on an H200 (hidden 4096, bf16, 16-256 tokens;
@@ -139,7 +160,7 @@ def bgmv_expand(
     num_slices = 1 if slice_offsets is None else len(slice_offsets) - 1
     if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
-    schedule = "token" if schedule is None else schedule
+    schedule = getattr(batch_info, "expand_schedule", "token") if schedule is None else schedule
     if schedule not in ("token", "sorted"):
         raise ValueError(f"schedule must be 'token' or 'sorted', got {schedule!r}")
     if schedule == "sorted" and (batch_info.permutation is None or batch_info.permutation.shape[0] != rows.shape[0]):
@@ -148,6 +169,8 @@ def bgmv_expand(
     if rows.shape[0] == 0:
         return out
     if schedule == "sorted":
+        if t.dim() == 3:  # see the module docstring: summed in the tl.dot kernel, the partials spill
+            t = t.sum(0)
         return sgmv_expand(t, B_stack, batch_info, out, slice_offsets, block_m=16 if block_m is None else block_m,
                            block_n=256 if block_n is None else block_n,
                            num_warps=4 if num_warps is None else num_warps, max_len=rows.shape[0],
