@@ -24,6 +24,9 @@ every LoRA overhead is against the first backend's base graph, the cuBLAS projec
 ``triton_token`` the default with the per-token expand, ``triton_sorted`` the default with
 bgmv_expand's "sorted" schedule from 64 tokens, ``triton_tuned`` the default with the
 per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_split_k.py``).
+The runner replays, per case, the graph its ``expand_rule`` picks (the layers' rule for ``triton``:
+the token or the sorted expand, ``reference.ops.bgmv_expand.choose_expand_schedule``); each row's
+``graph`` says which ("base", "token" or "sorted").
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at
@@ -164,6 +167,18 @@ def backend_named(name: str):
     return get_backend(name)
 
 
+def expand_rule_for(backend: str):
+    """The runner's graph choice for a backend: variants that force the expand's schedule get the
+    graph of that schedule (so each row's ``graph`` says what ran); the others the layers' rule."""
+    from reference.ops.bgmv_expand import choose_expand_schedule
+
+    if backend in ("triton_token", "triton_nosplit") or backend.startswith("triton_fused"):  # fused: no expand kernel
+        return lambda tokens, adapters, rank: "token"
+    if backend.startswith("triton_sorted"):
+        return lambda tokens, adapters, rank: "sorted" if tokens >= 64 else "token"
+    return choose_expand_schedule
+
+
 def timer(device: torch.device, rep: int = 100):
     """A function timing ``fn`` in us: on CUDA ``do_bench``'s median over ``rep`` ms of calls."""
     if device.type == "cuda":
@@ -249,7 +264,7 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
             context_ = LoRAContext()
             model = wrap_llama(base, pool, context_, backend_named(backend))
             runner = DecodeGraphRunner(model, pool, context_, max_seqs=max_seqs, max_len=context + 8,
-                                       buckets=tuple(seqs_list))
+                                       buckets=tuple(seqs_list), expand_rule=expand_rule_for(backend))
             runner.capture()
             for n in seqs_list:
                 for D in adapter_counts:

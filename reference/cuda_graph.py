@@ -33,14 +33,14 @@ list, largest first, one graph pool).
 """
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
 from reference.batch_info import LoRABatchInfo, slot_sorted_view
 from reference.layers import LoRAContext
 from reference.mem_pool import LoRAMemoryPool
-from reference.ops.bgmv_expand import SORTED_MIN_TOKENS, choose_expand_schedule
+from reference.ops.bgmv_expand import choose_expand_schedule
 from reference.static_llama import StaticKVLlama
 
 __all__ = ["default_buckets", "bucket_for", "SlotChangeTracker", "StaticLoRABatch", "DecodeGraphRunner"]
@@ -233,12 +233,12 @@ class DecodeGraphRunner:
     bookkeeping going for every step (``prepare_lora_batch``, base model kept resident: its slot, of
     rank 0, is where padding rows point), writes the static buffers in place and replays.
 
-    At one token per sequence, a bucket of at least ``ops.bgmv_expand.SORTED_MIN_TOKENS`` also gets
-    a third graph, its LoRA launches captured with the decode expand's "sorted" schedule (key
+    At one token per sequence, a bucket where ``expand_rule`` can choose the decode expand's
+    "sorted" schedule also gets a third graph, its LoRA launches captured with that schedule (key
     ``(bucket, "sorted")``; the others are ``(bucket, True)`` and ``(bucket, False)``): a graph
-    cannot change its kernels, so the choice by batch shape (``ops.bgmv_expand.choose_expand_schedule``
-    from the step's tokens and distinct adapters, host values) is a choice of graph.
-    ``last_key`` is the key of the graph the last step replayed.
+    cannot change its kernels, so the choice by batch shape (``expand_rule(tokens, distinct
+    adapters, the pool's max rank)``, host values) is a choice of graph. ``last_key`` is the key of
+    the graph the last step replayed.
 
     On CUDA the layers' ops must launch without reading the device (the Triton backend); the torch
     references read segment tables on the host and cannot be captured. Without CUDA (or with
@@ -251,13 +251,17 @@ class DecodeGraphRunner:
         buckets: batch sizes to capture (default :func:`default_buckets`).
         tokens_per_seq: tokens each sequence decodes per step (> 1: speculative verification).
         use_graphs: capture CUDA graphs (default: when the model is on a CUDA device).
+        expand_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" (default
+            ``reference.ops.bgmv_expand.choose_expand_schedule``, measured on an H200); a bucket
+            gets its sorted graph when the rule picks "sorted" for all its tokens on one adapter.
     Raises:
         ValueError: a bucket outside 1..max_seqs.
     """
 
     def __init__(self, model: torch.nn.Module, pool: LoRAMemoryPool, context: LoRAContext, *,
                  max_seqs: int, max_len: int, buckets: Optional[Sequence[int]] = None,
-                 tokens_per_seq: int = 1, use_graphs: Optional[bool] = None) -> None:
+                 tokens_per_seq: int = 1, use_graphs: Optional[bool] = None,
+                 expand_rule: Callable[[int, int, int], str] = choose_expand_schedule) -> None:
         self.pool, self.context = pool, context
         self.llm = StaticKVLlama(model, max_seqs, max_len)
         device = self.llm.k_cache.device
@@ -267,6 +271,7 @@ class DecodeGraphRunner:
         if self.buckets[0] < 1 or self.buckets[-1] > max_seqs:
             raise ValueError(f"buckets {self.buckets} must lie in 1..{max_seqs}")
         self.max_seqs, self.tokens_per_seq = max_seqs, tokens_per_seq
+        self.expand_rule = expand_rule
         self.static = StaticLoRABatch(pool.num_slots, max_seqs, tokens_per_seq, device)
         self.tracker = SlotChangeTracker(pool)
         self.input_ids = torch.zeros(max_seqs, tokens_per_seq, dtype=torch.int64, device=device)
@@ -291,7 +296,7 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's graphs (two, or three from ``SORTED_MIN_TOKENS`` tokens), largest
+        """Capture every bucket's graphs (two, or three where ``expand_rule`` can pick "sorted"), largest
         bucket first (later, smaller graphs reuse the shared pool's memory). The padding state the
         capture runs on: every row on the scratch row of the KV cache and on the pad slot."""
         pad = self._pad_slot(self.pool.prepare_lora_batch([], running=[None]))
@@ -302,7 +307,8 @@ class DecodeGraphRunner:
             info = self.static.batch_info(bucket)
             self.base_info[bucket] = LoRABatchInfo(**{**vars(info), "has_active_lora": False})
         for bucket in reversed(self.buckets):
-            sorted_too = self.tokens_per_seq == 1 and bucket >= SORTED_MIN_TOKENS
+            sorted_too = (self.tokens_per_seq == 1
+                          and self.expand_rule(bucket, 1, self.pool.max_lora_rank) == "sorted")
             for lora in (True, "sorted", False) if sorted_too else (True, False):
                 if not self.use_graphs:
                     self.graphs[(bucket, lora)] = (None, None)
@@ -349,7 +355,8 @@ class DecodeGraphRunner:
         ranks = self.pool.lora_ranks_host
         adapters = len({s for s in slots if ranks[s] > 0})
         lora = adapters > 0
-        if lora and (bucket, "sorted") in self.graphs and choose_expand_schedule(n * tps, adapters) == "sorted":
+        if (lora and (bucket, "sorted") in self.graphs
+                and self.expand_rule(n * tps, adapters, self.pool.max_lora_rank) == "sorted"):
             lora = "sorted"
         self.static.update(slots, bucket, self._pad_slot(uid_to_slot), ranks, self.pool.scalings_host,
                            ownership_changed=self.tracker.poll())

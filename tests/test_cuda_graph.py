@@ -233,8 +233,12 @@ def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(base, ada
     (16 tokens each, interleaved so sorted order is not batch order, base rows among them) replay
     it; 48 sequences in the same bucket (under SORTED_MIN_TOKENS) replay the token graph. Both
     match PEFT; the Triton kernels run (in the interpreter on the CPU)."""
+    from reference.ops.bgmv_expand import SORTED_MIN_RANK, choose_expand_schedule
+
     model, pool, context = _served(base, adapters, "triton", num_slots=5)
-    runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,))
+    # the default rule takes "sorted" from rank 64 only (measured); this pool's max rank is 8
+    runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,),
+                               expand_rule=lambda T, D, r: choose_expand_schedule(T, D, SORTED_MIN_RANK))
     names = list(ADAPTERS)
     for n, want in ((64, "sorted"), (48, True)):
         uids = [None if i % 9 == 4 else names[(5 * i) % 4] for i in range(n)]
@@ -247,14 +251,26 @@ def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(base, ada
 
 
 def test_expand_schedule_by_batch_shape():
-    from reference.ops.bgmv_expand import SORTED_MIN_TOKENS, SORTED_MIN_TOKENS_PER_ADAPTER, choose_expand_schedule
+    from reference.ops.bgmv_expand import (SORTED_MIN_RANK, SORTED_MIN_TOKENS, SORTED_MIN_TOKENS_PER_ADAPTER,
+                                           choose_expand_schedule)
 
-    per = SORTED_MIN_TOKENS_PER_ADAPTER
-    assert choose_expand_schedule(SORTED_MIN_TOKENS, SORTED_MIN_TOKENS // per) == "sorted"
-    assert choose_expand_schedule(SORTED_MIN_TOKENS, SORTED_MIN_TOKENS // per + 1) == "token"
-    assert choose_expand_schedule(SORTED_MIN_TOKENS - 1, 1) == "token"
-    assert choose_expand_schedule(4 * SORTED_MIN_TOKENS, 1) == "sorted"
-    assert choose_expand_schedule(SORTED_MIN_TOKENS, 0) == "token"  # base only: no LoRA launch anyway
+    per, T, r = SORTED_MIN_TOKENS_PER_ADAPTER, SORTED_MIN_TOKENS, SORTED_MIN_RANK
+    assert choose_expand_schedule(T, T // per, r) == "sorted"
+    assert choose_expand_schedule(T, T // per + 1, r) == "token"
+    assert choose_expand_schedule(T - 1, 1, r) == "token"
+    assert choose_expand_schedule(4 * T, 1, 2 * r) == "sorted"
+    assert choose_expand_schedule(4 * T, 1, r // 2) == "token"  # small ranks: re-reads of B are cheap
+    assert choose_expand_schedule(T, 0, r) == "token"  # base only: no LoRA launch anyway
+    assert (choose_expand_schedule(64, 8, 64), choose_expand_schedule(64, 16, 64),
+            choose_expand_schedule(64, 8, 16)) == ("sorted", "token", "token")  # the docstring's examples
+
+
+def test_no_sorted_graph_where_the_rule_never_picks_it(base, adapters):
+    """The default rule at this pool's max rank 8: bucket 64 keeps its two graphs."""
+    model, pool, context = _served(base, adapters, "torch", num_slots=5)
+    runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,))
+    runner.capture()
+    assert set(runner.graphs) == {(64, True), (64, False)}
 
 
 def test_the_expand_follows_the_batch_schedule():

@@ -29,18 +29,23 @@ Two schedules, same result:
   decode batch carries that view (``reference.cuda_graph.StaticLoRABatch``; TensorRT-LLM's per-slot
   counts, offsets and sorted token ids; vLLM sorts token indices by lora id the same way).
 
-Which one: :func:`choose_expand_schedule`, from host values (tokens, distinct adapters), so a
-CUDA-graph runner captures both and replays the one that fits the step (``schedule=None`` reads the
-batch's ``expand_schedule``, "token" unless its builder chose). Measured on an H200 in the whole
-8-layer decode step (``benchmarks/results/decode_step_r64_h200.json``, rank 64): "sorted" wins at 8
-or more tokens per adapter (64 x 8: +35.0% against +39.3% of the base step; 256 x 32: +41.4%
-against +53.9%) and loses at 2 (64 x 32: +54.8% against +43.1%): with ~2 tokens per segment a
-block of 16 rows is mostly padding, while per token the B tile is only re-read twice.
+Which one: :func:`choose_expand_schedule`, from host values (tokens, distinct adapters, the
+pool's max rank), so a CUDA-graph runner captures both and replays the one that fits the step
+(``schedule=None`` reads the batch's ``expand_schedule``, "token" unless its builder chose).
+Measured on an H200 in the whole 8-layer decode step, one run
+(``benchmarks/results/decode_step_schedule_h200.json``, LoRA overhead over the base step): at rank
+64 "sorted" wins at 8 or more tokens per adapter (64 x 8: +35.0% against +39.4%; 256 x 32: +41.3%
+against +53.8%) and not at 4 or 2 (64 x 16: +41.2% against +40.7%; 64 x 32: +54.8% against
++43.2%), where a block of 16 rows is mostly padding while per token the B tile is re-read only a
+few times; at rank 16 it never wins by more than the noise and loses at 64 x 8 (+19.9% against
++15.0%): the B tiles are 4x smaller, so their re-reads cost less than the sorted launch's padding
+and its partials' reduction.
 
 "sorted" sums split-K partials with one torch reduction before its launch. Summed inside the
 ``tl.dot`` kernel (as "token" does, per row) the S = 16 [16, rank 64] fp32 tiles of the widest
 shrinks cost registers and spills: 351.4 against 43.6 us for one gate/up expand at 64 tokens on 8
-adapters (``benchmarks/results/decode_expand_s16_h200.json``), and +233.7% on the whole step.
+adapters (``benchmarks/results/decode_expand_s16_h200.json``), and +233.7% against +35.0% with the
+reduction first on the whole step at 64 x 8, rank 64 (``benchmarks/results/decode_step_r64_h200.json``).
 
 A first adapter-grouped schedule without the sorted view (each slot's program scanned all of
 ``token_slots`` for its tokens) was 1.06-2.06x slower than "token" at every swept shape
@@ -59,21 +64,25 @@ from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, load_summed, next_pow2_at_least, shrink_rows
 from reference.ops.sgmv_expand import _slice_bound, sgmv_expand, slice_bounds
 
-__all__ = ["bgmv_expand", "choose_expand_schedule", "SORTED_MIN_TOKENS", "SORTED_MIN_TOKENS_PER_ADAPTER"]
+__all__ = ["bgmv_expand", "choose_expand_schedule", "SORTED_MIN_RANK", "SORTED_MIN_TOKENS",
+           "SORTED_MIN_TOKENS_PER_ADAPTER"]
 
-#: The "sorted" schedule only from this many tokens (below it one SM wave of "token" programs is
-#: already short) ...
+#: The "sorted" schedule only for pools of at least this max rank (measured: wins at 64, not at 16) ...
+SORTED_MIN_RANK = 64
+#: ... from this many tokens (the smallest batch where it was measured to win) ...
 SORTED_MIN_TOKENS = 64
-#: ... and this many tokens per distinct adapter (measured: 8 wins, 2 loses; see the module docstring).
+#: ... and this many tokens per distinct adapter (measured: 8 wins, 4 and 2 do not).
 SORTED_MIN_TOKENS_PER_ADAPTER = 8
 
 
-def choose_expand_schedule(num_tokens: int, num_adapters: int) -> str:
+def choose_expand_schedule(num_tokens: int, num_adapters: int, max_rank: int) -> str:
     """The decode expand's schedule for a batch of ``num_tokens`` tokens over ``num_adapters``
-    distinct adapters of rank > 0 (host ints): "sorted" when there are at least
-    :data:`SORTED_MIN_TOKENS` tokens and :data:`SORTED_MIN_TOKENS_PER_ADAPTER` per adapter, else
-    "token". Examples: (64, 8) -> "sorted"; (64, 32) -> "token"; (16, 1) -> "token"."""
-    if num_adapters < 1 or num_tokens < SORTED_MIN_TOKENS:
+    distinct adapters of rank > 0, served from a pool of max rank ``max_rank`` (host ints):
+    "sorted" when ``max_rank >= SORTED_MIN_RANK``, ``num_tokens >= SORTED_MIN_TOKENS`` and there
+    are at least ``SORTED_MIN_TOKENS_PER_ADAPTER`` tokens per adapter; else "token" (the module
+    docstring has the measurements). Examples: (64, 8, 64) -> "sorted"; (64, 16, 64) -> "token";
+    (64, 8, 16) -> "token"; (16, 1, 64) -> "token"."""
+    if max_rank < SORTED_MIN_RANK or num_adapters < 1 or num_tokens < SORTED_MIN_TOKENS:
         return "token"
     return "sorted" if num_tokens >= SORTED_MIN_TOKENS_PER_ADAPTER * num_adapters else "token"
 
