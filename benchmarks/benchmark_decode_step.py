@@ -108,9 +108,11 @@ def backend_named(name: str):
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
-    "triton_sorted_presum" (the same, the split-K partials summed by one torch reduction first: does
-    the sorted expand lose to the partials it sums?); either with ":block_n=64,num_stages=3" (any of
-    block_m, block_n, num_warps, num_stages) sets the sorted launch's config;
+    "triton_sorted_presum", the name of the same variant in the committed runs where "triton_sorted"
+    still summed the split-K partials inside SGMV's kernel (``decode_step_sorted_h200.json``,
+    ``decode_step_r64_h200.json``; sgmv_expand reduces them first since); either with
+    ":block_n=64,num_stages=3" (any of block_m, block_n, num_warps, num_stages) sets the sorted
+    launch's config;
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
@@ -128,7 +130,6 @@ def backend_named(name: str):
                                                                                          schedule="token"))
     stem, _, overrides = name.partition(":")
     if stem in ("triton_sorted", "triton_sorted_presum"):
-        presum = stem == "triton_sorted_presum"
         # "triton_sorted:block_n=64,num_stages=3": the sorted launch's config overrides, so one run
         # can set configs side by side in the whole step
         config = {k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)}
@@ -140,8 +141,6 @@ def backend_named(name: str):
             rows = t.shape[-2]
             if batch_info.permutation is None or rows < 64:
                 return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="token")
-            if presum and t.dim() == 3:  # one reduction launch, so the expand reads one fp32 t
-                t = t.sum(0)
             return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted", **config)
         return get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
     if name == "triton_tuned":

@@ -116,8 +116,9 @@ class StaticLoRABatch:
 
     :meth:`batch_info` gives, per bucket, a :class:`LoRABatchInfo` of views into these buffers:
     with one token per sequence it carries ``max_len = 1`` and ``token_slots``, so the layers choose
-    BGMV (chapter 07's rule), and the slot-sorted view too, which the BGMV expand may read; with several (speculative verification) it carries the slot-sorted
-    segments with ``max_len`` = the bucket's token count, so SGMV's grid covers any segment.
+    BGMV (chapter 07's rule), and the slot-sorted view too, which the BGMV expand may read; with
+    several (speculative verification) it carries the slot-sorted segments with ``max_len`` = the
+    bucket's token count, so SGMV's grid covers any segment.
     """
 
     def __init__(self, num_slots: int, max_seqs: int, tokens_per_seq: int = 1,

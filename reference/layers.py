@@ -51,6 +51,7 @@ from reference import ops
 from reference.adapters import layer_index, projection_map
 from reference.batch_info import LoRABatchInfo
 from reference.mem_pool import LoRAMemoryPool
+from reference.ops._triton_util import summed_partials
 
 __all__ = ["LoRAContext", "LoRABackend", "get_backend", "uses_token_slots", "SharedShrink", "LoRALinear",
            "wrap_llama", "unwrap_llama"]
@@ -300,7 +301,8 @@ class LoRALinear(nn.Module):
                                  "batch_info.token_slots, which this batch info lacks")
             shrink, _ = _ops_for(self.backend, info)
             t = self.shared.get(x, self.context.generation,
-                                lambda: _summed(self._shrink(rows, info, shrink, splits=True)))
+                                # reduced here, once for the packed parts (lora_gemm would reduce per part)
+                                lambda: summed_partials(self._shrink(rows, info, shrink, splits=True)))
             lo, hi = self.rows_of_B
             B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]
             y = self.backend.gemm(rows, W, t=t, B_stack=B, batch_info=info, part=self.part)
@@ -321,16 +323,6 @@ class LoRALinear(nn.Module):
         else:
             t = rows.new_empty(rows.shape[0], A.shape[1])
         return shrink(rows, A, info, t, stack_num=self.spec.stack_num)
-
-
-def _summed(t: torch.Tensor) -> torch.Tensor:
-    """The split-K partials [S, T, width] summed in fp32 by one reduction (2-D t as it is).
-
-    For the fused GEMM's epilogue: it can sum the partials as it loads t, but S of them as
-    [block_m, rank] fp32 tiles in a ``tl.dot`` kernel cost registers (spills), as in SGMV's expand
-    (``reference.ops.bgmv_expand``'s "sorted" schedule, measured there); one small reduction shared
-    by the packed parts does not."""
-    return t.sum(0) if t.dim() == 3 else t
 
 
 def _targets(model: nn.Module, pool: LoRAMemoryPool) -> list[tuple[str, int, str, int]]:

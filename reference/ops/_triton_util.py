@@ -1,5 +1,5 @@
-"""Small helpers shared by the book's Triton ops: host-side checks, and the one device helper that
-every reader of the split-K shrink's partials uses."""
+"""Small helpers shared by the book's Triton ops: host-side checks, the split-K partials' reduction
+for the ops that tile t, and the device helper with which the per-token expand sums them instead."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,8 @@ import triton.language as tl
 
 from reference.device import interpreting
 
-__all__ = ["upcast", "next_pow2_at_least", "check_same_device", "tl_float32_dot", "shrink_rows", "load_summed"]
+__all__ = ["upcast", "next_pow2_at_least", "check_same_device", "tl_float32_dot", "shrink_rows", "summed_partials",
+           "load_summed"]
 
 
 def upcast(*tensors: torch.Tensor) -> bool:
@@ -52,6 +53,22 @@ def shrink_rows(t: torch.Tensor) -> tuple[int, torch.Tensor, int]:
         return t.shape[0], t[0], t.stride(0)
     raise ValueError(f"t must be [num_tokens, width] or fp32 split-K partials [S, num_tokens, width], got "
                      f"{list(t.shape)} ({t.dtype})")
+
+
+def summed_partials(t: torch.Tensor) -> torch.Tensor:
+    """t as one [num_tokens, width] tensor: 2-D as it is; the split-K shrink's fp32 partials
+    [S, num_tokens, width] summed by one torch reduction (fp32).
+
+    For the kernels that load t as [rows, rank] tiles for ``tl.dot`` (SGMV's expand, the fused
+    GEMM's epilogue): summed inside them, the S partial tiles are live together and spill (an H200
+    expand at 16 partials: 352 against 44 us, ``benchmarks/results/decode_expand_s16_h200.json``).
+    The per-token expand, which loads one row, sums them as it loads (:func:`load_summed`).
+
+    Raises:
+        ValueError: as :func:`shrink_rows`.
+    """
+    shrink_rows(t)
+    return t.sum(0) if t.dim() == 3 else t
 
 
 @triton.jit

@@ -37,11 +37,12 @@ Measured on an H200 in the whole 8-layer decode step, one run
 64 "sorted" wins at 8 or more tokens per adapter (64 x 8: +35.0% against +39.4%; 256 x 32: +41.3%
 against +53.8%) and not at 4 or 2 (64 x 16: +41.2% against +40.7%; 64 x 32: +54.8% against
 +43.2%), where a block of 16 rows is mostly padding while per token the B tile is re-read only a
-few times; at rank 16 it never wins by more than the noise and loses at 64 x 8 (+19.9% against
-+15.0%): the B tiles are 4x smaller, so their re-reads cost less than the sorted launch's padding
-and its partials' reduction.
+few times; at rank 16 it wins by less than the noise at 256 x 8 and 256 x 16 and loses at every
+64-sequence batch and at 256 x 32 (64 x 8: +19.9% against +15.0%): the B tiles are 4x smaller, so
+their re-reads cost less than the sorted launch's padding and its partials' reduction.
 
-"sorted" sums split-K partials with one torch reduction before its launch. Summed inside the
+"sorted" sums split-K partials with one torch reduction before its launch (``sgmv_expand`` does,
+``_triton_util.summed_partials``). Summed inside the
 ``tl.dot`` kernel (as "token" does, per row) the S = 16 [16, rank 64] fp32 tiles of the widest
 shrinks cost registers and spills: 351.4 against 43.6 us for one gate/up expand at 64 tokens on 8
 adapters (``benchmarks/results/decode_expand_s16_h200.json``), and +233.7% against +35.0% with the
@@ -178,8 +179,7 @@ def bgmv_expand(
     if rows.shape[0] == 0:
         return out
     if schedule == "sorted":
-        if t.dim() == 3:  # see the module docstring: summed in the tl.dot kernel, the partials spill
-            t = t.sum(0)
+        # sgmv_expand sums split-K partials first (see the module docstring)
         return sgmv_expand(t, B_stack, batch_info, out, slice_offsets, block_m=16 if block_m is None else block_m,
                            block_n=256 if block_n is None else block_n,
                            num_warps=4 if num_warps is None else num_warps, max_len=rows.shape[0],

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import (check_same_device, load_summed, next_pow2_at_least, shrink_rows,
+from reference.ops._triton_util import (check_same_device, next_pow2_at_least, summed_partials,
                                          tl_float32_dot, upcast)
 
 __all__ = ["lora_gemm", "default_config"]
@@ -53,12 +53,12 @@ def _lora_gemm_kernel(
     M, N, K, part,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    stride_ts, stride_tm, stride_tr, stride_bs, stride_bn, stride_br,
+    stride_tm, stride_tr, stride_bs, stride_bn, stride_br,
     # batch metadata
     token_slots_ptr, lora_ranks_ptr, scalings_ptr,
     # constexpr
     HAS_LORA: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # offsets in int64: a row index times its stride passes 2^31 elements at real sizes.
@@ -99,7 +99,6 @@ def _lora_gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
         stride_tm, stride_tr = tl.cast(stride_tm, tl.int64), tl.cast(stride_tr, tl.int64)
-        stride_ts = tl.cast(stride_ts, tl.int64)
         stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
         stride_br = tl.cast(stride_br, tl.int64)
         slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=0)
@@ -112,8 +111,7 @@ def _lora_gemm_kernel(
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(0, tl.max(tl.where(live, ranks, 0), axis=0)):
             use = live & (j < ranks)
-            t_col = load_summed(t_ptr + offs_m * stride_tm + (part * ranks + j) * stride_tr, stride_ts, use,
-                                NUM_SPLITS)  # split-K partials summed
+            t_col = tl.load(t_ptr + offs_m * stride_tm + (part * ranks + j) * stride_tr, mask=use, other=0.0)
             t_col = t_col.to(x_ptr.dtype.element_ty).to(tl.float32)  # t in x's dtype, as a two-kernel path
             b_col = tl.load(b_ptr + slots[:, None] * stride_bs + offs_n[None, :] * stride_bn + j * stride_br,
                             mask=use[:, None] & n_mask[None, :], other=0.0)
@@ -130,8 +128,8 @@ def _lora_gemm_kernel(
             rank = tl.load(lora_ranks_ptr + cur)
             scaling = tl.load(scalings_ptr + cur)
             r_mask = offs_r < rank
-            t_tile = load_summed(t_ptr + offs_m[:, None] * stride_tm + (part * rank + offs_r)[None, :] * stride_tr,
-                                 stride_ts, rows[:, None] & r_mask[None, :], NUM_SPLITS)  # split-K partials summed
+            t_tile = tl.load(t_ptr + offs_m[:, None] * stride_tm + (part * rank + offs_r)[None, :] * stride_tr,
+                             mask=rows[:, None] & r_mask[None, :], other=0.0)
             t_tile = t_tile.to(x_ptr.dtype.element_ty)  # t in x's dtype, as a two-kernel path stores it
             b_tile = tl.load(b_ptr + cur * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                              mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -201,8 +199,9 @@ def lora_gemm(
     epilogue reads shrink columns ``[part*r, (part+1)*r)`` of each row's rank r. ``config``
     overrides :func:`default_config` (keys block_m, block_n, block_k, group_m, num_warps,
     num_stages, epilogue "dot" or "gather"; missing keys keep their defaults). ``t`` may be the
-    split-K shrink's fp32 partials [S, M, width] (``bgmv_shrink`` with a 3-D out): the epilogue sums
-    them as it loads t, then rounds the sum to x's dtype.
+    split-K shrink's fp32 partials [S, M, width] (``bgmv_shrink`` with a 3-D out): they are summed
+    first by one torch reduction (``_triton_util.summed_partials``, which says why not in the
+    epilogue), and the epilogue rounds the sum to x's dtype.
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices; only some of t/B_stack/batch_info given;
@@ -226,7 +225,7 @@ def lora_gemm(
     if has_lora:
         if batch_info.token_slots is None or batch_info.token_slots.shape[0] != M:
             raise ValueError("lora_gemm needs batch_info.token_slots with one slot per row of x")
-        splits, t_rows, stride_ts = shrink_rows(t)
+        t_rows = summed_partials(t)
         if B_stack.dim() != 3 or B_stack.shape[1] != N or t_rows.shape[0] != M:
             raise ValueError(f"t {list(t.shape)} and B_stack {list(B_stack.shape)}: expected t [{M}, stack*max_rank] "
                              f"(or fp32 split-K partials [S, {M}, stack*max_rank]) and B_stack [num_slots, {N}, max_rank]")
@@ -240,17 +239,16 @@ def lora_gemm(
     grid = (triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"]),)
     dummy = x  # never read: HAS_LORA=False prunes every LoRA load
     _lora_gemm_kernel[grid](
-        x, W, out, t if has_lora else dummy, B_stack if has_lora else dummy,
+        x, W, out, t_rows if has_lora else dummy, B_stack if has_lora else dummy,
         M, N, K, part,
         x.stride(0), x.stride(1), W.stride(0), W.stride(1), out.stride(0), out.stride(1),
-        stride_ts if has_lora else 0, t_rows.stride(0) if has_lora else 0, t_rows.stride(1) if has_lora else 0,
+        t_rows.stride(0) if has_lora else 0, t_rows.stride(1) if has_lora else 0,
         B_stack.stride(0) if has_lora else 0, B_stack.stride(1) if has_lora else 0,
         B_stack.stride(2) if has_lora else 0,
         batch_info.token_slots if has_lora else dummy, batch_info.lora_ranks if has_lora else dummy,
         batch_info.scalings if has_lora else dummy,
         HAS_LORA=has_lora, GATHER=cfg["epilogue"] == "gather", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         BLOCK_R=next_pow2_at_least(B_stack.shape[2] if has_lora else 16, floor=16), GROUP_M=cfg["group_m"],
-        NUM_SPLITS=splits if has_lora else 1,
         UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, W), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

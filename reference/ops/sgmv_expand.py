@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import (check_same_device, load_summed, next_pow2_at_least, shrink_rows,
-                                         tl_float32_dot, upcast)
+from reference.ops._triton_util import (check_same_device, next_pow2_at_least, summed_partials, tl_float32_dot,
+                                         upcast)
 
 __all__ = ["sgmv_expand", "slice_bounds"]
 
@@ -43,11 +43,11 @@ def _sgmv_expand_kernel(
     # sizes
     num_n_tiles, OFF0, OFF1, OFF2, OFF3,
     # strides
-    stride_ts, stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
+    stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
     # batch metadata
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, permutation_ptr,
     # constexpr
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
@@ -56,7 +56,7 @@ def _sgmv_expand_kernel(
     stride_tm, stride_tk = tl.cast(stride_tm, tl.int64), tl.cast(stride_tk, tl.int64)
     stride_bs, stride_bn = tl.cast(stride_bs, tl.int64), tl.cast(stride_bn, tl.int64)
     stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
-    stride_on, stride_ts = tl.cast(stride_on, tl.int64), tl.cast(stride_ts, tl.int64)
+    stride_on = tl.cast(stride_on, tl.int64)
     # 1. map the program to (segment, slice, row tile, column tile)
     seg = tl.program_id(1)
     part = tl.program_id(2)
@@ -87,12 +87,13 @@ def _sgmv_expand_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(rank, BLOCK_K)):
         k_mask = offs_k < rank - k * BLOCK_K
-        t_tile = load_summed(t_ptrs, stride_ts, m_mask[:, None] & k_mask[None, :], NUM_SPLITS)  # partials summed
+        t_tile = tl.load(t_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b_tile = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             t_tile = t_tile.to(tl.float32)
             b_tile = b_tile.to(tl.float32)
-        else:  # fp32 partials meet a 16-bit B: rounded to B's dtype, as a two-kernel path rounds t to x's
+        else:  # an fp32 t (the split-K partials' sum) meets a 16-bit B: rounded to B's dtype, as a
+            # two-kernel path rounds t to x's
             t_tile = t_tile.to(b_ptr.dtype.element_ty)
         if IEEE_FP32:
             acc += tl.dot(t_tile, b_tile, input_precision="ieee")
@@ -134,7 +135,8 @@ def sgmv_expand(
     """Launch the SGMV expand kernel (see the module docstring). Returns ``out``.
 
     ``t`` may be the split-K shrink's fp32 partials [S, num_tokens, width] (``bgmv_shrink`` with a
-    3-D out): the kernel sums them as it loads t, rounded to B's dtype. ``max_len`` (default
+    3-D out): they are summed first by one torch reduction (``_triton_util.summed_partials``, which
+    says why not in the kernel), and the kernel rounds the sum to B's dtype. ``max_len`` (default
     ``batch_info.max_len``) is the longest segment the grid covers: a decode batch's slot-sorted
     view (``bgmv_expand(schedule="sorted")``) passes its token count, since its ``max_len`` of 1
     is what routes the layers to BGMV. ``num_stages`` (default: Triton's) is the K loop's software
@@ -144,7 +146,7 @@ def sgmv_expand(
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.
     """
     check_same_device(t, B_stack, out)
-    splits, rows, stride_ts = shrink_rows(t)
+    rows = summed_partials(t)
     bounds = slice_bounds(slice_offsets, out.shape[1])
     num_slices = sum(1 for a, b in zip(bounds[:-1], bounds[1:]) if b > a) if slice_offsets is None else len(slice_offsets) - 1
     if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
@@ -159,13 +161,13 @@ def sgmv_expand(
     grid = (triton.cdiv(max_len, block_m) * num_n_tiles, batch_info.num_segments, max(num_slices, 1))
     perm = batch_info.permutation
     _sgmv_expand_kernel[grid](
-        t, B_stack, out,
+        rows, B_stack, out,
         num_n_tiles, *bounds,
-        stride_ts, rows.stride(0), rows.stride(1), B_stack.stride(0),
+        rows.stride(0), rows.stride(1), B_stack.stride(0),
         B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.scalings,
         perm if perm is not None else batch_info.seg_indptr,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank), NUM_SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank),
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(rows, B_stack),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -935,8 +935,8 @@ for b in split_sweep["best"]:
 # |---|---|---|
 # | `triton_nosplit` | unsplit (before split-K) | per token |
 # | `triton_token` | split-K | per token, always |
-# | `triton_sorted` | split-K | "sorted" from 64 tokens, partials summed inside the kernel |
-# | `triton_sorted_presum` | split-K | "sorted" from 64 tokens, partials reduced first |
+# | `triton_sorted` | split-K | "sorted" from 64 tokens; in the runs below, partials summed inside the kernel (since then reduced first) |
+# | `triton_sorted_presum` | split-K | "sorted" from 64 tokens, partials reduced first (now the same as `triton_sorted`) |
 # | `triton_fused` | split-K | in the Triton base GEMM's epilogue (section 8) |
 # | `triton` | split-K | the layers' own choice, which changed as this section went on (each run records its own) |
 #
