@@ -22,7 +22,8 @@ second: the expand in the epilogue of the book's Triton projection GEMM, ``refer
 every LoRA overhead is against the first backend's base graph, the cuBLAS projections.
 ``triton_nosplit`` is the decode path before issue #16 (unsplit shrink, per-token expand),
 ``triton_token`` the default with the per-token expand, ``triton_sorted`` the default with
-bgmv_expand's "sorted" schedule from 64 tokens, ``triton_tuned`` the default with the
+bgmv_expand's "sorted" schedule from 64 tokens, ``triton_grouped`` the same with the shrink grouped
+by slot too on those steps (``bgmv_shrink(schedule="sorted")``), ``triton_tuned`` the default with the
 per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_split_k.py``).
 The runner replays, per case, the graph its ``expand_rule`` picks (the layers' rule for ``triton``:
 the token or the sorted expand, ``reference.ops.bgmv_expand.choose_expand_schedule``); each row's
@@ -108,6 +109,8 @@ def backend_named(name: str):
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
+    "triton_grouped" (``triton_sorted`` whose shrink is grouped by slot too, ``bgmv_shrink``'s
+    "sorted" schedule, on the steps whose batch is marked "sorted", with the same overrides);
     "triton_sorted_presum", the name of the same variant in the committed runs where "triton_sorted"
     still summed the split-K partials inside SGMV's kernel (``decode_step_sorted_h200.json``,
     ``decode_step_r64_h200.json``; sgmv_expand reduces them first since); either with
@@ -129,7 +132,7 @@ def backend_named(name: str):
         return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
                                                                                          schedule="token"))
     stem, _, overrides = name.partition(":")
-    if stem in ("triton_sorted", "triton_sorted_presum"):
+    if stem in ("triton_sorted", "triton_sorted_presum", "triton_grouped"):
         # "triton_sorted:block_n=64,num_stages=3": the sorted launch's config overrides, so one run
         # can set configs side by side in the whole step
         config = {k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)}
@@ -142,7 +145,12 @@ def backend_named(name: str):
             if batch_info.permutation is None or rows < 64:
                 return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="token")
             return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted", **config)
-        return get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
+
+        def grouped_shrink(x, A_stack, batch_info, out, stack_num=1):
+            # the runner's sorted graph (expand_rule_for) marks its batch: there the shrink groups too
+            return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num, schedule=batch_info.expand_schedule)
+        backend = get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
+        return backend._replace(decode_shrink=grouped_shrink) if stem == "triton_grouped" else backend
     if name == "triton_tuned":
         if not SPLIT_TABLE and not EXPAND_TABLE:
             raise SystemExit("triton_tuned needs --split-table and/or --expand-table (benchmarks/sweep_split_k.py)")
@@ -173,7 +181,7 @@ def expand_rule_for(backend: str):
 
     if backend in ("triton_token", "triton_nosplit") or backend.startswith("triton_fused"):  # fused: no expand kernel
         return lambda tokens, adapters, rank: "token"
-    if backend.startswith("triton_sorted"):
+    if backend.startswith(("triton_sorted", "triton_grouped")):
         return lambda tokens, adapters, rank: "sorted" if tokens >= 64 else "token"
     return choose_expand_schedule
 

@@ -3,7 +3,16 @@ schedule (chapter 08, issue #16).
 
     python benchmarks/sweep_split_k.py --out benchmarks/results/decode_split_k_<gpu>.json [--budget-s 240]
     python benchmarks/sweep_split_k.py --expand --out benchmarks/results/decode_expand_<gpu>.json
-    TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py [--expand] --smoke --out /tmp/split.json   # any machine
+    python benchmarks/sweep_split_k.py --grouped --out benchmarks/results/decode_shrink_grouped_<gpu>.json
+    TRITON_INTERPRET=1 python benchmarks/sweep_split_k.py [--expand | --grouped] --smoke --out /tmp/split.json   # any machine
+
+``--grouped``: the shrink alone with its partials' reduction (``_triton_util.summed_partials``, as
+the layers run it before the sorted expand), per projection (the four below), ranks 16 and 64, 64
+and 256 tokens on 8 and 32 adapters, over the slot-sorted view: the "token" schedule (its
+defaults: ``decode_splits`` + ``split_config``) against the "sorted" schedule (one A tile per slot
+for a block of 16 of its tokens, ``bgmv_shrink(schedule="sorted")``) over S x block_k x
+num_warps, and its defaults at the token schedule's S. Best per (projection, rank, tokens): least
+time summed over both adapter counts.
 
 ``--expand``: the expand alone, per output width of one layer call (4096: q, o, down; 1024: k, v;
 14336: gate, up), ranks 16 and 64, 16 / 32 / 64 / 256 tokens, 8 and 32 adapters, reading the
@@ -49,6 +58,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from sweep_decode_ranks import graph_us  # noqa: E402
 from reference.batch_info import build_batch_info  # noqa: E402
 from reference.ops import bgmv_expand, bgmv_shrink, torch_ref  # noqa: E402
+from reference.ops._triton_util import summed_partials  # noqa: E402
 from reference.ops.bgmv_shrink import decode_splits, split_config  # noqa: E402
 
 #: name -> (in_features, output slices, stack_num)
@@ -183,17 +193,90 @@ def sweep_expand(args, device, dtype, start) -> None:
     print(f"wrote {args.out} ({len(best)} shapes in {time.monotonic() - start:.0f} s)")
 
 
+GROUPED_TOKENS, GROUPED_ADAPTERS = (64, 256), (8, 32)
+
+
+def grouped_configs(tokens: int, in_features: int, width: int, smoke: bool) -> list[dict]:
+    S0 = decode_splits(tokens, in_features, width)
+    out = [dict(schedule="token", splits=S0, label="token defaults"),
+           dict(schedule="sorted", splits=S0, label="sorted defaults")]
+    for S in (2,) if smoke else (4, 8, 16, 32):
+        for bk in (64,) if smoke else (128, 256):
+            for w in (4,) if smoke else (4, 8):
+                if in_features // S >= bk:
+                    out.append(dict(schedule="sorted", splits=S, block_k=bk, num_warps=w))
+    return out
+
+
+def sweep_grouped(args, device, dtype, start) -> None:
+    rows, best = [], []
+    projections = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
+    for rank in (4,) if args.smoke else args.ranks or RANKS:
+        for tokens in (20,) if args.smoke else args.tokens or GROUPED_TOKENS:
+            for name, (K, _, stack) in projections.items():
+                if time.monotonic() - start > args.budget_s:
+                    break
+                width = stack * rank
+                group = dict(projection=name, rank=rank, tokens=tokens, in_features=K, width=width)
+                totals: dict = {}
+                for D in (2,) if args.smoke else GROUPED_ADAPTERS:
+                    g = torch.Generator().manual_seed(rank + tokens + D)
+                    A = (torch.randn(D + 1, width, K, generator=g) * K ** -0.5).to(dtype).to(device)
+                    info = sorted_decode_info([1 + i % D for i in range(tokens)], [0] + [rank] * D,
+                                              [0.0] + [2.0] * D, device)
+                    x = torch.randn(tokens, K, generator=g).to(dtype).to(device)
+                    expected = torch_ref.bgmv_shrink(x, A, info, torch.zeros(tokens, width, device=device), stack)
+                    for cfg in grouped_configs(tokens, K, width, args.smoke):
+                        S = cfg["splits"]
+                        t = (torch.empty(S, tokens, width, dtype=torch.float32, device=device) if S > 1
+                             else torch.empty(tokens, width, dtype=dtype, device=device))
+                        kw = {k: cfg[k] for k in ("schedule", "block_k", "num_warps") if k in cfg}
+
+                        def call():
+                            return summed_partials(bgmv_shrink(x, A, info, t, stack, **kw))
+                        try:
+                            torch.testing.assert_close(call().float(), expected, rtol=3e-2, atol=3e-2)
+                            us = graph_us(call)
+                        except Exception as exc:  # an invalid config (resources, compile): recorded
+                            rows.append(dict(group, adapters=D, config=cfg, error=str(exc).splitlines()[0][:200]))
+                            continue
+                        rows.append(dict(group, adapters=D, config=cfg, us=round(us, 2)))
+                        totals.setdefault(json.dumps(cfg, sort_keys=True), []).append(us)
+                n_cases = 1 if args.smoke else len(GROUPED_ADAPTERS)
+                full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
+                by = {json.loads(k).get("label"): v for k, v in full.items()}
+                key = min(full, key=full.get) if full else None
+                nan = float("nan")
+                best.append(dict(group, token_us_sum=round(by.get("token defaults", nan), 2),
+                                 sorted_defaults_us_sum=round(by.get("sorted defaults", nan), 2),
+                                 best_us_sum=round(full[key], 2) if key else None,
+                                 best=json.loads(key) if key else None))
+                print(f"shrink r={rank:2d} T={tokens:4d} {name:13s}: token {by.get('token defaults', nan):7.1f} us  "
+                      f"sorted defaults {by.get('sorted defaults', nan):7.1f} us  best "
+                      f"{full.get(key, nan):7.1f} us (sum over adapters)  {json.loads(key) if key else None}",
+                      flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
+        triton=triton.__version__, adapters=list(GROUPED_ADAPTERS),
+        method="bgmv_shrink + summed_partials in a CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; "
+               "bf16; best = least sum over the adapter counts",
+        seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
+    print(f"wrote {args.out} ({len(best)} shapes in {time.monotonic() - start:.0f} s)")
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--expand", action="store_true", help="sweep the expand's schedule instead")
+    parser.add_argument("--grouped", action="store_true",
+                        help="sweep the shrink's slot-grouped schedule (with its partials' reduction) instead")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes, few configs (CPU interpreter)")
     parser.add_argument("--partials", type=int, default=4,
                         help="--expand: split-K partials the expand reads (1: one unsplit t; the step's shrink "
                              "uses up to 16, ops.decode_splits)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="--expand: ranks (default 16 64)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="--expand: token counts")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="--expand / --grouped: ranks (default 16 64)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="--expand / --grouped: token counts")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="--expand: output widths")
     parser.add_argument("--stages", type=int, nargs="+", default=[None],
                         help="--expand: num_stages values for the sorted grid (default: the launch's own)")
@@ -203,6 +286,8 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.expand:
         return sweep_expand(args, device, dtype, start)
+    if args.grouped:
+        return sweep_grouped(args, device, dtype, start)
     projections = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
     rows, best = [], []
     for rank in (4,) if args.smoke else RANKS:

@@ -273,7 +273,13 @@ class LoRALinear(nn.Module):
         self._check_rows(rows, info)
         y = y.contiguous()
         shrink, expand = _ops_for(self.backend, info)
-        t = self.shared.get(x, self.context.generation, lambda: self._shrink(rows, info, shrink, splits=True))
+        # the "sorted" expand sums split-K partials before its launch (sgmv_expand): summed here instead,
+        # once per packed module, q/k/v (gate/up) read one sum rather than reducing the same partials
+        # each (at 64 x 8, rank 64 on an H200: 56 reductions, 221 us of a 3961 us base step;
+        # benchmarks/results/decode_step_schedule_h200.json)
+        reduce = uses_token_slots(info) and info.expand_schedule == "sorted"
+        t = self.shared.get(x, self.context.generation,
+                            lambda: self._shrink(rows, info, shrink, splits=True, reduce=reduce))
         lo, hi = self.rows_of_B
         B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
         expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
@@ -302,18 +308,20 @@ class LoRALinear(nn.Module):
             shrink, _ = _ops_for(self.backend, info)
             t = self.shared.get(x, self.context.generation,
                                 # reduced here, once for the packed parts (lora_gemm would reduce per part)
-                                lambda: summed_partials(self._shrink(rows, info, shrink, splits=True)))
+                                lambda: self._shrink(rows, info, shrink, splits=True, reduce=True))
             lo, hi = self.rows_of_B
             B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]
             y = self.backend.gemm(rows, W, t=t, B_stack=B, batch_info=info, part=self.part)
         return y.view(*x.shape[:-1], W.shape[0])
 
-    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable, splits: bool = False) -> torch.Tensor:
+    def _shrink(self, rows: torch.Tensor, info: LoRABatchInfo, shrink: Callable, splits: bool = False,
+                reduce: bool = False) -> torch.Tensor:
         """[num_tokens, stack_num * max_rank]; columns past each token's stack_num * r unspecified.
 
         With ``splits`` (the reader is the backend's decode_expand or its fused GEMM's epilogue, both
         of which sum partials) and a decode batch, the backend's ``split_k`` may ask for
-        [S, num_tokens, width] fp32 partials."""
+        [S, num_tokens, width] fp32 partials; ``reduce`` sums them here (one fp32 [num_tokens,
+        width] tensor, ``summed_partials``)."""
         A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
         S = 1
         if splits and self.backend.split_k is not None and uses_token_slots(info):
@@ -322,7 +330,8 @@ class LoRALinear(nn.Module):
             t = rows.new_empty(S, rows.shape[0], A.shape[1], dtype=torch.float32)
         else:
             t = rows.new_empty(rows.shape[0], A.shape[1])
-        return shrink(rows, A, info, t, stack_num=self.spec.stack_num)
+        t = shrink(rows, A, info, t, stack_num=self.spec.stack_num)
+        return summed_partials(t) if reduce else t
 
 
 def _targets(model: nn.Module, pool: LoRAMemoryPool) -> list[tuple[str, int, str, int]]:

@@ -228,14 +228,29 @@ def test_a_missed_change_flag_serves_a_stale_adapter(base, adapters, peft_model)
     assert (stale - want).abs().max() > 1e-3 * want.abs().max(), "the stale tables went unnoticed"
 
 
-def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(base, adapters, peft_model):
+def _grouped_split_backend():
+    """Triton with the shrink split in 2 (this model's hidden size is never split by default) and
+    grouped by slot in the sorted graph: the layers then sum the partials once per packed module."""
+    from reference import ops
+    from reference.layers import get_backend
+
+    def shrink(x, A_stack, batch_info, out, stack_num=1):
+        return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num, schedule=batch_info.expand_schedule)
+    return get_backend("triton")._replace(name="grouped_split", decode_shrink=shrink,
+                                          split_k=lambda tokens, in_features, width: 2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_split"])
+def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(backend, base, adapters, peft_model):
     """Bucket 64 has a third graph, its expand on the slot-sorted view. 64 sequences on 4 adapters
     (16 tokens each, interleaved so sorted order is not batch order, base rows among them) replay
     it; 48 sequences in the same bucket (under SORTED_MIN_TOKENS) replay the token graph. Both
-    match PEFT; the Triton kernels run (in the interpreter on the CPU)."""
+    match PEFT; the Triton kernels run (in the interpreter on the CPU). "grouped_split": the same
+    with split-K partials and, in the sorted graph, the slot-grouped shrink."""
     from reference.ops.bgmv_expand import SORTED_MIN_RANK, choose_expand_schedule
 
-    model, pool, context = _served(base, adapters, "triton", num_slots=5)
+    backend = _grouped_split_backend() if backend == "grouped_split" else backend
+    model, pool, context = _served(base, adapters, backend, num_slots=5)
     # the default rule takes "sorted" from rank 64 only (measured); this pool's max rank is 8
     runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,),
                                expand_rule=lambda T, D, r: choose_expand_schedule(T, D, SORTED_MIN_RANK))

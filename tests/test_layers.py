@@ -12,6 +12,7 @@ cache (past_key_values), explicit position ids and the padding masked, for both 
 """
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,7 +39,11 @@ RUN_IDS = [f"{b}-{d}" for b, d in RUNS]
 # and the expand through the permutation (bgmv_expand's "sorted" schedule) on every batch that has
 # one (the default expand is the per-token schedule); and "triton_fused_split", the same forced split
 # read by the fused GEMM's epilogue
-DECODE_RUNS = RUNS + [("triton_split", "cuda" if CUDA else "cpu"), ("triton_fused_split", "cuda" if CUDA else "cpu")]
+# "triton_grouped": the forced split with the slot-grouped shrink and the sorted expand on every batch that
+# has a permutation, marked expand_schedule="sorted" as a CUDA-graph runner's sorted graph is (so the
+# layers sum the partials once per packed module)
+DECODE_RUNS = RUNS + [(name, "cuda" if CUDA else "cpu") for name in ("triton_split", "triton_fused_split",
+                                                                      "triton_grouped")]
 DECODE_IDS = [f"{b}-{d}" for b, d in DECODE_RUNS]
 RTOL = 1e-5  # fp32: PEFT and our ops sum the same short products in another order (errors ~1e-7)
 
@@ -121,6 +126,12 @@ def _backend(name):
             return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule=schedule)
         return get_backend("triton")._replace(name=name, split_k=lambda tokens, in_features, width: 3,
                                               decode_expand=expand)
+    if name == "triton_grouped":
+        from reference import ops
+        def shrink(x, A_stack, batch_info, out, stack_num=1):
+            return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num, schedule=batch_info.expand_schedule)
+        return get_backend("triton")._replace(name=name, split_k=lambda tokens, in_features, width: 3,
+                                              decode_shrink=shrink)
     if name == "triton_fused_split":  # the fused GEMM's epilogue sums the 3 partials
         return get_backend("triton_fused")._replace(name=name, split_k=lambda tokens, in_features, width: 3)
     return name
@@ -224,6 +235,8 @@ def test_greedy_decode_matches_peft(backend, device, base, adapters, peft_models
         step_pos = (last + 1 + step)[:, None]
         info = _set_batch(context, pool, names, [1] * len(names), device, "sorted" if step % 2 else "requests")
         assert info.token_slots is not None and info.max_len == 1  # a decode batch
+        if backend == "triton_grouped" and info.permutation is not None:
+            context.set_batch(replace(info, expand_schedule="sorted"))
         with torch.no_grad():
             out = ours(input_ids=token[:, None], attention_mask=mask, position_ids=step_pos,
                        past_key_values=out.past_key_values, use_cache=True)
@@ -301,6 +314,46 @@ def test_all_base_batch_skips_lora_and_packed_groups_shrink_once(base, adapters)
     # one shrink per pool module and layer (q/k/v and gate/up share theirs), one expand per projection
     assert counting.calls == {"shrink": 4 * LAYERS, "expand": 7 * LAYERS}
 
+
+
+def test_split_partials_are_summed_once_per_packed_module_for_the_sorted_expand(base, adapters):
+    """A decode batch whose expand is "sorted" (a CUDA graph's sorted view): the layer sums the shrink's
+    split-K partials once per (layer, packed module), and every part's expand reads that one fp32
+    sum; a batch with the per-token expand hands the expand the partials themselves (it sums them as
+    it loads). Same logits either way, and the same as without a split."""
+    from reference.ops import torch_ref
+
+    seen = []
+
+    def expand(t, B_stack, batch_info, out, slice_offsets=None):
+        seen.append((t.dim(), t.dtype, t.data_ptr()))
+        return torch_ref.bgmv_expand(t, B_stack, batch_info, out, slice_offsets)
+
+    backend = get_backend("torch")._replace(name="spy", decode_expand=expand, split_k=lambda *shape: 3)
+    names = ["rs", "__base__", "qv", "mlp", "pat"]  # one token per segment: a decode batch
+    ids = torch.tensor([[5], [9], [17], [3], [40]])
+    pool = _pool("fused", adapters, "cpu")
+    ours, context = _ours(base, pool, backend, "cpu")
+    plain, plain_context = _ours(base, pool, "torch", "cpu")
+    logits = {}
+    for schedule in ("token", "sorted"):
+        seen.clear()
+        info = replace(_set_batch(context, pool, names, [1] * len(names), "cpu"), expand_schedule=schedule)
+        assert info.max_len == 1 and info.token_slots is not None
+        context.set_batch(info)
+        logits[schedule] = _logits(ours, input_ids=ids)
+        assert len(seen) == 7 * LAYERS
+        if schedule == "token":
+            assert {d for d, _, _ in seen} == {3}, "the per-token expand reads the partials"
+        else:
+            assert {(d, dt) for d, dt, _ in seen} == {(2, torch.float32)}
+            # per layer: q, k, v read one sum; o one; gate, up one; down one
+            assert len({p for _, _, p in seen[:3]}) == 1 and len({p for _, _, p in seen[4:6]}) == 1
+            assert len({p for _, _, p in seen[:7]}) == 4
+    plain_context.set_batch(info)
+    want = _logits(plain, input_ids=ids)
+    _assert_close(logits["token"], want, "split, per-token expand")
+    _assert_close(logits["sorted"], want, "split, summed once")
 
 @pytest.mark.parametrize("backend, device", RUNS, ids=RUN_IDS)
 def test_base_request_right_after_an_adapter_request(backend, device, base, adapters, peft_models):

@@ -192,6 +192,61 @@ def test_bgmv_expand_sorted_schedule_matches_the_token_schedule(splits, dtype):
         bgmv_expand(t, B, plain, base.clone(), slices, schedule="sorted")
 
 
+
+@pytest.mark.parametrize("splits, block_k", [(1, 16), (3, 16), (4, 64)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bgmv_shrink_sorted_schedule_matches_the_token_schedule(splits, block_k, dtype):
+    """The slot-grouped shrink on a CUDA-graph decode view, against the per-token shrink and the torch
+    reference: 80 tokens in a bucket of 84 (4 padding rows), slot 2 holds 40 of them (blocks of 16
+    rows: three, the last partial), slot 4 none; ranks 0/3/16/9/5, three stacked parts (width up to
+    48 in 16-column tiles: three), hidden 160. Split-K: (3, 16) gives pieces of 64 columns (four
+    passes of the K loop, the last piece 32); (4, 64) pieces 64/64/32/0, the empty one written as
+    zeros. NaN past every rank in A and in every output column no token owns: no program reads A
+    past its slot's width or writes rows of other slots (the rank-0 rows stay NaN)."""
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(40 + splits)
+    ranks, K, stack = [0, 3, 16, 9, 5], 160, 3
+    A, _ = _pool(g, ranks, 16, K, 8, dtype, device, stack=stack)
+    slots = [2 if i % 2 == 0 else (1, 3, 0)[(i // 2) % 3] for i in range(80)]
+    info = _static_decode_info(slots, ranks, 84, device)
+    x = torch.randn(84, K, generator=g).to(dtype).to(device)
+    width = stack * torch.tensor(ranks, device=device)[info.token_slots.long()]
+    defined = torch.arange(stack * 16, device=device)[None, :] < width[:, None]
+    shape, out_dtype = ((84, 48), dtype) if splits == 1 else ((splits, 84, 48), torch.float32)
+    got = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=out_dtype, device=device), stack_num=stack,
+                      schedule="sorted", block_k=block_k, block_m=16, block_n=16)
+    want = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=out_dtype, device=device), stack_num=stack,
+                       block_k=block_k)
+    whole = torch_ref.bgmv_shrink(x, A, info, torch.zeros(84, 48, device=device), stack_num=stack)
+    summed, summed_want = (got, want) if splits == 1 else (got.sum(0), want.sum(0))
+    _close(summed, summed_want, dtype, defined)
+    _close(summed, whole, dtype, defined)
+    assert torch.isnan(summed[~defined]).all(), "a program wrote columns or rows its slot does not own"
+    if splits == 4:  # the last piece sums nothing and still writes zeros where its tokens are defined
+        assert torch.equal(got[3][defined], torch.zeros_like(got[3][defined]))
+    # the sorted schedule's defaults (one 16-row block, the width's tile, one piece in one pass)
+    default = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=out_dtype, device=device), stack_num=stack,
+                          schedule="sorted")
+    _close(default if splits == 1 else default.sum(0), whole, dtype, defined)
+
+
+def test_bgmv_shrink_schedule_arguments_are_checked():
+    device = TRITON_DEVICE
+    g = torch.Generator().manual_seed(4)
+    ranks = [0, 4]
+    A, _ = _pool(g, ranks, 4, 64, 16, torch.float32, device)
+    info = _static_decode_info([1, 0, 1], ranks, 4, device)
+    x = torch.randn(4, 64, generator=g).to(device)
+    out = torch.full((4, 4), NAN, device=device)
+    with pytest.raises(ValueError, match="schedule must be"):
+        bgmv_shrink(x, A, info, out, schedule="slot")
+    plain = build_batch_info([1] * 4, info.token_slots.tolist(), ranks, [0.0, 1.0], device)
+    with pytest.raises(ValueError, match="permutation"):
+        bgmv_shrink(x, A, plain, out, schedule="sorted")
+    with pytest.raises(ValueError, match="'sorted' schedule only"):
+        bgmv_shrink(x, A, info, out, block_m=16)
+    assert torch.isnan(out).all(), "a refused call wrote its output"
+
 def test_split_k_arguments_are_checked():
     device = TRITON_DEVICE
     g = torch.Generator().manual_seed(3)

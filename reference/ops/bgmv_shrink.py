@@ -21,6 +21,19 @@ tokens gives 64 programs, each streaming its token's whole A (128 KB at hidden 4
 one SM of 132; splitting K gives S times as many programs, each with 1/S of the bytes, so the
 launch finishes in about the latency of one short pass (vLLM's ``lora_shrink`` has a SPLIT_K, with
 atomics into a zeroed fp32 buffer; the partials here keep the step deterministic).
+
+Two schedules, same result (as ``bgmv_expand``'s):
+
+- ``"token"`` (the default): the GEMV per token above. Every token streams its adapter's whole A:
+  at 64 tokens on 8 adapters each A is read 8 times (from L2), and at rank 64 the q/k/v stack's A
+  is 1.5 MB per token. The profile of the H200 decode step at 64 x 8, rank 64, puts 522 us of the
+  base step's 3961 us in these shrinks (``benchmarks/results/decode_step_schedule_h200.json``).
+- ``"sorted"``: over the batch's slot-sorted view (``seg_indptr`` / ``weight_indices`` /
+  ``permutation``, as the expand's "sorted" schedule reads it), one program per (segment, block of
+  ``block_m`` of its tokens, column tile, K piece) loads each tile of its slot's A once for the
+  whole block and applies one ``tl.dot`` (SGMV's shrink, ``reference.ops.sgmv_shrink``, with the
+  split-K partials added). Not measured yet, so no rule picks it: ``schedule="sorted"`` asks for it
+  (``benchmarks/benchmark_decode_step.py --backends triton_grouped``).
 """
 from __future__ import annotations
 
@@ -32,7 +45,7 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least, upcast
+from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 
 __all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits"]
 
@@ -81,6 +94,64 @@ def _bgmv_shrink_kernel(
         a_ptrs += BLOCK_K * stride_ak
     out_ptrs = out_ptr + split * stride_os + tok * stride_om + offs_n * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _bgmv_shrink_sorted_kernel(
+    # pointers
+    x_ptr, a_ptr, out_ptr,
+    # sizes
+    K, K_SPLIT, num_n_tiles,
+    # strides
+    stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_os, stride_om, stride_on,
+    # batch metadata
+    seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, permutation_ptr,
+    # constexpr
+    STACK_NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    # SGMV's shrink (reference.ops.sgmv_shrink) plus a K piece per program; kept apart from that
+    # kernel because chapter 03 shows it as the exercise's reference, without split-K
+    stride_xm, stride_xk = tl.cast(stride_xm, tl.int64), tl.cast(stride_xk, tl.int64)
+    stride_as, stride_an = tl.cast(stride_as, tl.int64), tl.cast(stride_an, tl.int64)
+    stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
+    stride_on, stride_os = tl.cast(stride_on, tl.int64), tl.cast(stride_os, tl.int64)
+    seg = tl.program_id(1)
+    split = tl.program_id(2)
+    pid_m = tl.program_id(0) // num_n_tiles
+    pid_n = tl.program_id(0) % num_n_tiles
+    slot = tl.load(weight_indices_ptr + seg)
+    width = tl.load(lora_ranks_ptr + slot) * STACK_NUM
+    start = tl.load(seg_indptr_ptr + seg)
+    seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
+    if (width == 0) | (pid_m * BLOCK_M >= seg_len) | (pid_n * BLOCK_N >= width):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < seg_len
+    n_mask = offs_n < width
+    rows = tl.load(permutation_ptr + start + offs_m, mask=m_mask, other=0)
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)  # a piece past K sums nothing and still writes its zeros
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + slot * stride_as + offs_n[None, :] * stride_an + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k_mask = offs_k < k_hi - k * BLOCK_K
+        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+            a_tile = a_tile.to(tl.float32)
+        if IEEE_FP32:
+            acc += tl.dot(x_tile, a_tile, input_precision="ieee")
+        else:
+            acc += tl.dot(x_tile, a_tile)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    out_ptrs = out_ptr + split * stride_os + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # Split-K configs measured on an H200 (benchmarks/sweep_split_k.py ->
@@ -170,6 +241,10 @@ def bgmv_shrink(
     stack_num: int = 1,
     block_k: Optional[int] = None,
     num_warps: Optional[int] = None,
+    schedule: str = "token",
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the BGMV shrink kernel (see the module docstring). Returns ``out``.
 
@@ -179,9 +254,17 @@ def bgmv_shrink(
     :func:`split_config` picks S, ``block_k`` and ``num_warps`` by shape; ``block_k`` /
     ``num_warps`` override it.
 
+    ``schedule`` "token" (default) or "sorted" (see the module docstring), which needs the batch's
+    slot-sorted view (``permutation``, segments by slot) and takes ``block_m`` (tokens per program,
+    default 16, a GPU ``tl.dot``'s least M), ``block_n`` (default: the width up to 64), ``block_k``
+    (default: one piece in one pass, at most 256 columns) and ``num_warps`` (default 4) /
+    ``num_stages`` (Triton's default). The "token" schedule takes neither ``block_m``, ``block_n``
+    nor ``num_stages``.
+
     Raises:
-        ValueError: mismatched shapes or devices, no ``token_slots`` in ``batch_info``, or a 3-D
-        ``out`` that is not fp32.
+        ValueError: mismatched shapes or devices, no ``token_slots`` in ``batch_info``, a 3-D
+        ``out`` that is not fp32, an unknown schedule, "sorted" without a permutation, or
+        ``block_m`` / ``block_n`` / ``num_stages`` given to the "token" schedule.
     """
     check_same_device(x, A_stack, out)
     if batch_info.token_slots is None or batch_info.token_slots.shape[0] != x.shape[0]:
@@ -193,8 +276,18 @@ def bgmv_shrink(
     splits = out.shape[0] if out.dim() == 3 else 1
     if out.dim() == 3 and out.dtype != torch.float32:
         raise ValueError(f"split-K partials must be float32 (they are summed by the expand), got {out.dtype}")
+    if schedule not in ("token", "sorted"):
+        raise ValueError(f"schedule must be 'token' or 'sorted', got {schedule!r}")
+    if schedule == "sorted" and (batch_info.permutation is None or batch_info.permutation.shape[0] != x.shape[0]):
+        raise ValueError("the 'sorted' schedule needs batch_info.permutation (the slot-sorted view) with one "
+                         "entry per row of x")
+    if schedule == "token" and (block_m, block_n, num_stages) != (None, None, None):
+        raise ValueError("block_m, block_n and num_stages configure the 'sorted' schedule only")
     if x.shape[0] == 0:
         return out
+    if schedule == "sorted":
+        return _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m, block_n, block_k,
+                              num_warps, num_stages)
     K = x.shape[1]
     block_n = next_pow2_at_least(width, floor=16)
     cfg = split_config(x.shape[0], K, width, splits)
@@ -210,5 +303,29 @@ def bgmv_shrink(
         batch_info.token_slots, batch_info.lora_ranks,
         STACK_NUM=stack_num, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
         num_warps=num_warps,
+    )
+    return out
+
+
+def _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m, block_n, block_k, num_warps,
+                   num_stages) -> torch.Tensor:
+    """The "sorted" schedule's launch (arguments checked by :func:`bgmv_shrink`)."""
+    K, width = x.shape[1], A_stack.shape[1]
+    block_m = 16 if block_m is None else block_m
+    block_n = next_pow2_at_least(min(width, 64)) if block_n is None else block_n
+    if block_k is None:  # one piece in one pass where it fits; 256 bf16 columns is SGMV's tuned block
+        block_k = min(next_pow2_at_least(triton.cdiv(K, splits)), 256 if x.element_size() <= 2 else 128)
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # whole blocks per piece
+    num_n_tiles = triton.cdiv(width, block_n)
+    # segments are slots; the grid covers a segment holding every token (host ints: no device read)
+    grid = (triton.cdiv(x.shape[0], block_m) * num_n_tiles, batch_info.num_segments, splits)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _bgmv_shrink_sorted_kernel[grid](
+        x, A_stack, out, K, k_split, num_n_tiles,
+        x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
+        out.stride(0) if out.dim() == 3 else 0, rows.stride(0), rows.stride(1),
+        batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.permutation,
+        STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
+        IEEE_FP32=tl_float32_dot(x, A_stack), num_warps=4 if num_warps is None else num_warps, **extra,
     )
     return out

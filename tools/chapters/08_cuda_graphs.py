@@ -1143,9 +1143,20 @@ print(f"  the base step's kernels: {prof['base']['total_kernel_us']:.0f} us")
 # at 64 x 8 (the sorted expand, as the rule picks there) says where the rest goes: the shrink now
 # takes the longest per launch (each token still streams its own adapter's A, so at 8 tokens per
 # adapter A is read 8 times from L2), and the partials' reductions run once per
-# projection call, so the three parts of q/k/v reduce the same partials three times. What would
-# come next: one reduction per packed module, shared by its parts as the shrink is, and a shrink
-# grouped by adapter like the sorted expand (with split-K to keep the machine full).
+# projection call, so the three parts of q/k/v reduce the same partials three times.
+#
+# Both causes have a remedy in the code since that run, neither of them timed yet on a GPU (so no
+# number here says what they save):
+#
+# - one reduction per packed module: on a step whose batch is marked "sorted", the layer sums the
+#   partials when it computes the shared shrink, and q, k and v (gate and up) read that one sum
+#   (`LoRALinear.forward`): one reduction per pool module (4 per layer) instead of one per
+#   projection (7);
+# - a shrink grouped by adapter, as the sorted expand is: `bgmv_shrink(..., schedule="sorted")`
+#   gives one program to a block of 16 of a slot's tokens, one column tile and one K piece, so
+#   each tile of the slot's A is loaded once per block instead of once per token (split-K keeps
+#   the machine full). No rule picks it yet; `benchmarks/sweep_split_k.py --grouped` sweeps its
+#   configs and `benchmark_decode_step.py --backends triton_grouped` times it in the whole step.
 #
 # ### Prefill
 #
