@@ -121,7 +121,8 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class TPLlama:
     """One rank's forward of a tensor-parallel Llama with multi-LoRA, over a static per-row KV cache.
 
-    ``forward(input_ids [B, T] int64, positions [B, T] int64, cache_rows [B] int64, batch_info)``:
+    ``forward(input_ids [B, T] int64, positions [B, T] int64, cache_rows [B] int64, batch_info)``
+    (the three index tensors on any device: they are moved to the pool's):
     as :class:`~reference.static_llama.StaticKVLlama` (keys and values of every token written at
     ``cache[layer, cache_rows[b], positions[b, t]]``, causal attention over the row), with the LoRA
     deltas of ``batch_info``, which covers the B*T tokens row-major (req_lens all T for a padded
@@ -195,6 +196,8 @@ class TPLlama:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor,
                 batch_info: LoRABatchInfo) -> torch.Tensor:
         c, w = self.ckpt, self.replicated
+        device = self.pool.device
+        input_ids, positions, cache_rows = input_ids.to(device), positions.to(device), cache_rows.to(device)
         B, T = input_ids.shape
         if batch_info.num_tokens != B * T:
             raise ValueError(f"input has {B * T} tokens ({B} x {T}) but the batch info covers {batch_info.num_tokens}")
@@ -219,10 +222,11 @@ class TPLlama:
 
 def prepare_batch(pool, uids, lens, **kw) -> LoRABatchInfo:
     """``pool.prepare_lora_batch(uids)``, then the batch info of requests ``uids`` of lengths ``lens``
-    (extra keywords to ``batch_info_from_requests``), built from host data: on every rank of a TP pool
-    the same calls give the same slots (``TPLoRAMemoryPool``'s determinism)."""
+    (extra keywords to ``batch_info_from_requests``), built from host data on the pool's device: on
+    every rank of a TP pool the same calls give the same slots (``TPLoRAMemoryPool``'s determinism)."""
     uid_to_slot = pool.prepare_lora_batch(uids)
-    return batch_info_from_requests(uids, lens, uid_to_slot, pool.lora_ranks_host, pool.scalings_host, "cpu", **kw)
+    return batch_info_from_requests(uids, lens, uid_to_slot, pool.lora_ranks_host, pool.scalings_host, pool.device,
+                                    **kw)
 
 
 def greedy_generate(run, pool, uids, lens, ids: torch.Tensor, steps: int) -> dict:
