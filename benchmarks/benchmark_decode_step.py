@@ -110,7 +110,8 @@ def backend_named(name: str):
     "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
     "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
     "triton_grouped" (``triton_sorted`` whose shrink is grouped by slot too, ``bgmv_shrink``'s
-    "sorted" schedule, on the steps whose batch is marked "sorted", with the same overrides);
+    "sorted" schedule with its defaults, on the steps whose batch is marked "sorted"; the overrides
+    below set the sorted expand's config only);
     "triton_sorted_presum", the name of the same variant in the committed runs where "triton_sorted"
     still summed the split-K partials inside SGMV's kernel (``decode_step_sorted_h200.json``,
     ``decode_step_r64_h200.json``; sgmv_expand reduces them first since); either with

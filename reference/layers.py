@@ -320,8 +320,8 @@ class LoRALinear(nn.Module):
 
         With ``splits`` (the reader is the backend's decode_expand or its fused GEMM's epilogue, both
         of which sum partials) and a decode batch, the backend's ``split_k`` may ask for
-        [S, num_tokens, width] fp32 partials; ``reduce`` sums them here (one fp32 [num_tokens,
-        width] tensor, ``summed_partials``)."""
+        [S, num_tokens, width] fp32 partials; ``reduce`` sums them here (``summed_partials``: one fp32
+        [num_tokens, width] tensor; an unsplit 2-D shrink is returned as it is, in x's dtype)."""
         A = self.pool.A_buffer[self.spec.name][self.layer]  # [num_slots, stack_num * max_rank, in]
         S = 1
         if splits and self.backend.split_k is not None and uses_token_slots(info):

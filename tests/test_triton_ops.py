@@ -228,6 +228,18 @@ def test_bgmv_shrink_sorted_schedule_matches_the_token_schedule(splits, block_k,
     default = bgmv_shrink(x, A, info, torch.full(shape, NAN, dtype=out_dtype, device=device), stack_num=stack,
                           schedule="sorted")
     _close(default if splits == 1 else default.sum(0), whole, dtype, defined)
+    # a slot-sorted batch of a few slots only (chapter 07's sort_by_slot): segments 0, 1, 2 are slots
+    # 3, 1, 4 (weight_indices), so a kernel reading segment i as slot i computes with other adapters
+    sparse = _batch([1] * 7, [3, 1, 4, 3, 1, 3, 4], ranks, device, sort=True)
+    assert sparse.weight_indices.tolist() == [1, 3, 4] and sparse.permutation is not None
+    xs = x[:7]
+    want_s = torch_ref.bgmv_shrink(xs, A, sparse, torch.zeros(7, 48, device=device), stack_num=stack)
+    width_s = stack * torch.tensor(ranks, device=device)[sparse.token_slots.long()]
+    defined_s = torch.arange(48, device=device)[None, :] < width_s[:, None]
+    got_s = bgmv_shrink(xs, A, sparse, torch.full((7, 48) if splits == 1 else (splits, 7, 48), NAN,
+                                                  dtype=out_dtype, device=device), stack_num=stack,
+                        schedule="sorted", block_k=block_k)
+    _close(got_s if splits == 1 else got_s.sum(0), want_s, dtype, defined_s)
 
 
 def test_bgmv_shrink_schedule_arguments_are_checked():
@@ -245,6 +257,9 @@ def test_bgmv_shrink_schedule_arguments_are_checked():
         bgmv_shrink(x, A, plain, out, schedule="sorted")
     with pytest.raises(ValueError, match="'sorted' schedule only"):
         bgmv_shrink(x, A, info, out, block_m=16)
+    for bad in (dict(block_m=8), dict(block_n=48), dict(block_k=4)):  # a GPU tl.dot needs >= 16, powers of two
+        with pytest.raises(ValueError, match="powers of two >= 16"):
+            bgmv_shrink(x, A, info, out, schedule="sorted", **bad)
     assert torch.isnan(out).all(), "a refused call wrote its output"
 
 def test_split_k_arguments_are_checked():

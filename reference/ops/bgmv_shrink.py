@@ -47,7 +47,10 @@ import triton.language as tl
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
 
-__all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits"]
+__all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits", "SORTED_BLOCK_M"]
+
+#: Tokens of one slot per program in the "sorted" schedule: a GPU ``tl.dot``'s least M.
+SORTED_BLOCK_M = 16
 
 
 @triton.jit
@@ -256,15 +259,18 @@ def bgmv_shrink(
 
     ``schedule`` "token" (default) or "sorted" (see the module docstring), which needs the batch's
     slot-sorted view (``permutation``, segments by slot) and takes ``block_m`` (tokens per program,
-    default 16, a GPU ``tl.dot``'s least M), ``block_n`` (default: the width up to 64), ``block_k``
-    (default: one piece in one pass, at most 256 columns) and ``num_warps`` (default 4) /
-    ``num_stages`` (Triton's default). The "token" schedule takes neither ``block_m``, ``block_n``
-    nor ``num_stages``.
+    default :data:`SORTED_BLOCK_M`), ``block_n`` (default: the width up to 64), ``block_k``
+    (default: one piece in one pass, at most 256 columns of 16-bit inputs, 128 of fp32 ones, whose
+    pipelined tiles would outgrow an H200's shared memory) and ``num_warps`` (default 4) /
+    ``num_stages`` (Triton's default); its blocks are powers of two >= 16, as a GPU ``tl.dot``
+    needs (the CPU interpreter would accept smaller ones). The "token" schedule takes neither
+    ``block_m``, ``block_n`` nor ``num_stages``.
 
     Raises:
         ValueError: mismatched shapes or devices, no ``token_slots`` in ``batch_info``, a 3-D
-        ``out`` that is not fp32, an unknown schedule, "sorted" without a permutation, or
-        ``block_m`` / ``block_n`` / ``num_stages`` given to the "token" schedule.
+        ``out`` that is not fp32, an unknown schedule, "sorted" without a permutation, a "sorted"
+        block that is not a power of two >= 16, or ``block_m`` / ``block_n`` / ``num_stages`` given
+        to the "token" schedule.
     """
     check_same_device(x, A_stack, out)
     if batch_info.token_slots is None or batch_info.token_slots.shape[0] != x.shape[0]:
@@ -283,6 +289,12 @@ def bgmv_shrink(
                          "entry per row of x")
     if schedule == "token" and (block_m, block_n, num_stages) != (None, None, None):
         raise ValueError("block_m, block_n and num_stages configure the 'sorted' schedule only")
+    if schedule == "sorted":
+        bad = {k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k).items()
+               if v is not None and (v < 16 or v & (v - 1))}
+        if bad:
+            raise ValueError(f"the 'sorted' schedule's blocks must be powers of two >= 16 (a GPU tl.dot's "
+                             f"least size), got {bad}")
     if x.shape[0] == 0:
         return out
     if schedule == "sorted":
@@ -311,7 +323,7 @@ def _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m
                    num_stages) -> torch.Tensor:
     """The "sorted" schedule's launch (arguments checked by :func:`bgmv_shrink`)."""
     K, width = x.shape[1], A_stack.shape[1]
-    block_m = 16 if block_m is None else block_m
+    block_m = SORTED_BLOCK_M if block_m is None else block_m
     block_n = next_pow2_at_least(min(width, 64)) if block_n is None else block_n
     if block_k is None:  # one piece in one pass where it fits; 256 bf16 columns is SGMV's tuned block
         block_k = min(next_pow2_at_least(triton.cdiv(K, splits)), 256 if x.element_size() <= 2 else 128)

@@ -1128,7 +1128,8 @@ for t in sched["targets"]:
     if t["target"].startswith("#16") and "(triton_sorted_presum backend)" in t["target"] and "rank 64" in t["target"]:
         print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_sorted_presum backend)", "")
               + f" (measured {100 * t['value']:.1f}%, triton_sorted_presum: the rule's kernels there)")
-prof = sched["kernel_profiles"]["seqs 64 adapters 8 rank 64 triton"]
+target_seqs, target_adapters = 64, 8  # the targets' batch
+prof = sched["kernel_profiles"][f"seqs {target_seqs} adapters {target_adapters} rank 64 triton"]
 lora_kernels = {"_sgmv_expand_kernel": "sorted expand", "_bgmv_shrink_kernel": "split-K shrink",
                 "reduce_kernel<128, 4": "partials' reductions"}
 for k in prof["lora"]["top"]:
@@ -1136,27 +1137,37 @@ for k in prof["lora"]["top"]:
         if key in k["kernel"]:
             print(f"  {what:22s} {k['us']:6.0f} us in {k['calls']:2d} launches ({k['us'] / k['calls']:5.1f} us each)")
 print(f"  the base step's kernels: {prof['base']['total_kernel_us']:.0f} us")
+calls = {what: k["calls"] for k in prof["lora"]["top"] for key, what in lora_kernels.items() if key in k["kernel"]}
+per_layer = {what: n // sched["layers"] for what, n in calls.items()}
+reductions = per_layer["partials' reductions"]
+print(f"per layer: {per_layer['split-K shrink']} shrinks (one per pool module, shared by its parts), "
+      f"{reductions} partials' reductions (one per projection's expand); "
+      f"{target_seqs // target_adapters} tokens per adapter in this batch")
 
 # %% [markdown]
 # Rank 16 sits at the 15% line (met in this run, missed by a hair in the split-K run above: the
 # line is within run-to-run noise). Rank 64 stays above 25%, and the profile of that run's `triton`
 # at 64 x 8 (the sorted expand, as the rule picks there) says where the rest goes: the shrink now
-# takes the longest per launch (each token still streams its own adapter's A, so at 8 tokens per
-# adapter A is read 8 times from L2), and the partials' reductions run once per
-# projection call, so the three parts of q/k/v reduce the same partials three times.
+# takes the longest per launch (each token still streams its own adapter's A, so A is read from L2
+# once per token of its adapter, the count printed above), and the partials' reductions run once per
+# projection's expand, so the parts of q/k/v (and of gate/up) reduce the same partials again.
 #
 # Both causes have a remedy in the code since that run, neither of them timed yet on a GPU (so no
 # number here says what they save):
 #
 # - one reduction per packed module: on a step whose batch is marked "sorted", the layer sums the
 #   partials when it computes the shared shrink, and q, k and v (gate and up) read that one sum
-#   (`LoRALinear.forward`): one reduction per pool module (4 per layer) instead of one per
-#   projection (7);
+#   (`LoRALinear.forward`): as many reductions per layer as shrinks, not as expands;
 # - a shrink grouped by adapter, as the sorted expand is: `bgmv_shrink(..., schedule="sorted")`
-#   gives one program to a block of 16 of a slot's tokens, one column tile and one K piece, so
-#   each tile of the slot's A is loaded once per block instead of once per token (split-K keeps
-#   the machine full). No rule picks it yet; `benchmarks/sweep_split_k.py --grouped` sweeps its
-#   configs and `benchmark_decode_step.py --backends triton_grouped` times it in the whole step.
+#   gives one program to a block of `SORTED_BLOCK_M` of a slot's tokens (printed below), one column
+#   tile and one K piece, so each tile of the slot's A is loaded once per block instead of once per
+#   token (split-K keeps the machine full). No rule picks it yet; `benchmarks/sweep_split_k.py
+#   --grouped` sweeps its configs and `benchmark_decode_step.py --backends triton_grouped` times it
+#   in the whole step.
+
+# %%
+from reference.ops.bgmv_shrink import SORTED_BLOCK_M
+print(f"the grouped shrink's default block: {SORTED_BLOCK_M} tokens of one slot per program")
 #
 # ### Prefill
 #
