@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -47,7 +48,9 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from benchmark_decode_step import random_adapter  # noqa: E402
 from reference.batch_info import batch_info_from_requests  # noqa: E402
 from reference.mem_pool import LoRAAdapter  # noqa: E402
 from reference.tp_lora import CollectiveLog, spawn_ranks, tp_device, tp_unavailable_reason  # noqa: E402
@@ -84,17 +87,14 @@ def random_checkpoint(sizes: dict, layers: int, dtype: torch.dtype, seed: int = 
                            1.0, w)
 
 
-def adapter_source(ckpt: LlamaCheckpoint, rank: int, dtype: torch.dtype):
-    """uid "a<i>" -> a random adapter of rank ``rank`` on every module and layer, seeded by i."""
+def adapter_source(ckpt: LlamaCheckpoint, rank: int):
+    """uid "a<i>" -> the decode-step benchmark's random adapter of rank ``rank`` on every module and
+    layer, seeded by i (the same weights in every rank's process)."""
     modules = llama_pool_modules(ckpt)
 
     def source(uid: str) -> LoRAAdapter:
-        g = torch.Generator().manual_seed(1000 + int(uid[1:]))
-        weights = {(layer, s.name): ((torch.randn(s.stack_num * rank, s.in_features, generator=g)
-                                      * s.in_features ** -0.5).to(dtype),
-                                     (torch.randn(s.out_total, rank, generator=g) * rank ** -0.5).to(dtype))
-                   for layer in range(ckpt.num_layers) for s in modules}
-        return LoRAAdapter(uid, rank, 2.0, weights)
+        gen = torch.Generator().manual_seed(1000 + int(uid[1:]))
+        return random_adapter(uid, rank, modules, ckpt.num_layers, gen)
     return source
 
 
@@ -140,7 +140,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     ckpt = random_checkpoint(opts["sizes"], opts["layers"], dtype)
     layouts = llama_tp_layouts(ckpt, world)
     D, reps = opts["adapters"], opts["reps"]
-    source = adapter_source(ckpt, opts["rank"], dtype)
+    source = adapter_source(ckpt, opts["rank"])
     seqs, context, p_seqs, p_len = opts["seqs"], opts["context"], opts["prefill_seqs"], opts["prefill_len"]
     g = torch.Generator().manual_seed(7)
     steps = {
@@ -168,22 +168,18 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
                     logits = lora()
                 _sync(device)
                 base_ms, lora_ms = _median_ms(base, device, reps), _median_ms(lora, device, reps)
-                counts: dict = {}
-                for op, nbytes in lora_log.log + base_log.log:
-                    counts.setdefault((op, nbytes), [0, 0])
-                for which, log in ((0, base_log.log), (1, lora_log.log)):
-                    for op, nbytes in log:
-                        counts[(op, nbytes)][which] += 1
-                collectives = [dict(op=op, bytes=nbytes, base_count=c[0], lora_count=c[1],
+                base_n, lora_n = Counter(base_log.log), Counter(lora_log.log)
+                collectives = [dict(op=op, bytes=nbytes, base_count=base_n[(op, nbytes)],
+                                    lora_count=lora_n[(op, nbytes)],
                                     us=_collective_us(op, nbytes, world, dtype, device, reps) if world > 1 else 0.0)
-                               for (op, nbytes), c in sorted(counts.items())]
+                               for op, nbytes in sorted(base_n | lora_n)]
             out[f"{column}+{row}/{name}"] = dict(
                 base_ms=base_ms, lora_ms=lora_ms, collectives=collectives,
                 logits=logits[:, -1].float().cpu() if rank == 0 else None)
     return out
 
 
-def _summary(tp: int, ranks: list) -> dict:
+def _summary(ranks: list) -> dict:
     rows = {}
     for key in ranks[0]:
         base_ms = max(r[key]["base_ms"] for r in ranks)
@@ -206,7 +202,7 @@ def run(tps, opts: dict, backend: str) -> dict:
             print(f"TP={tp}: skipped ({reason})", flush=True)
             continue
         ranks = spawn_ranks(_rank, world_size=tp, backend=backend, args=(opts,))
-        results[str(tp)] = _summary(tp, ranks)
+        results[str(tp)] = _summary(ranks)
         logits[tp] = {k: v["logits"] for k, v in ranks[0].items()}
         for key, row in results[str(tp)].items():
             print(f"TP={tp} {key:38s} base {row['base_ms']:9.3f} ms  LoRA {row['lora_ms']:9.3f} ms  "

@@ -138,7 +138,7 @@ class StaticLoRABatch:
         self.staging = {k: torch.zeros(n, dtype=dt, pin_memory=pin) for k, (n, dt) in specs.items()}
         self.buffers["weight_indices"].copy_(torch.arange(num_slots, dtype=torch.int32))
         self.buffers["permutation"].copy_(torch.arange(max_tokens, dtype=torch.int64))
-        self._views: dict[int, LoRABatchInfo] = {}
+        self._views: dict[tuple[int, str], LoRABatchInfo] = {}  # (bucket, expand_schedule) -> view
         # the host must not refill the staging while the last step's copies may still read it
         self._copied = torch.cuda.Event() if pin else None
 
@@ -203,7 +203,7 @@ class StaticLoRABatch:
             raise ValueError(f"bucket {bucket} outside 1..{self.max_seqs}")
         if expand_schedule not in ("token", "sorted"):
             raise ValueError(f"expand_schedule must be 'token' or 'sorted', got {expand_schedule!r}")
-        key = bucket if expand_schedule == "token" else (bucket, expand_schedule)
+        key = (bucket, expand_schedule)
         if key not in self._views:
             b = self.buffers
             tokens = bucket * self.tokens_per_seq

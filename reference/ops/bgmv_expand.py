@@ -170,7 +170,7 @@ def bgmv_expand(
     num_slices = 1 if slice_offsets is None else len(slice_offsets) - 1
     if out.shape[0] != rows.shape[0] or B_stack.shape[1] < bounds[-1]:
         raise ValueError(f"shapes t {list(t.shape)}, B_stack {list(B_stack.shape)}, out {list(out.shape)}")
-    schedule = getattr(batch_info, "expand_schedule", "token") if schedule is None else schedule
+    schedule = batch_info.expand_schedule if schedule is None else schedule
     if schedule not in ("token", "sorted"):
         raise ValueError(f"schedule must be 'token' or 'sorted', got {schedule!r}")
     if schedule == "sorted" and (batch_info.permutation is None or batch_info.permutation.shape[0] != rows.shape[0]):
