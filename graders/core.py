@@ -616,11 +616,10 @@ def grade_many_under_secrets(exercise_id: str, sources: Sequence[str], secrets: 
         for k in range(len(sources)):
             sub = workdir / f"s{k}"
             # no status: the whole batch was stopped (its budget) or its results did not come back
-            status = (read_json(sub / "status.json") if (sub / "status.json").exists()
-                      else {"code": None, "timed_out": job_timed_out})
+            code, timed_out = _status(sub, job_timed_out)
             stderr = ((sub / "stderr.txt").read_text(errors="replace")[-800:] if (sub / "stderr.txt").exists()
                       else job_stderr)
-            verdicts = _verdicts(ex, cases, expected, sub, device, status["code"], status["timed_out"], timeout, stderr)
+            verdicts = _verdicts(ex, cases, expected, sub, device, code, timed_out, timeout, stderr)
             results.append({k2: _result(ex, cases, verdicts, device, elapsed, k2) for k2 in secrets})
     return results
 
@@ -679,9 +678,44 @@ def _grade(exercise_id, source, func_name, device, timeout, secrets) -> dict:
     return {k: _result(ex, cases, verdicts, device, elapsed, k) for k in keys}
 
 
-def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr) -> list[Optional[str]]:
-    if (workdir / "load.json").exists():
+def _status(folder: Path, job_timed_out: bool) -> tuple[Optional[int], bool]:
+    """(exit code, timed out) from a mutation batch's ``status.json``, read as untrusted data (the
+    batch's process ran learner code): absent or malformed, the batch's own outcome."""
+    try:
+        status = read_json(folder / "status.json")
+        code, timed_out = status["code"], status["timed_out"]
+        if (code is None or type(code) is int) and type(timed_out) is bool:
+            return code, timed_out
+    except Exception:  # noqa: BLE001 (anything the child wrote is data, never a reason to stop)
+        pass
+    return None, job_timed_out
+
+
+#: What a case fails with when the files its process wrote are not what graders.runner writes.
+MALFORMED = ("the grader could not read what your function's process returned for this case ({}): "
+             "results that are not in the grader's own format count as wrong (did the answer cell replace "
+             "part of the graders in its process?)")
+
+
+def _load_error(workdir: Path) -> Optional[str]:
+    """The message of ``load.json`` (the answer cell failed to run), as text whatever it holds."""
+    if not (workdir / "load.json").exists():
+        return None
+    try:
         msg = read_json(workdir / "load.json")["error"]
+    except Exception as exc:  # noqa: BLE001
+        return MALFORMED.format(f"load.json: {type(exc).__name__}")
+    return msg if isinstance(msg, str) else MALFORMED.format("load.json: not a message")
+
+
+def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, stderr) -> list[Optional[str]]:
+    """One verdict per case (None: passed) from the files the child wrote.
+
+    Everything the child wrote is untrusted data (learner code ran in that process and may have
+    replaced the runner, the driver or the encoder there): any exception while reading or comparing
+    one case's result fails that case with :data:`MALFORMED`, never the grading run.
+    """
+    if (msg := _load_error(workdir)) is not None:
         return [msg] * len(cases)
     verdicts: list[Optional[str]] = []
     failed: set = set()
@@ -689,12 +723,19 @@ def _verdicts(ex, cases, expected, workdir, device, code, timed_out, timeout, st
     for i, case in enumerate(cases):
         path = workdir / f"result_{i}.json"
         if path.exists():
-            result = read_json(path)
             # a report shows only a group's first failing case: hints (which may replay the
             # reference) are worked out for that one alone
             first = (case.group, case.secret) not in failed
-            verdict = _case_verdict(ex, case, expected[i], result,
-                                    load_tensors(workdir / f"result_{i}.safetensors"), device, with_hint=first)
+            try:
+                result = read_json(path)
+                if not isinstance(result, dict):
+                    raise TypeError(f"a JSON {type(result).__name__}, not an object")
+                verdict = _case_verdict(ex, case, expected[i], result,
+                                        load_tensors(workdir / f"result_{i}.safetensors"), device, with_hint=first)
+                if verdict is not None and not isinstance(verdict, str):
+                    raise TypeError("a verdict that is not text")
+            except Exception as exc:  # noqa: BLE001 (see the docstring)
+                verdict = MALFORMED.format(f"{type(exc).__name__}: {str(exc)[:160]}")
             if verdict is not None:
                 failed.add((case.group, case.secret))
             verdicts.append(verdict)

@@ -44,7 +44,7 @@ from graders.points import POINTS, total_points
 from graders.tamper import suspicious_code
 
 __all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "chapters", "CourseError",
-           "GradersChanged", "Mismatch", "LookAtThis", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
+           "GradersChanged", "Mismatch", "LookAtThis", "Ungraded", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_SECRET = "demo-hidden-secret"
@@ -150,6 +150,20 @@ class LookAtThis:
 
     def __str__(self) -> str:
         return f"{self.student} {self.exercise}:" + "".join(f"\n      {line}" for line in self.lines)
+
+
+@dataclass
+class Ungraded:
+    """An answer whose grading failed in the comparing process (a bug of the graders, or a result
+    they could not read): recorded as 0, the rest of the class graded as usual."""
+
+    student: str
+    exercise: str
+    error: str
+
+    def __str__(self) -> str:
+        return (f"{self.student} {self.exercise}: grading this answer failed ({self.error}); recorded 0 "
+                "(look at the answer; re-run verify once the cause is fixed)")
 
 
 @dataclass
@@ -306,10 +320,15 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     forkserver.hide(course)  # the re-grade's children (sandboxed) see no gradebook, no submission
 
     jobs = []
+    unreadable: list[Ungraded] = []
     for nb_path in sorted(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
         student = nb_path.parts[-3]
-        nb = nbformat.read(nb_path, as_version=4)
-        jobs += [(student, nb_path.stem, ex, c.source) for c in nb.cells if (ex := exercise_of(c))]
+        try:
+            nb = nbformat.read(nb_path, as_version=4)
+            jobs += [(student, nb_path.stem, ex, str(c.source)) for c in nb.cells if (ex := exercise_of(c))]
+        except Exception as exc:  # noqa: BLE001 (its test cells are recorded 0 below)
+            unreadable.append(Ungraded(student, nb_path.stem, f"the autograded notebook cannot be read: "
+                                       f"{type(exc).__name__}: {str(exc)[:200]}"))
     env_secret = {SECRET_ENV: secret} if secret else {}
     old = {k: os.environ.get(k) for k in env_secret}
     os.environ.update(env_secret)
@@ -317,16 +336,23 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         caches = Path(tempfile.mkdtemp(prefix="lora-book-regrade-triton-"))
 
         def grade(job):
-            with triton_cache_scope(caches / f"s{students.index(job[0])}"):
-                # an exercise that runs other answers too (ch11.5) gets them from the same notebook
-                return grade_source(job[2], with_needed(job, jobs)).score
+            try:
+                with triton_cache_scope(caches / f"s{students.index(job[0])}"):
+                    # an exercise that runs other answers too (ch11.5) gets them from the same notebook
+                    return grade_source(job[2], with_needed(job, jobs)).score
+            except Exception as exc:  # noqa: BLE001 (one answer never stops the class's grading)
+                ungraded.append(Ungraded(job[0], job[2], f"{type(exc).__name__}: {str(exc)[:300]}"))
+                return 0.0
 
         students = sorted({j[0] for j in jobs})
-        # one worker per core: on a GPU each check is a fresh process that waits on imports and
-        # Triton compiles more than on the device
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            results = list(pool.map(grade, jobs))
-        shutil.rmtree(caches, ignore_errors=True)
+        ungraded: list[Ungraded] = list(unreadable)
+        try:
+            # one worker per core: on a GPU each check is a fresh process that waits on imports and
+            # Triton compiles more than on the device
+            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+                results = list(pool.map(grade, jobs))
+        finally:
+            shutil.rmtree(caches, ignore_errors=True)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -420,7 +446,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
                 if (s, nb_name) == (student, notebook):
                     scores.setdefault(student, {})[ex] = score
         gb.db.commit()
-    return scores, [*look, *fixes, *mismatches]
+    return scores, [*look, *sorted(ungraded, key=lambda u: (u.student, u.exercise)), *fixes, *mismatches]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,10 +524,12 @@ def print_table(scores: dict, mismatches: list, course: Path) -> None:
         print(f"{s:<{width}}{cells}{sum(d.values()):>9g}")
     print()
     look = [m for m in mismatches if isinstance(m, LookAtThis)]
+    ungraded = [m for m in mismatches if isinstance(m, Ungraded)]
     fixes = [m for m in mismatches if isinstance(m, GradebookFix)]
     differ = [m for m in mismatches if isinstance(m, Mismatch)]
     for heading, found in (
             ("Answer cells to look at (what the code does, not proof of tampering):", look),
+            ("Answers the re-grade could not grade (recorded 0; every other answer was graded):", ungraded),
             ("Gradebook fields the graders did not write (learner code can edit gradebook.db); corrected:", fixes),
             ("Scores that differed from the notebooks' own test cells (the trusted score is what is recorded):",
              differ)):
