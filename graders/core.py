@@ -235,14 +235,15 @@ def _run_child(workdir: Path, timeout: float) -> tuple[Optional[int], bool, str]
 
     device = str(read_json(workdir / "job.json").get("device", "cpu"))
     cuda = _cuda_here()
-    cache = _TRITON_CACHE.get() if cuda else None
+    scope = _TRITON_CACHE.get()  # a student's folder in the re-grade: that student's servers only
+    cache = scope if cuda else None
     if forkserver.usable(device):
         kind = "cuda" if device.startswith("cuda") else "cpu"
         try:
-            return forkserver.run_job(workdir, timeout, kind, cache)
+            return forkserver.run_job(workdir, timeout, kind, scope)
         except forkserver.CudaForkUnsafe:
             pass  # recorded: this process's CUDA checks spawn a fresh child from now on
-    command = [sys.executable, "-m", "graders.runner", str(workdir)]
+    command = sandbox.python_argv("graders.runner", str(workdir))
     extra = {"PYTHONUNBUFFERED": "1", **({"TRITON_CACHE_DIR": str(cache)} if cache else {})}
     if sandbox.enabled():
         argv, env = sandbox.bwrap_argv(command, writable=[workdir, *([cache] if cache else [])],

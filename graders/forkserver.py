@@ -11,8 +11,13 @@ driver untouched (``PYTORCH_NVML_BASED_CUDA_CHECK=1``: even ``torch.cuda.is_avai
 not the driver); before it reports ready it forks one probe child that creates a CUDA context, and
 if that fails the client falls back to a fresh process per check (:class:`CudaForkUnsafe`). A cuda
 server's children share one Triton cache: the scope's folder (``graders.core.triton_cache_scope``,
-one per student in the trusted re-grade) or the server's own private one, so servers are pooled by
-(kind, cache) and never shared between two students' caches.
+one per student in the trusted re-grade) or the server's own private one. Servers of either kind
+are pooled by (kind, scope): a server started for one student's checks never runs another's.
+
+No state passes between two checks through a server: it runs in isolated mode (``python -I``: no
+working folder, /tmp or PYTHON* variable on its module search path) from a read-only working
+folder, and in the sandbox it empties its /tmp (all but its own job folder), /dev/shm and the
+System V IPC objects of its namespace after every job, once every process of the job is killed.
 For each job it forks one child that runs ``graders.runner`` on the job's folder under the time
 budget, kills the child's process group when it ends (and, in the sandbox, every other process
 left in the sandbox's PID namespace), and sends back the files the child wrote.
@@ -223,9 +228,81 @@ def _cuda_probe() -> Optional[str]:
     return None
 
 
+def _mount_points() -> list[Path]:
+    points = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            points.append(Path(line.split()[4].replace("\\040", " ")))
+    return points
+
+
+def _wipe(folder: Path, keep: Path, mounts: list[Path]) -> None:
+    """Delete everything under ``folder`` but ``keep`` and what is mounted there (a Triton cache or
+    a checkout bound in): what a job's processes left for the next job to find."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        if path == keep or path in mounts:
+            continue
+        if any(m.is_relative_to(path) for m in mounts) and entry.is_dir(follow_symlinks=False):
+            _wipe(path, keep, mounts)
+        elif entry.is_dir(follow_symlinks=False):
+            _force(entry.path)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _force(path: str) -> None:
+    """Remove a folder a job may have made unreadable or unwritable."""
+    def fix(fn, failed, exc):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(failed), 0o700)
+            if os.path.isdir(failed) and not os.path.islink(failed):
+                os.chmod(failed, 0o700)
+                shutil.rmtree(failed, ignore_errors=True)
+            else:
+                os.unlink(failed)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    shutil.rmtree(path, onerror=fix)
+
+
+def _remove_sysv_ipc() -> None:
+    """Remove the System V shared memory, semaphores and message queues of this IPC namespace (the
+    sandbox's own, shared by every job of this server)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    ipc_rmid = 0
+    for table, remove in (("shm", lambda i: libc.shmctl(i, ipc_rmid, None)),
+                          ("sem", lambda i: libc.semctl(i, 0, ipc_rmid)),
+                          ("msg", lambda i: libc.msgctl(i, ipc_rmid, None))):
+        with contextlib.suppress(OSError, ValueError, IndexError, AttributeError):
+            for line in Path(f"/proc/sysvipc/{table}").read_text().splitlines()[1:]:
+                remove(int(line.split()[1]))
+
+
+def _clean_between_jobs(base: Path) -> None:
+    """In the sandbox, after a job's processes are gone: its /tmp (but the server's own folder),
+    /dev/shm and System V IPC objects are emptied, so no file, module or segment one check leaves
+    is there for the next (another exercise, or, in a server reused across them, another student)."""
+    mounts = _mount_points()
+    for folder in (Path("/tmp"), Path("/dev/shm")):
+        _wipe(folder, base, mounts)
+    _remove_sysv_ipc()
+
+
 def serve() -> None:
     """The server's loop: read a job frame, fork a child for it, answer with the results frame."""
     _set_parent_death_signal()
+    os.chdir("/")  # read-only in the sandbox; never on the module search path (python -I)
     in_fd, out_fd = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -264,6 +341,8 @@ def serve() -> None:
         status = _run(jobdir, float(meta["timeout"]), in_fd, sandboxed)
         results, error = _collect(jobdir, int(meta.get("sources", 1)))
         shutil.rmtree(jobdir, ignore_errors=True)
+        if sandboxed:
+            _clean_between_jobs(base)
         _write_all(out_fd, pack({**status, "error": error}, results))
     shutil.rmtree(base, ignore_errors=True)
 
@@ -338,11 +417,14 @@ class ForkServer:
     """A handle on one fork server process (started by :meth:`start`)."""
 
     def __init__(self, kind: str = "cpu", cache: Optional[Path] = None):
-        """``kind``: "cpu" or "cuda" (see the module's docstring); ``cache``: a cuda server's Triton
-        cache folder (bound writable in the sandbox), None for one of its own."""
+        """``kind``: "cpu" or "cuda" (see the module's docstring); ``cache``: the scope's folder (one
+        per student in the trusted re-grade; None outside any scope): the pool never hands this
+        server to another scope's check, and a cuda server uses it as its Triton cache (bound
+        writable in the sandbox; None: one of its own)."""
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"kind must be 'cpu' or 'cuda', not {kind!r}")
-        self.kind, self.cache = kind, (Path(cache) if cache is not None and kind == "cuda" else None)
+        self.kind, self.scope = kind, (Path(cache) if cache is not None else None)
+        self.cache = self.scope if kind == "cuda" else None
         self.proc: Optional[subprocess.Popen] = None
         self.sandboxed = False
         self.lock = threading.Lock()  # one job at a time per server
@@ -358,7 +440,7 @@ class ForkServer:
         """
         from graders import sandbox
 
-        command = [sys.executable, "-m", "graders.forkserver"]
+        command = sandbox.python_argv("graders.forkserver")
         extra = {KIND_ENV: self.kind}
         if self.kind == "cuda":
             extra["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() must not initialise the driver
@@ -470,13 +552,14 @@ def _max_idle() -> int:
 
 
 def server(kind: str = "cpu", cache: Optional[Path] = None) -> ForkServer:
-    """An idle fork server of this process of this ``kind`` and Triton ``cache``, or a new one
-    (started on its first job). Threads that grade in parallel (``graders.course``) each hold their
-    own while a job runs (:func:`run_job`); servers outlive the threads and are killed at exit."""
-    want = (kind, Path(cache) if cache is not None and kind == "cuda" else None)
+    """An idle fork server of this process of this ``kind`` and scope ``cache`` (a student's folder,
+    see :class:`ForkServer`), or a new one (started on its first job). Threads that grade in
+    parallel (``graders.course``) each hold their own while a job runs (:func:`run_job`); servers
+    outlive the threads and are killed at exit."""
+    want = (kind, Path(cache) if cache is not None else None)
     with _POOL_LOCK:
         for srv in reversed(_IDLE):
-            if (srv.kind, srv.cache) == want:
+            if (srv.kind, srv.scope) == want:
                 _IDLE.remove(srv)
                 return srv
         srv = ForkServer(*want)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["MODE_ENV", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
-           "SandboxUnavailable", "describe"]
+           "SandboxUnavailable", "describe", "python_argv"]
 
 MODE_ENV = "LORA_BOOK_SANDBOX"
 MODES = ("auto", "required", "off")
@@ -126,6 +126,25 @@ def sandbox_env(extra: Optional[dict] = None) -> dict:
     env.update(extra or {})
     env.pop("LORA_BOOK_SECRET", None)
     return env
+
+
+#: Run by ``python -I -c``: the module search path of an isolated interpreter (no current folder,
+#: no script folder, no user site, no PYTHON* variables), plus the book's checkout and the absolute
+#: PYTHONPATH folders that exist when it starts, then the module as ``python -m`` would.
+_ISOLATED_BOOT = (
+    "import os, runpy, sys\n"
+    "extra = [sys.argv[1], *os.environ.get('PYTHONPATH', '').split(os.pathsep)]\n"
+    "sys.path += [p for p in dict.fromkeys(extra) if os.path.isabs(p) and os.path.isdir(p) and p not in sys.path]\n"
+    "sys.argv = sys.argv[2:]\n"
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """``python -m module args`` in isolated mode (``-I``): nothing on the module search path that
+    the process (or learner code in a child it forks) can write, so no module planted in a working
+    folder or in /tmp is ever imported in its place."""
+    root = str(Path(__file__).resolve().parents[1])
+    return [sys.executable, "-I", "-c", _ISOLATED_BOOT, root, module, *args]
 
 
 def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden: Iterable[Path] = (),

@@ -100,3 +100,64 @@ def test_the_regrade_records_an_answer_it_cannot_grade_as_0_and_grades_the_rest(
     assert len(seen) == 1 and seen[0].startswith("attacker ch01.3: grading this answer failed (TypeError"), seen
     assert scores["honest"] == {ex: 3.0 for ex in cells}
     assert scores["attacker"] == {ex: (0.0 if ex == "ch01.3" else 3.0) for ex in cells}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hole 1: no state passes between two students' checks through the fork servers
+
+_PLANT = textwrap.dedent('''
+    import ctypes, os, sys
+    def lora_forward(x, W, A, B, scaling):
+        planted = []
+        for folder in [os.getcwd(), "/tmp", "/dev/shm", *[p for p in sys.path if p]]:
+            try:  # a module a later check (another student's) would import, and a plain file
+                open(os.path.join(folder, "lora_book_planted.py"), "w").write("PLANTED = True\\n")
+                planted.append(folder)
+            except OSError:
+                pass
+        os.makedirs("/tmp/left-behind/locked", exist_ok=True)
+        open("/tmp/left-behind/locked/note", "w").write("x")
+        os.chmod("/tmp/left-behind/locked", 0)
+        libc = ctypes.CDLL(None)
+        libc.shmget(0x10B0, 4096, 0o1666)  # a System V segment: IPC_CREAT | 0666
+        raise RuntimeError("PLANTED " + repr(planted) + " END")
+''')
+_LOOK = textwrap.dedent('''
+    import os, sys
+    def lora_forward(x, W, A, B, scaling):
+        seen = []
+        try:
+            import lora_book_planted
+            seen.append("imported " + lora_book_planted.__file__)
+        except ImportError:
+            pass
+        for folder in ("/tmp", "/dev/shm"):
+            seen += [os.path.join(folder, n) for n in os.listdir(folder) if not n.startswith("lora-book-jobs-")]
+        seen += ["writable path " + p for p in sys.path if os.path.isdir(p or ".") and os.access(p or ".", os.W_OK)]
+        seen += [line.split()[0] for line in open("/proc/sysvipc/shm").read().splitlines()[1:]]
+        raise RuntimeError("SEEN " + repr(seen) + " END")
+''')
+
+
+@needs_bwrap
+@pytest.mark.parametrize("students", ["one server reused", "a server per student"])
+def test_nothing_passes_between_two_students_checks(tmp_path, monkeypatch, students):
+    """A check plants a module in every folder it can write (its working folder, /tmp, /dev/shm,
+    every folder on its module search path), a locked folder and a System V segment; the next
+    check, through the same server (scope unchanged) or another student's, finds none of them."""
+    import re
+
+    from graders.core import triton_cache_scope
+
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    forkserver.kill_all()
+    scopes = (tmp_path / "a", tmp_path / ("a" if students == "one server reused" else "b"))
+    with triton_cache_scope(scopes[0]):
+        planted = grade_source("ch01.1", _PLANT).report
+    assert "PLANTED [" in planted and "/tmp" in planted, planted  # the attack did write where it could
+    with triton_cache_scope(scopes[1]):
+        seen = re.search(r"SEEN (.*?) END", grade_source("ch01.1", _LOOK).report).group(1)
+    assert seen == "[]", seen
+    servers = [s for s in forkserver._ALL if s.kind == "cpu"]
+    assert {s.scope for s in servers} == set(scopes), "servers are keyed by student"
+    forkserver.kill_all()

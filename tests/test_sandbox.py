@@ -379,8 +379,9 @@ _REPORT_WHERE = textwrap.dedent('''
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork servers need fork")
 def test_fork_servers_are_pooled_by_kind_and_triton_cache(tmp_path):
-    """A cuda server of one student's cache is never handed to another student's check; a cpu
-    server has no cache; the idle pool stays bounded (each server holds torch imported)."""
+    """A server of one student's scope (a cuda server's Triton cache) is never handed to another
+    student's check, of either kind (issue #31: state left by one student's check); a cpu server
+    binds no cache; the idle pool stays bounded (each server holds torch imported)."""
     forkserver.kill_all()
     a, b = forkserver.server("cuda", tmp_path / "a"), forkserver.server("cuda", tmp_path / "b")
     cpu = forkserver.server("cpu", tmp_path / "a")
@@ -390,7 +391,8 @@ def test_fork_servers_are_pooled_by_kind_and_triton_cache(tmp_path):
     assert forkserver.server("cuda", tmp_path / "b") is b
     assert forkserver.server("cuda", tmp_path / "a") is a
     forkserver._release(cpu)
-    assert forkserver.server("cpu") is cpu
+    assert forkserver.server("cpu") is not cpu and forkserver.server("cpu", tmp_path / "b") is not cpu
+    assert forkserver.server("cpu", tmp_path / "a") is cpu and cpu.scope == tmp_path / "a"
     with pytest.raises(ValueError, match="kind"):
         forkserver.ForkServer("gpu")
     for k in range(forkserver._max_idle() + 3):
