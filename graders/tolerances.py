@@ -27,6 +27,15 @@ TOLERANCES: dict[tuple[str, torch.dtype, str], tuple[float, float, str]] = {
     ("cpu", _F16, "triton"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
     ("cuda", _F16, "triton"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus one rounded intermediate"),
     ("cuda", _BF16, "triton"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus a rounded intermediate"),
+    # paged attention (chapter 11): an online softmax (a running max, rescaled sums, split-KV partials
+    # merged) against SDPA over the gathered keys: the same terms summed in another order; on the GPU
+    # the 16-bit kernel rounds the probabilities to the cache dtype before P @ V, as FlashAttention does.
+    ("cpu", _F32, "attention"): (1e-5, 1e-5, "fp32 online softmax vs SDPA: reordered sums of <= a few thousand terms"),
+    ("cuda", _F32, "attention"): (1e-4, 1e-4, "fp32 (IEEE tl.dot) online softmax vs SDPA, reordered sums"),
+    ("cpu", _F16, "attention"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus rounded probabilities"),
+    ("cuda", _F16, "attention"): (1e-2, 1e-2, "fp16 output rounding (2^-11) plus rounded probabilities"),
+    ("cpu", _BF16, "attention"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus rounded probabilities"),
+    ("cuda", _BF16, "attention"): (3e-2, 3e-2, "bf16 keeps 8 bits: output rounding 2^-8 plus rounded probabilities"),
 }
 
 _MERGE_NOTE = "a merged weight rounds W + s*B@A once; accumulation order may differ"

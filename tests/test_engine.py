@@ -168,6 +168,31 @@ def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_m
     assert graph.padding_rows > 0
 
 
+# the attention kernel the device does not default to: on the CPU the Triton kernel (interpreted),
+# on CUDA the torch gather path; both through graph decode and the eager prefill/chunk steps
+OTHER_ATTENTION = "triton" if DEVICE == "cpu" else "torch"
+
+
+@pytest.fixture(scope="module")
+def other_attention_run(base, adapter_dirs):
+    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True, attention_backend=OTHER_ATTENTION))
+    prompts, names, params = workload()
+    return llm, llm.generate(prompts, params, lora_request=names)
+
+
+def test_the_other_attention_kernel_equals_peft_generate_alone(other_attention_run, peft_model):
+    """The judge once more with the attention path this device does not take by default, so both
+    kernels are judged on both devices (prefill, chunks over a cached prefix, graph decode)."""
+    llm, outs = other_attention_run
+    assert llm.runner.attention_backend == OTHER_ATTENTION
+    prompts, names, params = workload()
+    for out, prompt, name, p in zip(outs, prompts, names, params):
+        assert out.error is None
+        want = peft_greedy(peft_model, prompt, name, p)
+        assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
+    assert llm.stats["graph_decode_steps"] > 0 and llm.stats["preemptions"] >= 1, llm.stats
+
+
 def test_eager_decode_is_the_default_on_the_cpu(engine_run):
     llm, _ = engine_run
     if DEVICE == "cuda":

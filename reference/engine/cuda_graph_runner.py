@@ -25,10 +25,12 @@ never change shape (chapter 08). For a paged cache that means (vLLM's and SGLang
 
 The attention is the eager path's own :func:`~reference.engine.model_runner.paged_attention`, run
 over the static buffers: with one query per row and a table ``max_blocks`` wide, its shapes depend
-on the bucket alone. What this costs: each row gathers ``max_blocks * block_size`` positions
-whatever its length (a paged-attention kernel such as vLLM's stops at each row's length; here the
-gather is plain torch), so ``max_blocks`` is bounded by the cache (a sequence cannot hold more
-blocks than it has) and by the model's context.
+on the bucket alone. With the torch backend each row gathers ``max_blocks * block_size`` positions
+whatever its length (so ``max_blocks`` is bounded by the cache and by the model's context); with the
+Triton backend (the default on CUDA: :mod:`reference.ops.paged_attention`) each row's program walks
+its table only up to its ``context_lens``, so the padded width costs nothing but host memory, and
+each bucket's graph splits the KV length ``runner.split_decode`` ways (flash-decoding), chosen for
+the bucket's size at capture.
 
 Without CUDA (or with ``use_graphs=False``) "capture" keeps the step and "replay" calls it, as
 chapter 08's runner does: the same buffers, the same code, so the CPU tests check the static path.
@@ -89,13 +91,15 @@ class StaticDecodeInputs:
         self._host = {k: v.numpy() for k, v in self.staging.items()}  # numpy views: filled without torch ops
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=self.device)  # token_seq, last_token
         self.zeros = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)  # token_local
+        self.query_start = torch.arange(max_seqs + 1, dtype=torch.int32, device=self.device)  # one query per row
         self._views: dict[int, AttentionMetadata] = {}
         self._copied = torch.cuda.Event() if pin else None  # staging is refilled only after its copies ran
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """The metadata a graph of ``bucket`` rows is captured with (views, made once per bucket).
 
-        One query per row: token_seq = last_token = arange(bucket), token_local = 0, max_query_len 1.
+        One query per row: token_seq = last_token = arange(bucket), token_local = 0, max_query_len 1,
+        query_start_loc = arange(bucket + 1).
         Raises ValueError for a bucket outside 1..max_seqs.
         """
         if not 1 <= bucket <= self.max_seqs:
@@ -106,7 +110,7 @@ class StaticDecodeInputs:
                 positions=b["positions"][:bucket], slot_mapping=b["slot_mapping"][:bucket],
                 token_seq=self.rows[:bucket], token_local=self.zeros[:bucket],
                 block_tables=b["block_tables"][:bucket], context_lens=b["context_lens"][:bucket],
-                last_token=self.rows[:bucket], max_query_len=1)
+                last_token=self.rows[:bucket], max_query_len=1, query_start_loc=self.query_start[:bucket + 1])
         return self._views[bucket]
 
     def update(self, work: Sequence[SeqWork], bucket: int) -> None:
@@ -233,7 +237,9 @@ class PagedDecodeGraphRunner:
         """The captured function: logits [bucket, vocab] float32 from the static buffers."""
         if self.static is not None:
             self.context.set_batch(self.static.batch_info(bucket) if lora else self.base_info[bucket])
-        return self.runner.run_model(self.inputs.buffers["input_ids"][:bucket], self.inputs.metadata(bucket))
+        # the KV splits are frozen per bucket, for the longest context a row can have
+        meta = self.runner.split_decode(self.inputs.metadata(bucket), self.max_blocks * self.inputs.block_size)
+        return self.runner.run_model(self.inputs.buffers["input_ids"][:bucket], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:

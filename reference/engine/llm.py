@@ -58,6 +58,9 @@ class EngineConfig:
     # capture, as the tests run it); False = always eager. With it, the pool has one slot more,
     # pinned to the base model: the rank-0 slot padding rows use, whatever adapters fill the others.
     cuda_graph: Optional[bool] = None
+    # the attention kernel (``reference.engine.model_runner.paged_attention``): "torch" (gather, mask,
+    # SDPA), "triton" (walks each block table up to its length); None = "triton" on CUDA, else "torch"
+    attention_backend: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ class LLM:
         self.context = LoRAContext()
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
-                                  config.backend)
+                                  config.backend, config.attention_backend)
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             self.runner.enable_graph_decode(config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,

@@ -49,13 +49,22 @@ from torch import nn
 from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, wrap_llama
 from reference.mem_pool import LoRAMemoryPool
+from reference.ops.paged_attention import choose_num_splits, triton_paged_attention
 from reference.static_llama import apply_rope
 
 if TYPE_CHECKING:
     from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner
 
 __all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
-           "paged_attention", "ModelRunner", "sample"]
+           "paged_attention", "ATTENTION_BACKENDS", "default_attention_backend", "ModelRunner", "sample"]
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def default_attention_backend(device: Union[str, torch.device]) -> str:
+    """"triton" on CUDA (the kernel that reads only each sequence's blocks), "torch" elsewhere (the
+    interpreter runs the kernel too, about 1 ms per program and tile: CI tests it on small shapes)."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 class PagedKVCache:
@@ -123,7 +132,7 @@ class AttentionMetadata(NamedTuple):
     Running example: block_size 4, work [(3 tokens, start 0, bt [5, 1]), (1 token, start 6, bt [0, 3])]
         positions [0, 1, 2, 6]   slot_mapping [20, 21, 22, 14]   token_seq [0, 0, 0, 1]
         token_local [0, 1, 2, 0]   block_tables [[5], [0, 3]] -> [[5, 0], [0, 3]] (padded with 0)
-        context_lens [3, 7]   last_token [2, 3]   max_query_len 3
+        context_lens [3, 7]   last_token [2, 3]   max_query_len 3   query_start_loc [0, 3, 4]
     """
 
     positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
@@ -134,6 +143,8 @@ class AttentionMetadata(NamedTuple):
     context_lens: torch.Tensor  # [num_seqs] int64, start + len: positions the sequence has after the write
     last_token: torch.Tensor  # [num_seqs] int64, flat row of each sequence's last token
     max_query_len: int  # host: longest token_ids
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu_seqlens: sequence s's tokens are rows qsl[s]..qsl[s+1]-1
+    num_splits: int = 1  # host: splits over the KV length of the Triton kernel (flash-decoding), 1 = none
 
 
 def _blocks_needed(length: int, block_size: int) -> int:
@@ -144,7 +155,7 @@ def build_attention_metadata(work: Sequence[SeqWork], block_size: int,
                              device: Union[str, torch.device]) -> AttentionMetadata:
     """The :class:`AttentionMetadata` of ``work`` (already checked by :func:`check_work`), from host
     lists: one host->device copy per tensor, no device read."""
-    positions, slots, seq_of, local, tables, lens, last = [], [], [], [], [], [], []
+    positions, slots, seq_of, local, tables, lens, last, starts = [], [], [], [], [], [], [], [0]
     for i, w in enumerate(work):
         end = w.start + len(w.token_ids)
         for j, p in enumerate(range(w.start, end)):
@@ -155,14 +166,15 @@ def build_attention_metadata(work: Sequence[SeqWork], block_size: int,
         tables.append(list(w.block_table[:_blocks_needed(end, block_size)]))
         lens.append(end)
         last.append(len(positions) - 1)
+        starts.append(len(positions))
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked (and zeroed) when read
 
-    def send(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    def send(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     return AttentionMetadata(send(positions), send(slots), send(seq_of), send(local), send(padded), send(lens),
-                             send(last), max(len(w.token_ids) for w in work))
+                             send(last), max(len(w.token_ids) for w in work), send(starts, torch.int32))
 
 
 def _is_int(x) -> bool:
@@ -233,9 +245,15 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, hd], one layer's cache, contiguous (written)
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, hd]
     meta: AttentionMetadata,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Write the new keys and values into their slots, then causal attention over each token's
     sequence: [num_tokens, heads * hd] in q's dtype.
+
+    ``backend`` "torch" (below: gather, mask, SDPA; written for clarity, the CPU's default) or
+    "triton" (:func:`~reference.ops.paged_attention.triton_paged_attention`: walks each block table
+    up to the sequence's length, ``meta.num_splits`` splits over the KV length; the GPU's default).
+    Both compute the same Semantics.
 
     Semantics (s = token_seq[t], K_s[p] = k_cache[block_tables[s, p // bs], p % bs]):
         k_cache[slot_mapping[t] // bs, slot_mapping[t] % bs] = k[t]        (same for v), then
@@ -245,7 +263,13 @@ def paged_attention(
     NaN values there cannot leak. Tokens are padded into [num_seqs, max_query_len] so each sequence's
     blocks are gathered once, not once per query token.
     """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if backend == "triton":
+        out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+                                     torch.empty_like(q), meta.max_query_len, meta.num_splits)
+        return out.view(q.shape[0], -1)
     keys, values = _gather(k_cache, meta), _gather(v_cache, meta)  # [S, L, kv_heads, hd]
     S, L, kv_heads, hd = keys.shape
     heads, T = q.shape[1], meta.max_query_len
@@ -290,14 +314,23 @@ class ModelRunner:
             ``self.kv_cache`` has one block more, ``scratch_block`` (= num_blocks), which only the
             padding rows of graph decode write (:meth:`enable_graph_decode`).
         backend: the LoRA ops, when the runner wraps the model (see ``reference.layers.get_backend``).
+        attention_backend: "torch" or "triton" (see :func:`paged_attention`); None: "triton" on
+            CUDA, "torch" elsewhere (:func:`default_attention_backend`).
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
-        layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`).
+        layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown
+        attention backend.
     """
 
     def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
-                 num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch") -> None:
+                 num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch",
+                 attention_backend: Optional[str] = None) -> None:
         self._check_lora_setup(model, pool, context, get_backend(backend))
+        device = model.get_input_embeddings().weight.device
+        self.attention_backend = default_attention_backend(device) if attention_backend is None else attention_backend
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {attention_backend!r}")
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if pool is not None and not _is_wrapped(model):
             wrap_llama(model, pool, context, backend)
         self.model, self.pool, self.context = model, pool, context
@@ -345,11 +378,21 @@ class ModelRunner:
             if graph is not None and graph.eager_reason(work, uid_to_slot) is None:
                 return graph.run(work, uid_to_slot)
             self._set_lora_batch(work, uid_to_slot)
-            meta = build_attention_metadata(work, self.kv_cache.block_size, self.device)
+            meta = self.split_decode(build_attention_metadata(work, self.kv_cache.block_size, self.device),
+                                     max(w.start + len(w.token_ids) for w in work))
             ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
             return self.run_model(ids, meta)
 
     __call__ = forward
+
+    def split_decode(self, meta: AttentionMetadata, max_context: int) -> AttentionMetadata:
+        """``meta`` with the Triton kernel's KV splits for a decode step (one query per sequence):
+        :func:`~reference.ops.paged_attention.choose_num_splits` from host ints; other steps, and
+        the torch backend, keep 1 (a prefill's query tiles fill the GPU on their own)."""
+        if self.attention_backend != "triton" or meta.max_query_len != 1:
+            return meta
+        splits = choose_num_splits(len(meta.context_lens), self.num_kv_heads, max_context, self.num_sms)
+        return meta._replace(num_splits=splits)
 
     def enable_graph_decode(self, max_seqs: int, buckets: Optional[Sequence[int]] = None,
                             use_graphs: Optional[bool] = None) -> "PagedDecodeGraphRunner":
@@ -410,7 +453,7 @@ class ModelRunner:
         q = apply_rope(attn.q_proj(x).view(N, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
         v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta)
+        out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta, self.attention_backend)
         return attn.o_proj(out)
 
 
