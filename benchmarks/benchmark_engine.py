@@ -47,6 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -101,8 +102,77 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy of ``nbytes``: the median of
+    ``reps`` timed copies (CUDA events). The decode floor divides the bytes a step must read by it."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def step_bytes(model) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads: every parameter but the input embedding, whose one
+    row per token is negligible; KV bytes per cached position over all layers, keys and values)."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return weights, cfg.num_hidden_layers * 2 * kv_heads * head_dim * embed.element_size()
+
+
+def record_decode_contexts(llm) -> list[int]:
+    """Wrap ``llm.runner.forward`` to log, for every decode step (one token per sequence), the
+    positions it attends in all (sum of start + 1): the KV a perfect step must read."""
+    log: list[int] = []
+    forward = llm.runner.forward
+
+    def logged(work, running=()):
+        if all(len(w.token_ids) == 1 for w in work):
+            log.append(sum(w.start + 1 for w in work))
+        return forward(work, running)
+
+    llm.runner.forward = logged
+    return log
+
+
+def gpu_busy(prof, label: str = "decode_step") -> Optional[float]:
+    """Fraction of the ``label`` ranges' wall time during which some GPU kernel or copy ran (the
+    union of their intervals, clipped to the ranges), from a torch.profiler trace."""
+    events = list(prof.profiler.kineto_results.events())
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == label)
+    gpu = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                 if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+    if not ranges:
+        return None
+    merged: list[list[int]] = []
+    for a, b in gpu:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    busy = total = 0
+    for lo, hi in ranges:  # decode steps do not overlap one another
+        total += hi - lo
+        busy += sum(max(0, min(b, hi) - max(a, lo)) for a, b in merged if a < hi and b > lo)
+    return busy / total if total else None
+
+
 def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
-               policies: EnginePolicies = EnginePolicies()) -> dict:
+               policies: EnginePolicies = EnginePolicies(), floor: Optional[dict] = None, profile: bool = False) -> dict:
+    """One timed ``generate`` of the workload. ``floor``: {"bandwidth": B/s, "weights": bytes,
+    "kv_per_position": bytes} adds each decode step's floor, (weights + attended KV) / bandwidth, and
+    TPOT p50 over the median floor. ``profile``: a second, profiled generate for the GPU-busy
+    fraction of its decode steps (the timed one stays unprofiled)."""
     llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device,
               policies=policies)
     for name, adapter in adapters.items():
@@ -111,20 +181,51 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])  # warm-up (Triton compiles)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    contexts = record_decode_contexts(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=names)
     wall = time.perf_counter() - t0
+    extra = {}
+    if floor is not None and contexts:
+        floors = [(floor["weights"] + c * floor["kv_per_position"]) / floor["bandwidth"] for c in contexts]
+        extra["decode_floor_ms_p50"] = round(1e3 * percentile(floors, 0.5), 3)
+    if profile and device.type == "cuda":
+        extra["gpu_busy_decode"] = profiled_busy(llm, prompts, params, names)
     tokens = sum(len(o.token_ids) for o in outs)
     tpot = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
     ttft = [o.token_times[0] for o in outs if o.token_times]
     from reference.layers import unwrap_llama
 
     unwrap_llama(llm.model)
-    return dict(output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2),
+    if "decode_floor_ms_p50" in extra:
+        extra["tpot_p50_over_floor"] = round(1e3 * percentile(tpot, 0.5) / extra["decode_floor_ms_p50"], 2)
+    return dict(output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2), **extra,
                 tpot_ms_p50=round(1e3 * percentile(tpot, 0.5), 3), tpot_ms_p99=round(1e3 * percentile(tpot, 0.99), 3),
                 ttft_s_p50=round(percentile(ttft, 0.5), 3), ttft_s_p99=round(percentile(ttft, 0.99), 3),
                 **{k: v for k, v in llm.stats.items() if k != "pool_events"},
                 adapter_loads=llm.stats["pool_events"].get("load", 0))
+
+
+def profiled_busy(llm, prompts, params, names) -> Optional[float]:
+    """The workload once more under torch.profiler (CPU and CUDA activity, as issue #30 measured),
+    each decode step labelled: the GPU-busy fraction of the decode steps' wall time."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    forward = llm.runner.forward
+
+    def labelled(work, running=()):
+        label = "decode_step" if all(len(w.token_ids) == 1 for w in work) else "prefill_step"
+        with record_function(label):
+            logits = forward(work, running)
+            logits.sum().item()  # the step ends when its logits exist (the engine reads them at once too)
+            return logits
+
+    llm.runner.forward = labelled
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, lora_request=names)
+    llm.runner.forward = forward
+    busy = gpu_busy(prof)
+    return None if busy is None else round(busy, 3)
 
 
 def run_peft(model, adapters_peft: int, prompts, names, new_tokens: int, batch: int, rank: int, device) -> dict:
@@ -158,8 +259,9 @@ def run_peft(model, adapters_peft: int, prompts, names, new_tokens: int, batch: 
     return dict(output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2), batch=batch)
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    by = {(r["system"], r["adapters"]): r for r in rows}
+def targets(rows: list[dict], attention: Optional[str] = None) -> list[dict]:
+    """The issue's targets over the rows of one attention kernel (``attention``; None: any)."""
+    by = {(r["system"], r["adapters"]): r for r in rows if attention is None or r.get("attention", attention) == attention}
     out = []
     one, base, many = by.get(("engine", 1)), by.get(("engine", 0)), by.get(("engine", 64))
     if many and one:
@@ -190,6 +292,11 @@ def main() -> None:
     ap.add_argument("--no-extras", action="store_true",
                     help="skip the prefix-cache (isolated vs shared key) and drain (on vs off) experiments")
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
+    ap.add_argument("--attention", nargs="+", default=[None], choices=["torch", "triton"],
+                    help="attention kernels to run every row with (default: the device's, triton on CUDA); two "
+                         "give a ratio in one run")
+    ap.add_argument("--profile", action="store_true",
+                    help="per row, one more profiled generate: GPU-busy fraction of the decode steps")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -227,14 +334,17 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     extras: list[dict] = []
+    floor_info: dict = {}
 
     def save() -> list[dict]:  # after every row: a run cut short by a time limit keeps what it measured
-        met = targets(rows)
+        met = targets(rows, rows[-1].get("attention") if rows else None)
         result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
                       prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
                       engine_config=engine_cfg.__dict__, rows=rows, targets=met, extras=extras,
                       peft_requests=args.peft_requests or n,
+                      copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
+                      weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),
                       method="one untimed pass of the whole workload (4 new tokens) first; one generate() per "
                              "row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
                              "between a request's consecutive tokens; TTFT from the call's start (every request "
@@ -250,15 +360,25 @@ def main() -> None:
     warm = run_engine(model, engine_cfg, prompts, [None if i % 2 else "a0" for i in range(n)], 4,
                       {"a0": adapters["a0"]}, device)
     tqdm.write(f"warm-up pass (untimed): {warm['wall_s']:.1f} s")
-    cases = [0] + adapter_counts
-    for D in tqdm(cases, desc="engine runs"):
+    floor = None
+    if device.type == "cuda":
+        weights, per_position = step_bytes(model)
+        floor = dict(bandwidth=copy_bandwidth(device), weights=weights, kv_per_position=per_position)
+        tqdm.write(f"copy bandwidth {floor['bandwidth'] / 1e12:.2f} TB/s, weights {weights / 2**30:.2f} GiB, "
+                   f"KV {per_position} B per position")
+    floor_info.update(floor or {})
+    cases = [(D, a) for a in args.attention for D in [0] + adapter_counts]
+    for D, attention in tqdm(cases, desc="engine runs"):
         names = [None] * n if D == 0 else [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(2), n, D)]
         used = {k: adapters[k] for k in set(names) if k is not None}
+        cfg_row = EngineConfig(**{**engine_cfg.__dict__, "attention_backend": attention})
         row = dict(system="engine", adapters=D, distinct_in_trace=len(used),
-                   **run_engine(model, engine_cfg, prompts, names, new, used, device))
+                   **run_engine(model, cfg_row, prompts, names, new, used, device, floor=floor, profile=args.profile))
+        row["attention"] = attention or ("triton" if device.type == "cuda" else "torch")
         rows.append(row)
         save()
-        tqdm.write(f"engine  D={D:4d}: {row['tokens_per_s']:9.1f} tok/s, TPOT p50 {row['tpot_ms_p50']:.2f} ms "
+        tqdm.write(f"engine  D={D:4d} {row['attention']:6}: {row['tokens_per_s']:9.1f} tok/s, TPOT p50 {row['tpot_ms_p50']:.2f} ms "
+                   f"(floor {row.get('decode_floor_ms_p50', float('nan')):.2f} ms, busy {row.get('gpu_busy_decode')}) "
                    f"p99 {row['tpot_ms_p99']:.2f} ms, TTFT p50 {row['ttft_s_p50']:.2f} s, steps {row['steps']}, "
                    f"preemptions {row['preemptions']}, loads {row['adapter_loads']}, "
                    f"graph decode steps {row['graph_decode_steps']}/{row['decode_steps']}")

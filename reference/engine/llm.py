@@ -29,7 +29,7 @@ import torch
 from reference.adapters import load_peft_adapter
 from reference.engine.block_manager import BlockManager
 from reference.engine.policies import admit_requests, block_hashes, choose_drain
-from reference.engine.model_runner import ModelRunner, SeqWork, sample
+from reference.engine.model_runner import ModelRunner, SeqWork, sample_batch
 from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
 from reference.engine.sequence import SamplingParams, Sequence
 from reference.layers import LoRAContext, wrap_llama
@@ -282,12 +282,9 @@ class LLM:
         self._t0 = time.perf_counter()
         pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
         try:
-            device = next(self.model.parameters()).device  # a generator lives where the logits are
-            gens = {seq.seq_id: torch.Generator(device=device).manual_seed(seq.params.seed) for _, seq in pairs
-                    if seq is not None and seq.params.temperature > 0}
             while self.scheduler.has_unfinished():
                 if step is None:
-                    self._step(gens)
+                    self._step()
                 else:
                     self.steps[step(self.scheduler, self.runner)] += 1
         except BaseException:
@@ -318,30 +315,33 @@ class LLM:
         self.steps = Counter()
         self._token_times: dict[int, list[float]] = {}
 
-    def _step(self, gens: dict) -> None:
+    def _step(self) -> None:
         kind, work = self.scheduler.schedule()
         self.steps[kind] += 1
         if not work:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug, not input
         running = [s.uid for s in self.scheduler.running]
-        logits = self.runner.forward([SeqWork(w.seq.tokens[w.start:w.end], w.start, list(w.seq.block_table), w.seq.uid)
+        # the tables are passed, not copied: the runner reads them during the call and keeps nothing
+        logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
                                       for w in work], running=running)
-        tokens = self._sample(work, logits, gens)
+        tokens = self._sample(work, logits)
         self.scheduler.postprocess(work, tokens)
         now = time.perf_counter() - self._t0  # the tokens exist once sampled (sample reads them to the host)
+        times = self._token_times
         for seq_id in tokens:
-            self._token_times.setdefault(seq_id, []).append(now)
+            times.setdefault(seq_id, []).append(now)
 
-    def _sample(self, work: list[Work], logits: torch.Tensor, gens: dict) -> dict[int, int]:
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> dict[int, int]:
+        """Every finished chunk's next token, greedy and seeded rows together, with one pass on the
+        device and one device-to-host copy (:func:`~reference.engine.model_runner.sample_batch`)."""
         rows = [i for i, w in enumerate(work) if w.end == w.seq.num_tokens]  # chunks that reached the end
-        greedy = [i for i in rows if work[i].seq.params.temperature == 0]
-        # one argmax and one device->host copy for every greedy row, not one per sequence
-        tokens = dict(zip((work[i].seq.seq_id for i in greedy), sample(logits[greedy], 0.0).tolist())) if greedy else {}
-        for i in rows:
-            seq = work[i].seq
-            if seq.params.temperature > 0:
-                tokens[seq.seq_id] = int(sample(logits[i], seq.params.temperature, gens[seq.seq_id]))
-        return tokens
+        if not rows:
+            return {}
+        seqs = [work[i].seq for i in rows]
+        picked = sample_batch(logits[rows] if len(rows) < len(work) else logits,
+                              [s.params.temperature for s in seqs], [s.params.seed or 0 for s in seqs],
+                              [len(s.output) for s in seqs]).tolist()
+        return dict(zip((s.seq_id for s in seqs), picked))
 
     def _collect_stats(self) -> None:
         pool_mark, sched_mark, hits0, queries0, graph0, eager0 = self._marks

@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner
 
 __all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
-           "paged_attention", "ATTENTION_BACKENDS", "default_attention_backend", "ModelRunner", "sample"]
+           "paged_attention", "ATTENTION_BACKENDS", "default_attention_backend", "ModelRunner", "sample",
+           "sample_batch"]
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -181,10 +182,20 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _ints_in(values: Sequence, lo: int, hi: int) -> bool:
+    """Every value an int (not a bool) in lo..hi-1. The common case (plain ints) costs one pass in
+    C-level builtins: a step of 256 sequences checks its tables in well under a millisecond."""
+    if not values:
+        return True
+    if all(type(x) is int for x in values):  # noqa: E721 (exactly int: bool and other subclasses go the long way)
+        return lo <= min(values) and max(values) < hi
+    return all(_is_int(x) and lo <= x < hi for x in values)
+
+
 def _check_one(i: int, w: SeqWork, num_blocks: int, block_size: int, max_positions: int, vocab_size: int) -> None:
     if not isinstance(w.token_ids, (list, tuple)) or not w.token_ids:
         raise ValueError(f"work[{i}]: token_ids must be a non-empty list of ints, got {w.token_ids!r}")
-    if any(not _is_int(t) or not 0 <= t < vocab_size for t in w.token_ids):
+    if not _ints_in(w.token_ids, 0, vocab_size):
         raise ValueError(f"work[{i}]: token ids must be ints in 0..{vocab_size - 1}, got {list(w.token_ids)}")
     if not _is_int(w.start) or w.start < 0:
         raise ValueError(f"work[{i}]: start must be an int >= 0, got {w.start!r}")
@@ -196,7 +207,7 @@ def _check_one(i: int, w: SeqWork, num_blocks: int, block_size: int, max_positio
     if len(w.block_table) < need:
         raise ValueError(f"work[{i}]: block table {list(w.block_table)} has {len(w.block_table)} blocks but "
                          f"positions 0..{end - 1} need {need} of block_size {block_size}")
-    if any(not _is_int(b) or not 0 <= b < num_blocks for b in w.block_table):
+    if not _ints_in(w.block_table, 0, num_blocks):
         raise ValueError(f"work[{i}]: block table {list(w.block_table)} has ids outside 0..{num_blocks - 1}")
 
 
@@ -215,8 +226,9 @@ def check_work(work: Sequence[SeqWork], num_blocks: int, block_size: int, max_po
     written: dict[int, int] = {}
     for i, w in enumerate(work):
         _check_one(i, w, num_blocks, block_size, max_positions, vocab_size)
-        for p in range(w.start, w.start + len(w.token_ids)):
-            slot = w.block_table[p // block_size] * block_size + p % block_size
+        table, start = w.block_table, w.start
+        for p in range(start, start + len(w.token_ids)):
+            slot = table[p // block_size] * block_size + p % block_size
             if written.setdefault(slot, i) != i:
                 raise ValueError(f"work[{written[slot]}] and work[{i}] both write block "
                                  f"{slot // block_size} offset {slot % block_size}")
@@ -455,6 +467,63 @@ class ModelRunner:
         v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta, self.attention_backend)
         return attn.o_proj(out)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on negative values)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele et al., OOPSLA 2014) on int64, wrapping: a counter-based hash."""
+    x = x ^ _srl(x, 30)
+    x = x * _signed64(0xBF58476D1CE4E5B9)
+    x = x ^ _srl(x, 27)
+    x = x * _signed64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
+                 counters: Sequence[int]) -> torch.Tensor:
+    """One next token per row of logits [n, vocab], greedy or seeded, in one pass on logits' device:
+    int64 [n]. Rows with temperature 0 take the argmax (ties to the lowest id); a row with
+    temperature T > 0 draws from softmax(logits / T) by the Gumbel-max trick, its noise a hash of
+    (seed, counter, token id), so a request's draw depends on its own seed and how many tokens it
+    has drawn (``counters``), never on its batch or row (vLLM's per-request seeded generators give
+    the same guarantee with one generator per request; a counter-based hash does it for the whole
+    batch at once: Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011).
+
+    Semantics, per row i:
+        T == 0:  argmax(logits[i])
+        T > 0:   argmax(logits[i] / T + G[i]),  G[i, v] = -log(-log(U(seed_i, counter_i, v))),
+                 U uniform in (0, 1) from SplitMix64 of the three
+    Host lists only: nothing on the host reads the device. Raises ValueError for lengths that
+    differ from the number of rows, or a negative or non-finite temperature.
+    """
+    n, vocab = logits.shape
+    if not len(temperatures) == len(seeds) == len(counters) == n:
+        raise ValueError(f"{n} rows but {len(temperatures)} temperatures, {len(seeds)} seeds, {len(counters)} counters")
+    if any(not (0 <= t < float("inf")) for t in temperatures):
+        raise ValueError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
+    if all(t == 0 for t in temperatures):
+        return logits.argmax(dim=-1)
+    dev = logits.device
+    temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float64).to(dev, non_blocking=True)
+    keys = torch.tensor([_signed64(s * 0x9E3779B97F4A7C15 + c) for s, c in zip(seeds, counters)],
+                        dtype=torch.int64).to(dev, non_blocking=True)
+    hot = torch.tensor([t > 0 for t in temperatures]).to(dev, non_blocking=True)
+    bits = _splitmix64(_splitmix64(keys[:, None]) ^ torch.arange(vocab, device=dev, dtype=torch.int64)[None, :])
+    u = (_srl(bits, 11).double() + 0.5) * 2.0 ** -53  # (0, 1): never log(0)
+    scores = logits.double() / temp[:, None] - torch.log(-torch.log(u))
+    return torch.where(hot, scores.argmax(dim=-1), logits.argmax(dim=-1))
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:

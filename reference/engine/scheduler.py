@@ -163,9 +163,15 @@ class Scheduler:
         return work
 
     def _decode_work(self) -> list[Work]:
-        work, i = [], 0
+        work, i, events, bs = [], 0, self.events, self.blocks.block_size
         while i < len(self.running):
             seq = self.running[i]
+            n = seq.num_tokens
+            if n <= len(seq.block_table) * bs:  # the common case: its last position has a block already
+                events.append(("decode", seq.seq_id))
+                work.append(Work(seq, seq.num_computed, n))
+                i += 1
+                continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)

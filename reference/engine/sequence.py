@@ -19,7 +19,8 @@ class SamplingParams:
     """How a request's tokens are chosen and when it stops (vLLM's names).
 
     ``temperature`` 0 is greedy (argmax, ties to the lowest token id); above 0, tokens are drawn
-    from softmax(logits / temperature) with a generator seeded by ``seed`` (reproducible per request).
+    from softmax(logits / temperature), its noise a hash of (``seed``, tokens drawn so far): reproducible
+    per request and independent of its batch (``reference.engine.model_runner.sample_batch``).
     Generation stops after ``max_new_tokens`` tokens or at the first token in ``stop_token_ids``
     (which is kept in the output).
     """
@@ -80,6 +81,13 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole token list (a decode step reads one)."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:end] + self.output[:max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:
