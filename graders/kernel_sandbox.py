@@ -7,6 +7,9 @@ starts live in the sandbox and die with nbgrader:
 
 - the course folder (gradebook.db, every other submission, the instructor's source notebooks) is
   hidden; only the notebook's own folder (nbgrader's working folder for it) is writable;
+- the grading run's work folder and runtime folder (every kernel's connection file with its key,
+  every kernel's sockets) are hidden, wherever TMPDIR puts them, but for this kernel's own
+  connection file (read-only) and ipc folder;
 - no network: the kernel talks to nbgrader over ZMQ's ``ipc`` transport (Unix sockets in the
   folder of the connection's ``ip`` prefix, which both sides see). That folder must hold nothing
   but this run's sockets (another kernel's there would let learner code talk to it), so the course
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     readable = [connection_file]
     root = course_root(cwd)
     hidden = [root] if root is not None and root != cwd else []
+    # the grading run's work folder (every kernel's connection file, with its key, and sockets) and
+    # the runtime folder, wherever they are: only this kernel's own file and ipc folder show
+    hidden += [connection_file.parent] + ([writable[1].parent] if len(writable) > 1 else [])
     cuda = any(Path("/dev").glob("nvidia[0-9]*"))
     argv = sandbox.bwrap_argv(command, writable=writable, readable=readable, hidden=hidden, cwd=cwd,
                               gpu=cuda, share_net=share_net)

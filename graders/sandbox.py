@@ -2,11 +2,16 @@
 
 What a sandboxed process gets (:func:`bwrap_argv`):
 
-- the whole file system read-only (``--ro-bind / /``), with the folders in ``hidden`` replaced by
-  empty ones (a course's gradebook and other students' submissions) and only the folders in
-  ``writable`` writable;
-- a private ``/tmp`` of bounded size (``tmp_mb``), a private ``/dev`` (plus ``/dev/nvidia*`` when
-  a GPU is to be used), its own ``/proc``;
+- a minimal view of the host, read-only: the system's folders (:data:`SYSTEM_FOLDERS`: /usr, /etc,
+  /sys, the /bin and /lib links), the book's checkout, Python's prefixes and the folders on its
+  module search path (:func:`_needed_paths`); nothing else (no /run, /var, /home, /root, /srv, /mnt,
+  /opt, runtime folder), so no service listening on a Unix socket there can be reached (connecting
+  to a socket file needs no write access, only the file); the folders in ``hidden`` replaced by
+  empty ones (a course's gradebook and other students' submissions), and so is the instructor's
+  TMPDIR when it is not /tmp (a grading run's work folder: kernels' keys and sockets); only the
+  folders in ``writable`` writable, the root itself read-only;
+- a private ``/tmp`` of bounded size (``tmp_mb``), a private ``/dev`` with a bounded ``/dev/shm``
+  (:data:`SHM_MB`; plus ``/dev/nvidia*`` when a GPU is to be used), its own ``/proc``;
 - no network, its own PID, IPC, UTS and user namespaces (``--unshare-all``): it sees no process of
   the host, and every process it starts dies with it (``--die-with-parent``: when the process that
   started bwrap dies, the sandbox's first process gets SIGKILL, and with it the namespace);
@@ -32,6 +37,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -48,6 +54,7 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "PYTHONPATH", "PYTHO
 #: Limits of a sandboxed process (and of every process it starts).
 FILE_SIZE_MB = 64  # any one file it writes
 TMP_MB = 256  # its private /tmp
+SHM_MB = 64  # its /dev/shm (a RAM tmpfs like /tmp)
 EXTRA_PROCESSES = 256  # processes it may start, beyond what its user runs already
 EXTRA_ADDRESS_SPACE_GB = 12  # on the CPU: address space beyond what the process maps at its start
 
@@ -114,8 +121,28 @@ def describe() -> str:
 
 
 def _base_args() -> list[str]:
-    return ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all",
-            "--die-with-parent", "--new-session"]
+    """What every sandbox gets: the system's read-only folders, its own /proc, /dev (with a small
+    /dev/shm) and namespaces, a read-only root (learner code can create nothing outside the folders
+    bound writable and its private tmpfs)."""
+    return [*_system_view(), "--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB * 2**20), "--tmpfs",
+            "/dev/shm", "--unshare-all", "--die-with-parent", "--new-session"]
+
+
+#: The host's folders every sandbox sees, read-only: the system's programs, libraries and settings.
+#: Nothing else of the host (not /run, /var, /home, /root, /srv, /mnt, /opt, the runtime folder, the
+#: instructor's TMPDIR), so no socket a service listens on there can be connected to.
+SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+
+
+def _system_view() -> list[str]:
+    args = []
+    for folder in SYSTEM_FOLDERS:
+        path = Path(folder)
+        if path.is_symlink():  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(path), folder]
+        elif path.is_dir():
+            args += ["--ro-bind", folder, folder]
+    return args
 
 
 def sandbox_env(extra: Optional[dict] = None) -> dict:
@@ -168,21 +195,25 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise FileNotFoundError("bwrap (package bubblewrap) is not installed")
-    args = [bwrap, *_base_args(), *(["--share-net"] if share_net else []),
-            "--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"]
-    # the private /tmp covers the host's: bring back, read-only, what the process needs to run
-    # that lives there (a checkout or virtual environment under /tmp, e.g. a CI clone)
-    for path in _needed_under_tmp():
-        args += ["--ro-bind", str(path), str(path)]
-    hidden = list(hidden)
-    for path in hidden:
-        args += ["--tmpfs", str(path)]
-    for path in readable:
-        args += ["--ro-bind", str(path), str(path)]
-    for path in writable:
-        args += ["--bind", str(path), str(path)]
+    args = [bwrap, *_base_args(), *(["--share-net"] if share_net else [])]
+    # Mounts nested in one another are made outer first, whatever their kind: a folder bound into a
+    # hidden one (a kernel's own files in the run's work folder) shows, and a folder hidden inside
+    # a bound one (a course inside the checkout) stays hidden. At equal depth: hide, then bind.
+    hidden = [Path(p) for p in hidden]
+    for path in _tmp_dirs_to_hide():
+        if path not in hidden:
+            hidden.append(path)
+    mounts = [(Path("/tmp"), 0, ["--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"])]
+    mounts += [(p, 1, ["--tmpfs", str(p)]) for p in hidden if p != Path("/tmp")]
+    mounts += [(p, 2, ["--ro-bind", str(p), str(p)]) for p in _needed_paths()]
+    mounts += [(Path(p), 3, ["--ro-bind", str(p), str(p)]) for p in readable]
+    mounts += [(Path(p), 4, ["--bind", str(p), str(p)]) for p in writable]
+    for _, _, mount in sorted(mounts, key=lambda m: (len(m[0].parts), m[1])):
+        args += mount
     for path in hidden:  # after the binds: bwrap creates their mount points inside the empty folder
-        args += ["--remount-ro", str(path)]
+        if path != Path("/tmp"):
+            args += ["--remount-ro", str(path)]
+    args += ["--remount-ro", "/"]
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*")):
             args += ["--dev-bind", dev, dev]
@@ -193,18 +224,26 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     return args
 
 
-def _needed_under_tmp() -> list[Path]:
-    """The book's checkout, Python's prefixes and sys.path entries that lie under /tmp, outermost
-    only."""
+def _tmp_dirs_to_hide() -> list[Path]:
+    """The instructor's temporary folder (TMPDIR: the grading run's work folder, every kernel's
+    connection file and sockets) when it is not /tmp (which every sandbox replaces with its own)."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    return [] if tmp == Path("/tmp") else [tmp]
+
+
+def _needed_paths() -> list[Path]:
+    """Folders outside :data:`SYSTEM_FOLDERS` that a sandboxed Python needs, bound read-only: the
+    book's checkout, Python's prefixes and the folders on its module search path; outermost only."""
     root = Path(__file__).resolve().parents[1]
-    candidates = [root, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent,
-                  *(Path(p) for p in sys.path if p)]
-    tmp = Path("/tmp")
-    under = sorted({c.resolve() for c in candidates if c.exists() and c.resolve().is_relative_to(tmp)
-                    and c.resolve() != tmp}, key=lambda p: len(p.parts))
+    candidates = [root, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.executable).parent,
+                  Path(sys.executable).resolve().parent.parent, *(Path(p) for p in sys.path if p)]
+    system = [Path(f) for f in SYSTEM_FOLDERS]
+    # both the path as named and where its links lead (a virtual environment's python is a link)
+    named = {Path(os.path.abspath(c)) for c in candidates if c.is_absolute() and c.exists()}
+    found = sorted(named | {c.resolve() for c in named}, key=lambda p: (len(p.parts), str(p)))
     kept: list[Path] = []
-    for p in under:
-        if not any(p.is_relative_to(k) for k in kept):
+    for p in found:
+        if p != Path("/") and not any(p.is_relative_to(k) for k in kept + system):
             kept.append(p)
     return kept
 

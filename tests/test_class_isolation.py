@@ -131,8 +131,9 @@ _LOOK = textwrap.dedent('''
             seen.append("imported " + lora_book_planted.__file__)
         except ImportError:
             pass
-        for folder in ("/tmp", "/dev/shm"):
-            seen += [os.path.join(folder, n) for n in os.listdir(folder) if not n.startswith("lora-book-jobs-")]
+        for folder in ("/tmp", "/dev/shm"):  # (mount points of hidden folders are the same for every server)
+            seen += [os.path.join(d, n) for d, dirs, files in os.walk(folder) for n in dirs + files
+                     if n.startswith("lora_book_planted") or n == "left-behind"]
         seen += ["writable path " + p for p in sys.path if os.path.isdir(p or ".") and os.access(p or ".", os.W_OK)]
         seen += [line.split()[0] for line in open("/proc/sysvipc/shm").read().splitlines()[1:]]
         raise RuntimeError("SEEN " + repr(seen) + " END")
@@ -158,6 +159,155 @@ def test_nothing_passes_between_two_students_checks(tmp_path, monkeypatch, stude
     with triton_cache_scope(scopes[1]):
         seen = re.search(r"SEEN (.*?) END", grade_source("ch01.1", _LOOK).report).group(1)
     assert seen == "[]", seen
-    servers = [s for s in forkserver._ALL if s.kind == "cpu"]
+    servers = [s for s in forkserver._ALL if s.kind == "cpu" and s.alive()]
     assert {s.scope for s in servers} == set(scopes), "servers are keyed by student"
     forkserver.kill_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Holes 2 and 5: the sandbox sees only what Python, the packages and the checkout need; no host
+# service on a Unix socket, and nothing of the grading run's work folder but a kernel's own files
+
+def _listen_everywhere(tmp_path: Path, monkeypatch) -> tuple[list[str], list[str], callable]:
+    """Unix sockets listening where host services put theirs (each in a folder of its own, removed
+    at the end): the test's temporary folder, /run, /var/run, /var/tmp, the home and runtime
+    folders, /srv, /mnt, /opt, and a TMPDIR that is not /tmp (inside the checkout, which every
+    sandbox sees). Returns (socket paths, connections accepted so far, cleanup)."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+    import threading
+    import uuid
+
+    tmpdir = ROOT / "build" / f"tmpdir-{uuid.uuid4().hex[:8]}"
+    tmpdir.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    places = [tmp_path, tmpdir, Path("/run"), Path("/var/run"), Path("/var/tmp"), Path.home(),
+              Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"), Path("/srv"), Path("/mnt"),
+              Path("/opt")]
+    made, paths, accepted, servers = [], [], [], []
+    for place in dict.fromkeys(places):
+        folder = place / f"lora-book-service-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir()  # only where the place exists: nothing of the host's layout is created
+        except OSError:
+            continue  # not writable here (not root): that place is not tried
+        made.append(folder)
+        path = str(folder / "service.sock")
+        if len(path.encode()) > 100:
+            continue
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        os.chmod(path, 0o777)
+        srv.listen(8)
+        servers.append(srv)
+        paths.append(path)
+
+        def accept(srv=srv, path=path):
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    return
+                accepted.append(path)
+                conn.close()
+        threading.Thread(target=accept, daemon=True).start()
+
+    def cleanup():
+        for srv in servers:
+            srv.close()
+        for folder in [*made, tmpdir]:
+            shutil.rmtree(folder, ignore_errors=True)
+    return paths, accepted, cleanup
+
+
+_CONNECT = '''
+import os, socket
+def reached(paths):
+    found = []
+    for path in paths:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            found.append(path)
+        except OSError:
+            pass
+        s.close()
+    return found
+'''
+
+
+@needs_bwrap
+def test_no_host_socket_is_reachable_from_a_grader_child(tmp_path, monkeypatch):
+    import re
+
+    paths, accepted, cleanup = _listen_everywhere(tmp_path, monkeypatch)
+    try:
+        monkeypatch.setenv(sandbox.MODE_ENV, "required")
+        forkserver.kill_all()  # servers started before TMPDIR changed
+        answer = _CONNECT + textwrap.dedent(f'''
+            def lora_forward(x, W, A, B, scaling):
+                raise RuntimeError("SEEN " + repr(reached({paths!r})) + " " + repr(sorted(os.listdir("/"))) + " END")
+        ''')
+        seen = re.search(r"SEEN (.*?) END", grade_source("ch01.1", answer).report).group(1)
+        assert len(paths) >= 3, paths  # at least the test's folder, the TMPDIR in the checkout, /var/tmp
+        assert seen.startswith("[] "), seen
+        assert not accepted, accepted
+        for absent in ("'run'", "'var'", "'home'", "'srv'", "'mnt'", "'opt'"):
+            assert absent not in seen, seen
+    finally:
+        forkserver.kill_all()
+        cleanup()
+
+
+@needs_bwrap
+def test_a_kernel_sees_only_its_own_files_of_the_run_whatever_tmpdir_is(tmp_path, monkeypatch):
+    """TMPDIR inside the checkout (which every sandbox sees read-only): another kernel's
+    connection file and ipc socket in the same run's work folder are out of reach, and so is every
+    host socket; the kernel runs (its own files show)."""
+    import json
+    import os
+    import socket
+    import tempfile
+
+    import nbformat
+    from nbclient import NotebookClient
+    from traitlets.config import Config
+
+    from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
+
+    paths, accepted, cleanup = _listen_everywhere(tmp_path, monkeypatch)
+    try:
+        work = Path(tempfile.mkdtemp(prefix="lora-book-autograde-"))  # inside the new TMPDIR
+        assert work.is_relative_to(ROOT)
+        install_kernelspec(work / "jupyter")
+        (work / "runtime").mkdir()
+        other_key = work / "runtime" / "kernel-other-student.json"
+        other_key.write_text(json.dumps({"key": "the-other-kernels-key"}))
+        other_ipc = ipc_folder(work)
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(str(other_ipc / "kernel-1"))
+        other.listen(1)
+        own = tmp_path / "course" / "autograded" / "me" / "01_lora_basics"
+        own.mkdir(parents=True)
+        cell = _CONNECT + textwrap.dedent(f'''
+            print("reached", reached({[*paths, str(other_ipc / "kernel-1")]!r}))
+            print("other key", os.path.exists({str(other_key)!r}))
+            print("work folder", os.path.exists({str(work / "jupyter")!r}))
+        ''')
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+        config = Config()
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = str(ipc_folder(work) / "kernel")
+        monkeypatch.setenv("JUPYTER_PATH", str(work / "jupyter"))
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(work / "runtime"))
+        NotebookClient(nb, kernel_name=KERNEL_NAME, config=config, timeout=120,
+                       resources={"metadata": {"path": str(own)}}).execute()
+        text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+        assert text.splitlines() == ["reached []", "other key False", "work folder False"], text
+        assert not accepted
+        other.close()
+    finally:
+        cleanup()
