@@ -15,6 +15,7 @@ Source: nbgrader's ``autograde --student`` and ``CourseDirectory.db_url`` option
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,8 @@ class AutogradeRun:
     sandboxed: bool
     wall_seconds: float
     jobs: int
-    work_folder: str  # this run's kernelspec, ipc and runtime folders; every kernel's argv names it
+    work_folder: str  # this run's kernelspec, ipc and runtime folders (removed when the run ends); every
+    # kernel's argv names it, so leftover processes can still be found by it
 
 
 def default_db_url(course: Path) -> str:
@@ -178,11 +180,14 @@ def autograde_many(course: Path, assignments: Sequence[str], students: Optional[
 
     desc = f"autograde {assignments[0]}" if len(assignments) == 1 else f"autograde {len(assignments)} assignments"
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=jobs) as pool, \
-            tqdm(total=len(pairs), desc=desc, unit="notebook" if len(assignments) > 1 else "student",
-                 disable=not progress, file=sys.stderr) as bar:
-        for future in as_completed([pool.submit(one, a, s) for a, s in pairs]):
-            future.result()
-            bar.update()
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool, \
+                tqdm(total=len(pairs), desc=desc, unit="notebook" if len(assignments) > 1 else "student",
+                     disable=not progress, file=sys.stderr) as bar:
+            for future in as_completed([pool.submit(one, a, s) for a, s in pairs]):
+                future.result()
+                bar.update()
+    finally:  # kernelspec, connection files, sockets: nothing of the run stays in TMPDIR
+        shutil.rmtree(work, ignore_errors=True)
     wall = time.perf_counter() - start
     return {a: AutogradeRun(a, seconds[a], errors[a], sandboxed, wall, jobs, str(work)) for a in assignments}

@@ -292,8 +292,8 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     cells that are not graded cells of the source notebook and sets to 0 the max_score of such a
     cell; each correction is a finding. Grades
     of graded cells that are not the book's test cells (an instructor's manually graded cells) are
-    left as they are. When ``course/FINGERPRINT_FILE`` exists, the graders'
-    files are compared with it before and after the re-grade.
+    left as they are. The graders' files are compared with ``course/FINGERPRINT_FILE`` (recorded
+    before autograde) before and after the re-grade.
 
     Returns:
         ({student: {exercise: trusted score}}, findings): LookAtThis (answer cells whose code does
@@ -301,8 +301,8 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         corrected), then Mismatch (kernel score != trusted score).
 
     Raises:
-        CourseError: not a course folder, no gradebook, an unknown assignment, no source folder or
-            no autograded submissions; nothing is written.
+        CourseError: not a course folder, no gradebook, an unknown assignment, no source folder,
+            no autograded submissions, or no recorded fingerprint; nothing is written.
         GradersChanged: the graders' files differ from the recorded fingerprint before or after
             the re-grade; nothing is written.
     """
@@ -311,7 +311,14 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     course = Path(course)
     settings = _course_settings(course, assignment)
     recorded = _recorded_fingerprint(course)
-    if recorded is not None and (diff := check_fingerprint(recorded)):
+    if recorded is None:
+        # without it, learner code that ran unsandboxed (a plain nbgrader autograde) could have
+        # rewritten the graders on disk, and the re-grade would run the rewritten ones
+        raise CourseError(f"no fingerprint of the graders recorded in {course / FINGERPRINT_FILE}: nothing "
+                          "shows the graders were not changed during autograde; run `python -m graders.course "
+                          "fingerprint` before autograde (then autograde and verify), or `python -m graders.course "
+                          "grade`, which does both")
+    if diff := check_fingerprint(recorded):
         raise GradersChanged(diff, "found before verify's re-grade")
     graded_cells = _source_graded_cells(settings["source"] / assignment)
     from graders import forkserver
@@ -356,7 +363,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    if recorded is not None and (diff := check_fingerprint(recorded)):
+    if diff := check_fingerprint(recorded):
         raise GradersChanged(diff, "found after verify's re-grade")
 
     look = [LookAtThis(student, ex, lines) for student, _, ex, source in jobs if (lines := suspicious_code(source))]
@@ -468,6 +475,7 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
     jobs = jobs or max(1, os.cpu_count() or 1)
     _new_course(course)
     forkserver.hide(course)
+    write_fingerprint(course)
     timings: list = []
     env = dict(os.environ, **{SECRET_ENV: secret})
     built = {name: sample_learner(name) for name in SAMPLE_LEARNERS}  # edits of the solution cells
@@ -493,6 +501,9 @@ def run_demo(course: Path, submissions: Path = ROOT / "submissions", secret: str
         if failed:
             raise RuntimeError(f"autograde {chapter} failed for {', '.join(failed)}:\n" + next(iter(failed.values())))
         timings.append(run)
+        from graders.instructor import cap_outputs
+
+        cap_outputs(course, [chapter])
         print(f"[{chapter}] trusted re-grade outside the learners' kernels", flush=True)
         chapter_scores, chapter_mismatches = trusted_regrade(course, chapter, secret)
         for s, d in chapter_scores.items():
@@ -539,12 +550,8 @@ def print_table(scores: dict, mismatches: list, course: Path) -> None:
                 print("  " + str(m))
     if not differ:
         print("Every notebook test cell agreed with the trusted re-grade.")
-    if (course / FINGERPRINT_FILE).exists():
-        print(f"The graders' files matched the fingerprint recorded in {course / FINGERPRINT_FILE}, "
-              "before and after the re-grade.")
-    else:
-        print("No fingerprint of the graders was recorded (python -m graders.course fingerprint, before "
-              "autograde): the graders' files were NOT checked for changes during grading.")
+    print(f"The graders' files matched the fingerprint recorded in {course / FINGERPRINT_FILE}, "
+          "before and after the re-grade.")
     print(f"\nFeedback (HTML, one per learner and chapter): {course / 'feedback'}/<learner>/<chapter>/")
     print(f"Grades exported by nbgrader: {course / 'grades.csv'}; gradebook: {course / 'gradebook.db'}")
 

@@ -12,7 +12,9 @@ In order, and refusing to start when learner code would run unsandboxed (unless 
    child whose cases were built here from the secret; the graders' fingerprint compared before
    and after; every gradebook field learner code could have touched checked and corrected);
 5. feedback (``jobs`` assignments at a time) and export (nbgrader), so the recorded grades are the
-   ones printed.
+   ones printed; before the re-grade, every cell's output is capped in the autograded notebooks
+   (``graders.output_cap``: bytes of every output type, with a note where cut), so no feedback
+   page carries more than that.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Optional, Sequence
 
 from graders import sandbox
 
-__all__ = ["grade_assignment", "grade_assignments", "leftover_processes"]
+__all__ = ["grade_assignment", "grade_assignments", "leftover_processes", "cap_outputs"]
 
 
 def leftover_processes(marker: str) -> list[str]:
@@ -44,6 +46,23 @@ def leftover_processes(marker: str) -> list[str]:
         if marker in cmd:
             found.append(f"{entry}: {cmd[:160]}")
     return found
+
+
+def cap_outputs(course: Path, assignments: Sequence[str]) -> int:
+    """Cap the output bytes of every cell of the autograded notebooks of ``assignments``
+    (``graders.output_cap``), before anything reads them for feedback; returns the cells cut."""
+    from graders import course as jobs_mod
+    from graders.output_cap import cap_notebook_file
+
+    cut = 0
+    for assignment in assignments:
+        autograded = jobs_mod._course_settings(course, assignment, need_autograded=False)["autograded"]
+        for path in sorted(autograded.glob(f"*/{assignment}/*.ipynb")):
+            try:
+                cut += cap_notebook_file(path)
+            except Exception:  # noqa: BLE001 (an unreadable notebook: the re-grade reports it)
+                pass
+    return cut
 
 
 def grade_assignment(course: Path, assignment: str, jobs: int = 1, db_url: Optional[str] = None,
@@ -108,6 +127,7 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
     if left:
         raise jobs_mod.CourseError("processes of the autograde run are still running (grades not "
                                    "recorded): " + "; ".join(left[:5]))
+    cap_outputs(course, assignments)
     start = time.perf_counter()
     scores: dict[str, dict[str, float]] = {}
     findings: list = []

@@ -4,6 +4,7 @@ few MB, no process left running) and each test checks its effect, not the mechan
 equal the honest ones, nothing was reached, the run completes for every other student."""
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,7 +71,8 @@ def test_the_regrade_records_an_answer_it_cannot_grade_as_0_and_grades_the_rest(
     monkeypatch.setattr(course_mod, "_course_settings", lambda c, a: {
         "source": course / "source", "autograded": course / "autograded", "course_id": "c",
         "db_url": f"sqlite:///{course / 'gradebook.db'}"})
-    monkeypatch.setattr(course_mod, "_recorded_fingerprint", lambda c: None)
+    monkeypatch.setattr(course_mod, "_recorded_fingerprint", lambda c: {})
+    monkeypatch.setattr(course_mod, "check_fingerprint", lambda recorded: [])
     monkeypatch.setattr(course_mod, "_source_graded_cells", lambda s: {})
     monkeypatch.setattr(course_mod, "grade_source", fake_grade)
     monkeypatch.setattr(forkserver, "hide", lambda folder: None)
@@ -311,3 +313,100 @@ def test_a_kernel_sees_only_its_own_files_of_the_run_whatever_tmpdir_is(tmp_path
         other.close()
     finally:
         cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hole 7: output bytes per cell, every output type
+
+def test_every_output_type_counts_toward_a_cells_cap_and_the_cut_is_visible():
+    from graders.output_cap import CUT_NOTE, cap_cell, cap_notebook
+
+    limit = 1000
+    big_line = {"output_type": "stream", "name": "stdout", "text": "x" * 5000}  # one line: nbgrader's limit misses it
+    html = {"output_type": "display_data", "data": {"text/html": "<b>" + "y" * 5000 + "</b>"}, "metadata": {}}
+    image = {"output_type": "display_data", "data": {"image/png": "i" * 5000}, "metadata": {}}
+    result = {"output_type": "execute_result", "execution_count": 3, "metadata": {},
+              "data": {"text/plain": "z" * 5000, "text/html": "<p>" + "z" * 5000}}
+    error = {"output_type": "error", "ename": "ValueError", "evalue": "v" * 5000, "traceback": ["t" * 5000]}
+    small = {"output_type": "stream", "name": "stdout", "text": "fine\n"}
+    for output in (big_line, html, image, result, error):
+        cell = {"cell_type": "code", "source": "", "outputs": [small, output, small]}
+        assert cap_cell(cell, limit)
+        outs = cell["outputs"]
+        assert outs[0] == small and outs[-1]["text"].lstrip().startswith(CUT_NOTE), outs
+        assert "with the 1 output(s) after it" in outs[-1]["text"]
+        kept = sum(len(json.dumps(o)) for o in outs[:-1])
+        assert kept < limit + 300, (output["output_type"], kept)  # the cap, plus each output's JSON keys
+    untouched = {"cell_type": "code", "source": "", "outputs": [small, small]}
+    assert not cap_cell(untouched, limit) and untouched["outputs"] == [small, small]
+    assert cap_notebook({"cells": [{"cell_type": "code", "outputs": [big_line]}, untouched]}, limit) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The attacks through the README's command: `grade --jobs 2` of a class with attackers in it, with
+# a TMPDIR that is not /tmp (inside the checkout, which every sandbox sees)
+
+_FLOOD = ('print("x" * 3_000_000)\nfrom IPython.display import HTML, display\n'
+          'display(HTML("<p>" + "y" * 3_000_000 + "</p>"))\n')
+_SPY = textwrap.dedent('''
+    import json, os, sys
+    if "-f" in sys.argv:  # in the kernel (not in a grader child): every file of the run it can find
+        _own = sys.argv[sys.argv.index("-f") + 1]  # its connection file (nbgrader's, in TMPDIR)
+        _ipc = os.path.dirname(json.load(open(_own))["ip"])  # its ipc folder, in the run's work folder
+        _seen = []
+        for _top in {os.path.dirname(_own), os.path.dirname(_ipc), os.path.dirname(os.path.dirname(_ipc))}:
+            for _d, _dirs, _files in os.walk(_top):
+                if not _d.startswith(_ipc):
+                    _seen += [os.path.join(_d, n) for n in _files if os.path.join(_d, n) != _own]
+        print("SPY saw", sorted(set(_seen)))
+''')
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
+    import csv
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+
+    from graders.core import SECRET_ENV
+    from graders.output_cap import CUT_NOTE, MAX_CELL_OUTPUT_BYTES
+
+    course = tmp_path / "course"
+    course_mod._new_course(course)
+    chapter = "01_lora_basics"
+    course_mod._nbgrader(course, "generate_assignment", chapter, "--force")
+    release = course / "release" / chapter / f"{chapter}.ipynb"
+    right = {e: s for e, s in solution_answers().items() if e.startswith("ch01.")}
+    students = {
+        "honest": right,
+        "flood": {**right, "ch01.1": right["ch01.1"] + _FLOOD},  # hole 7
+        "malformed": {**right, "ch01.2": MALFORMED_RESULTS["results are a JSON list"] + right["ch01.2"]},  # hole 4
+        "spy": {**right, "ch01.3": right["ch01.3"] + _SPY},  # hole 5
+    }
+    for student, cells in students.items():
+        course_mod.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
+    tmpdir = ROOT / "build" / f"tmpdir-{uuid.uuid4().hex[:8]}"
+    tmpdir.mkdir(parents=True)
+    try:
+        env = dict(os.environ, **{SECRET_ENV: "the-instructors-secret", "TMPDIR": str(tmpdir)})
+        proc = subprocess.run([sys.executable, "-m", "graders.course", "grade", chapter, "--course-dir", str(course),
+                               "--jobs", "2"], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        left = sorted(p.name for p in tmpdir.iterdir())
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    assert not [n for n in left if n.startswith("lora-book-")], left  # hole 8: the run's work folder is gone
+    with open(course / "grades.csv") as f:
+        scores = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f)}
+    assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0}, scores
+    feedback = {s: (course / "feedback" / s / chapter / f"{chapter}.html") for s in students}
+    assert all(f.exists() for f in feedback.values()), "every student's feedback was written"
+    flood = feedback["flood"].read_text()
+    assert CUT_NOTE in flood
+    assert feedback["flood"].stat().st_size < feedback["honest"].stat().st_size + 2 * MAX_CELL_OUTPUT_BYTES
+    spy = feedback["spy"].read_text()
+    assert "SPY saw []" in spy, spy[spy.find("SPY saw"):][:600]

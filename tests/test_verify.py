@@ -47,6 +47,7 @@ def course(tmp_path_factory) -> Path:
     mistaken = {ex: src for ex, src in sample_learner("plausible_mistakes").items() if ex.startswith("ch01.")}
     build_submission(release, honest, root / "submitted" / "honest" / A / f"{A}.ipynb")
     build_submission(release, mistaken, root / "submitted" / "mistaken" / A / f"{A}.ipynb")
+    course_mod.write_fingerprint(root)  # before autograde, as the README's standalone path says
     _nbgrader(root, "autograde", A, "--create", "--force", env=env)
     return root
 
@@ -128,12 +129,9 @@ def test_refuses_what_it_cannot_verify_and_changes_nothing(course, tmp_path, cap
 @pytest.mark.slow
 def test_honest_course_verifies_cleanly_against_its_fingerprint(course, capsys):
     assert main(["fingerprint", "--course-dir", str(course)]) == 0
-    try:
-        recorded = json.loads((course / FINGERPRINT_FILE).read_text())["files"]
-        assert "graders/core.py" in recorded and "reference/lora_math.py" in recorded
-        assert main(["verify", A, "--course-dir", str(course)]) == 0  # conftest: LORA_BOOK_SECRET=SECRET
-    finally:
-        (course / FINGERPRINT_FILE).unlink()
+    recorded = json.loads((course / FINGERPRINT_FILE).read_text())["files"]
+    assert "graders/core.py" in recorded and "reference/lora_math.py" in recorded
+    assert main(["verify", A, "--course-dir", str(course)]) == 0  # conftest: LORA_BOOK_SECRET=SECRET
     out = capsys.readouterr().out
     assert "matched the fingerprint" in out
     assert "Every notebook test cell agreed with the trusted re-grade." in out
@@ -199,6 +197,23 @@ def test_forged_gradebook_fields_are_found_and_corrected(course, tmp_path):
     # a second verify finds nothing left to correct
     _, again = trusted_regrade(root, A, SECRET)
     assert not [f for f in again if isinstance(f, GradebookFix)]
+
+
+@pytest.mark.slow
+def test_without_a_recorded_fingerprint_verify_refuses_and_changes_nothing(course, tmp_path, capsys):
+    """Issue #31 hole 8: after an autograde that ran learner code unsandboxed (a plain nbgrader
+    autograde), the graders on disk may have been rewritten; without a fingerprint recorded before
+    it, nothing shows they were not, so verify re-grades nothing."""
+    root = _copy(course, tmp_path / "course")
+    (root / FINGERPRINT_FILE).unlink()
+    before = _sha(root / "gradebook.db")
+    assert main(["verify", A, "--course-dir", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("verify: no fingerprint of the graders recorded"), err
+    assert "python -m graders.course fingerprint" in err
+    assert _sha(root / "gradebook.db") == before
+    with pytest.raises(CourseError, match="no fingerprint"):
+        trusted_regrade(root, A, SECRET)
 
 
 @pytest.mark.slow
