@@ -34,8 +34,19 @@ The result JSON records which (``decode``, and per row ``decode_mode``, ``graph_
 ``graph_fallbacks``); its file name gets ``_eager`` without graphs. With graphs the pool has one
 slot more, pinned to the base model (the padding rows' rank-0 slot); the scheduler's cap is the same.
 
-Targets (issue #15): at 64 adapters, >= 80% of the single-adapter throughput and >= 70% of the base
-model's; the engine >= 20x PEFT's throughput at 64. The script prints which are met.
+The floor (issue #30): a decode step must read every weight but the input embedding and the KV of
+every position it attends, so (weight bytes + attended KV bytes) / copy bandwidth (measured here:
+a device-to-device copy, read + write) bounds its time from below; each row records the median
+floor over its decode steps and TPOT p50 / floor. ``--profile`` adds the GPU-busy fraction of the
+decode steps' wall time (torch.profiler, one more generate). ``--arrival-loads``: the workload
+arriving as a Poisson process (``LLM.add_request`` / ``step``) at fractions of the base row's
+request rate, for TPOT p99 and TTFT under continuous arrivals. ``--attention torch triton`` runs
+every row with both attention kernels in one process (a ratio in one run).
+
+Targets (issues #15 and #30): at 64 adapters, >= 80% of the single-adapter throughput and >= 70% of
+the base model's; the engine >= 20x PEFT's throughput at 64; decode TPOT p50 <= 1.5x the floor with
+no adapter and <= 1.7x with 32; TPOT p99 <= 3x TPOT p50 under Poisson arrivals. The script prints
+which are met.
 """
 from __future__ import annotations
 
@@ -228,6 +239,47 @@ def profiled_busy(llm, prompts, params, names) -> Optional[float]:
     return None if busy is None else round(busy, 3)
 
 
+def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
+                 rate: float, seed: int = 3) -> dict:
+    """The workload arriving over time: request i is added (``LLM.add_request``) at the i-th event
+    of a Poisson process of ``rate`` requests/s, the engine stepping whenever something is
+    unfinished. TTFT from each request's arrival; TPOT as in :func:`run_engine`."""
+    llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device)
+    for name, adapter in adapters.items():
+        llm.register_adapter_weights(name, adapter)
+    llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])  # warm-up
+    gen = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(len(prompts), dtype=torch.float64).exponential_(rate, generator=gen).tolist()
+    due, t = [], 0.0
+    for g in gaps:
+        t += g
+        due.append(t)
+    params, outs, i = SamplingParams(max_new_tokens=new_tokens), [], 0
+    t0 = time.perf_counter()
+    while i < len(prompts) or llm.has_unfinished():
+        now = time.perf_counter() - t0
+        while i < len(prompts) and due[i] <= now:
+            outs.append(llm.add_request(prompts[i], params, names[i]))
+            i += 1
+        if llm.has_unfinished():
+            llm.step()
+        elif i < len(prompts):
+            time.sleep(max(0.0, due[i] - (time.perf_counter() - t0)))
+    wall = time.perf_counter() - t0
+    from reference.layers import unwrap_llama
+
+    unwrap_llama(llm.model)
+    tpot = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
+    ttft = [o.token_times[0] for o in outs if o.token_times]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return dict(rate_per_s=round(rate, 3), output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2),
+                tpot_ms_p50=round(1e3 * percentile(tpot, 0.5), 3), tpot_ms_p99=round(1e3 * percentile(tpot, 0.99), 3),
+                tpot_p99_over_p50=round(percentile(tpot, 0.99) / percentile(tpot, 0.5), 2),
+                ttft_s_p50=round(percentile(ttft, 0.5), 3), ttft_s_p99=round(percentile(ttft, 0.99), 3),
+                **{k: v for k, v in llm.stats.items() if k in ("steps", "mixed_steps", "prefill_steps", "decode_steps",
+                                                               "preemptions")})
+
+
 def run_peft(model, adapters_peft: int, prompts, names, new_tokens: int, batch: int, rank: int, device) -> dict:
     """HF PEFT mixed-adapter batches (``adapter_names``), greedy, ``batch`` requests at a time."""
     import warnings
@@ -270,6 +322,11 @@ def targets(rows: list[dict], attention: Optional[str] = None) -> list[dict]:
     if many and base:
         v = many["tokens_per_s"] / base["tokens_per_s"]
         out.append(dict(target="64 adapters >= 70% of the base model's throughput", value=round(v, 3), met=v >= 0.7))
+    for D, limit in ((0, 1.5), (32, 1.7)):
+        row = by.get(("engine", D))
+        if row and "tpot_p50_over_floor" in row:
+            v = row["tpot_p50_over_floor"]
+            out.append(dict(target=f"decode TPOT p50 <= {limit}x the floor with {D} adapters", value=v, met=v <= limit))
     peft64 = by.get(("peft", 64))
     if many and peft64:
         v = many["tokens_per_s"] / peft64["tokens_per_s"]
@@ -295,6 +352,9 @@ def main() -> None:
     ap.add_argument("--attention", nargs="+", default=[None], choices=["torch", "triton"],
                     help="attention kernels to run every row with (default: the device's, triton on CUDA); two "
                          "give a ratio in one run")
+    ap.add_argument("--arrival-loads", type=float, nargs="*", default=[0.5, 0.8],
+                    help="Poisson arrivals at these fractions of the base row's request rate (requests over "
+                         "its wall time), with 1 adapter and with the largest adapter count; none to skip")
     ap.add_argument("--profile", action="store_true",
                     help="per row, one more profiled generate: GPU-busy fraction of the decode steps")
     ap.add_argument("--out", type=Path, default=None)
@@ -338,6 +398,10 @@ def main() -> None:
 
     def save() -> list[dict]:  # after every row: a run cut short by a time limit keeps what it measured
         met = targets(rows, rows[-1].get("attention") if rows else None)
+        for row in (e for e in extras if e.get("experiment") == "poisson_arrivals"):
+            v = row["tpot_p99_over_p50"]
+            met.append(dict(target=f"TPOT p99 <= 3x p50 under Poisson arrivals (load {row['load']}, {row['adapters']} "
+                                   "adapters)", value=v, met=v <= 3))
         result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
                       prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
@@ -382,6 +446,19 @@ def main() -> None:
                    f"p99 {row['tpot_ms_p99']:.2f} ms, TTFT p50 {row['ttft_s_p50']:.2f} s, steps {row['steps']}, "
                    f"preemptions {row['preemptions']}, loads {row['adapter_loads']}, "
                    f"graph decode steps {row['graph_decode_steps']}/{row['decode_steps']}")
+    base_row = next((r for r in rows if r["adapters"] == 0), None)
+    for load in (args.arrival_loads if base_row else []):
+        rate = load * n / base_row["wall_s"]
+        for D in sorted({1, max(adapter_counts)}):
+            names = [f"a{k}" for k in zipf_choice(torch.Generator().manual_seed(2), n, D)]
+            used = {k: adapters[k] for k in set(names)}
+            row = dict(experiment="poisson_arrivals", load=load, adapters=D, distinct_in_trace=len(used),
+                       **run_arrivals(model, engine_cfg, prompts, names, new, used, device, rate))
+            extras.append(row)
+            save()
+            tqdm.write(f"arrivals load {load:.2f} ({rate:.1f} req/s) D={D}: TPOT p50 {row['tpot_ms_p50']:.2f} ms p99 "
+                       f"{row['tpot_ms_p99']:.2f} ms (x{row['tpot_p99_over_p50']}), TTFT p50 {row['ttft_s_p50']:.3f} s "
+                       f"p99 {row['ttft_s_p99']:.3f} s, {row['tokens_per_s']:.1f} tok/s")
     if not args.no_extras:
         # Prefix cache: 8 adapters over 4 shared system prompts; the adapter-keyed cache against the
         # unsafe tokens-only key (its extra hits are other adapters' KV: wrong outputs)

@@ -142,7 +142,7 @@ def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
 
 @pytest.fixture(scope="module")
 def graph_run(base, adapter_dirs):
-    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True))
+    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True, mixed_steps=False))
     prompts, names, params = workload()
     return llm, llm.generate(prompts, params, lora_request=names)
 
@@ -150,7 +150,8 @@ def graph_run(base, adapter_dirs):
 def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_model):
     """The judge again, every decode step through the graph runner: CUDA graphs replayed on a GPU,
     on the CPU the same static-shape step called (buckets 1, 2, 4, 6, padding rows in the steps of
-    3 sequences; the pool has a slot more, pinned to the base model, for the padding)."""
+    3 sequences; the pool has a slot more, pinned to the base model, for the padding). Prefill-first
+    steps here (``mixed_steps=False``), so every decode step is a pure one the graph serves."""
     llm, outs = graph_run
     prompts, names, params = workload()
     for out, prompt, name, p in zip(outs, prompts, names, params):
@@ -193,6 +194,39 @@ def test_the_other_attention_kernel_equals_peft_generate_alone(other_attention_r
     assert llm.stats["graph_decode_steps"] > 0 and llm.stats["preemptions"] >= 1, llm.stats
 
 
+def test_requests_added_while_others_run_join_the_batch_and_equal_peft(base, adapter_dirs, peft_model):
+    """vLLM's add_request / step shape: three requests arrive at steps 0, 2 and 5 of a running
+    engine, each joins the running batch (a step holds tokens of an earlier and a later arrival),
+    step() returns each as it finishes, and every output equals PEFT's greedy generate alone."""
+    llm = make_engine(base, adapter_dirs)
+    prompts, names, _ = workload()
+    params = SamplingParams(max_new_tokens=8)
+    arrivals = {0: 3, 2: 5, 5: 1}
+    outs, finished, step_no, seen_together = {}, [], 0, False
+    while step_no in arrivals or llm.has_unfinished() or step_no < max(arrivals):
+        if step_no in arrivals:
+            i = arrivals[step_no]
+            outs[i] = llm.add_request(prompts[i], params, names[i])
+        if step_no >= 1 and not outs.get(2):
+            with pytest.raises(RuntimeError, match="unfinished"):
+                llm.generate([[1, 2]])
+        finished += llm.step()
+        seen_together |= len({e[1] for e in llm.scheduler.events[-4:] if e[0] in ("decode", "prefill")}) >= 2
+        step_no += 1
+        assert step_no < 200
+    assert sorted(o.request_id for o in finished) == sorted(o.request_id for o in outs.values())
+    assert seen_together
+    for i, out in outs.items():
+        assert out.error is None and out.finish_reason == "length" and len(out.token_times) == 8
+        assert out.token_ids == peft_greedy(peft_model, prompts[i], names[i], params), i
+        assert all(0 <= a <= b for a, b in zip(out.token_times, out.token_times[1:]))
+    assert llm.step() == [] and llm.stats["steps"] >= 1
+    assert llm.generate([prompts[0]], params, lora_request=[names[0]])[0].token_ids == \
+        peft_greedy(peft_model, prompts[0], names[0], params)  # generate works again after the run
+    bad = llm.add_request([], params)
+    assert bad.error and not llm.has_unfinished()
+
+
 def test_eager_decode_is_the_default_on_the_cpu(engine_run):
     llm, _ = engine_run
     if DEVICE == "cuda":
@@ -208,6 +242,7 @@ def test_the_workload_exercised_every_mechanism(engine_run):
     llm, _ = engine_run
     s = llm.stats
     assert s["preemptions"] >= 1, s
+    assert s["mixed_steps"] >= 1, s  # decodes rode along with prefill chunks (the engine's default)
     assert s["prefix_hit_tokens"] > 0 and 0 < s["prefix_hit_rate"] < 1, s
     assert {"evict", "cpu_evict"} <= set(s["pool_events"]), s["pool_events"]
     prompts = workload()[0]

@@ -159,7 +159,13 @@ def run(seqs, config, num_blocks, block_size, resident=lambda: ()):
         kind, work = sched.schedule()
         assert work, "idle with requests unfinished"
         assert len({w.seq.uid for w in work} | {s.uid for s in sched.running}) <= config.max_loras_per_batch
-        assert sum(w.end - w.start for w in work) <= config.max_num_batched_tokens or kind == "decode"
+        assert sum(w.end - w.start for w in work) <= config.max_num_batched_tokens or (kind == "decode" and
+                                                                                      not config.mixed_steps)
+        if config.mixed_steps:  # every sequence past its prompt decodes in every step the budget allows
+            decoding = [s for s in sched.running if not s.in_prefill and s.num_tokens - s.num_computed == 1]
+            assert {w.seq.seq_id for w in work if w.end - w.start == 1} >= {s.seq_id for s in decoding
+                                                                           if s.num_computed == s.num_tokens - 1} or \
+                len(work) == config.max_num_batched_tokens
         nxt = {w.seq.seq_id: fake_next(w.seq.prompt + [hash(("uid", w.seq.uid)) % 3] + w.seq.output)
                for w in work if w.end == w.seq.num_tokens}
         sched.postprocess(work, nxt)
@@ -171,8 +177,9 @@ def run(seqs, config, num_blocks, block_size, resident=lambda: ()):
     return sched, bm
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed_steps"])
 @pytest.mark.parametrize("seed", range(6))
-def test_scheduler_outputs_survive_chunking_preemption_and_prefix_sharing(seed):
+def test_scheduler_outputs_survive_chunking_preemption_and_prefix_sharing(seed, mixed):
     rng = random.Random(seed)
     shared = [rng.randrange(V) for _ in range(10)]
     seqs = []
@@ -181,7 +188,7 @@ def test_scheduler_outputs_survive_chunking_preemption_and_prefix_sharing(seed):
         params = SamplingParams(max_new_tokens=rng.randint(1, 9), stop_token_ids=(rng.randrange(V),))
         seqs.append(Sequence(i, prompt, rng.choice([None, "a", "b", "c", "d"]), params))
     config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=rng.choice([4, 7, 64]), max_loras_per_batch=3,
-                             drain_threshold=rng.choice([None, 3]))
+                             drain_threshold=rng.choice([None, 3]), mixed_steps=mixed)
     sched, bm = run(seqs, config, num_blocks=16, block_size=rng.choice([2, 4]))
     # the fake model's "adapter" token is added to the prompt: compute what each sequence must give
     for s in seqs:
@@ -206,6 +213,34 @@ def test_scheduler_preempts_when_kv_runs_out_and_chunks_long_prompts():
     assert kinds["preempt"] >= 1
     chunks = [e for e in sched.events if e[0] == "prefill" and e[1] == 0]
     assert chunks[:2] == [("prefill", 0, 0, 4), ("prefill", 0, 4, 6)]
+
+
+def test_mixed_steps_keep_decoding_while_a_long_prompt_is_chunked():
+    """Sarathi-Serve's point: with mixed steps a 30-token prompt admitted while two sequences decode
+    is prefilled in chunks of what the budget leaves, and the two decode in every one of those steps;
+    prefill first, they wait for the whole prompt."""
+    def trace(mixed):
+        sched = Scheduler(SchedulerConfig(4, 8, 4, mixed_steps=mixed), BlockManager(64, 4))
+        for s in (seq(0, [1, 2], n=12), seq(1, [3, 4], n=12)):
+            sched.add(s)
+        kinds, decoded_while_prefilling = [], 0
+        for step in range(40):
+            if step == 2:
+                sched.add(seq(2, list(range(30)), n=2))
+            kind, work = sched.schedule()
+            if not work:
+                break
+            kinds.append(kind)
+            assert sum(w.end - w.start for w in work) <= 8 or not mixed
+            prefilling = any(w.seq.seq_id == 2 and w.end < w.seq.num_tokens for w in work)
+            decoded_while_prefilling += prefilling and {0, 1} <= {w.seq.seq_id for w in work if w.end - w.start == 1}
+            sched.postprocess(work, {w.seq.seq_id: 5 for w in work if w.end == w.seq.num_tokens})
+        return kinds, decoded_while_prefilling
+
+    kinds, overlap = trace(True)
+    assert "mixed" in kinds and overlap >= 4, (kinds, overlap)  # 30 tokens in chunks of 6
+    kinds, overlap = trace(False)
+    assert "mixed" not in kinds and overlap == 0, kinds
 
 
 def _drain_trace(threshold, resident=tuple):

@@ -61,6 +61,9 @@ class EngineConfig:
     # the attention kernel (``reference.engine.model_runner.paged_attention``): "torch" (gather, mask,
     # SDPA), "triton" (walks each block table up to its length); None = "triton" on CUDA, else "torch"
     attention_backend: Optional[str] = None
+    # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
+    # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
+    mixed_steps: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class EnginePolicies:
     choose_drain: Callable = choose_drain
 
 
-#: One engine step: ``step(scheduler, runner) -> kind`` ("prefill", "decode" or "idle"); see :func:`engine_step`.
+#: One engine step: ``step(scheduler, runner) -> kind`` ("prefill", "decode", "mixed" or "idle"); see :func:`engine_step`.
 StepFn = Callable[[Scheduler, ModelRunner], str]
 
 
@@ -118,7 +121,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
-    token_times: list[float] = field(default_factory=list)  # seconds after generate() began, one per token
+    token_times: list[float] = field(default_factory=list)  # seconds after the request arrived, one per token
 
 
 class LLM:
@@ -164,7 +167,7 @@ class LLM:
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             self.runner.enable_graph_decode(config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,
-                                    config.drain_threshold)
+                                    config.drain_threshold, config.mixed_steps)
         # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,
         # so a later call (or a re-registered name) reuses exactly the KV that is still valid for it
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, policies.block_hashes)
@@ -172,6 +175,8 @@ class LLM:
                                    policies.admit_requests, policies.choose_drain)
         self.stats: dict = {}
         self._next_id = 0
+        self._t0: Optional[float] = None  # when the first step of the current run began
+        self._live: dict[int, tuple] = {}  # seq_id -> (RequestOutput, Sequence, arrival) of add_request's requests
 
     def _make_pool(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
                    reserve_base: bool) -> LoRAMemoryPool:
@@ -266,7 +271,11 @@ class LLM:
             ValueError: ``lora_request`` or a list of ``sampling_params`` of another length than
                 ``prompts``; a request that samples (temperature > 0) with ``step``.
             Whatever ``step`` raises (the call's sequences are released first).
+            RuntimeError: requests of :meth:`add_request` are still unfinished (step them first).
         """
+        if self._live:
+            raise RuntimeError(f"{len(self._live)} requests of add_request are unfinished: run step() until "
+                               "has_unfinished() is False before generate()")
         n = len(prompts)
         if isinstance(lora_request, str):
             raise ValueError("lora_request is one adapter name (or None) per prompt: a list, not a string")
@@ -289,13 +298,53 @@ class LLM:
                     self.steps[step(self.scheduler, self.runner)] += 1
         except BaseException:
             self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
+            self._t0 = None
             raise
         for out, seq in pairs:
             if seq is not None:
                 out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
-                out.token_times = self._token_times.pop(seq.seq_id, [])
+                out.token_times = [t - self._t0 for t in self._token_times.pop(seq.seq_id, [])]
         self._collect_stats()
+        self._t0 = None
         return [out for out, _ in pairs]
+
+    # ---- arrivals: vLLM's LLMEngine shape (add_request / step), for requests that come over time ----
+    def add_request(self, prompt: Seq[int], params: SamplingParams = SamplingParams(),
+                    adapter: Optional[str] = None) -> RequestOutput:
+        """Queue one request now; it joins the running batch at the next :meth:`step` the scheduler
+        admits it. Returns its :class:`RequestOutput`, filled in when it finishes (``error`` set at
+        once, and nothing queued, for a refused request: see :meth:`generate`). ``token_times`` count
+        from this call. Requests added this way are reported by :meth:`step`, not by ``generate``."""
+        out, seq = self._new_sequence(prompt, params, adapter)
+        if seq is not None:
+            self._live[seq.seq_id] = (out, seq, time.perf_counter())
+        return out
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step over everything queued (:meth:`add_request`): the requests that finished in
+        it, their outputs filled in. Returns [] when nothing is unfinished. Raises what the step
+        raises (the engine's own bugs: bad requests were refused when added)."""
+        if not self.scheduler.has_unfinished():
+            return []
+        if self._t0 is None:
+            self._reset_step_state()
+            self._t0 = time.perf_counter()
+        self._step()
+        done = []
+        for seq_id, (out, seq, arrived) in list(self._live.items()):
+            if seq.finish_reason is not None:
+                del self._live[seq_id]
+                out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
+                out.token_times = [t - arrived for t in self._token_times.pop(seq_id, [])]
+                done.append(out)
+        if not self.scheduler.has_unfinished():  # the run is over: its stats, and a fresh clock next time
+            self._collect_stats()
+            self._t0 = None
+        return done
+
+    def has_unfinished(self) -> bool:
+        """Whether some request added by :meth:`add_request` is still waiting or running."""
+        return self.scheduler.has_unfinished()
 
     def _abort(self, seqs: list[Sequence]) -> None:
         """Drop this call's unfinished sequences from the queues and release their blocks."""
@@ -316,6 +365,8 @@ class LLM:
         self._token_times: dict[int, list[float]] = {}
 
     def _step(self) -> None:
+        """One step; token times are recorded as absolute perf_counter readings (each caller turns
+        them into times after its requests' arrival)."""
         kind, work = self.scheduler.schedule()
         self.steps[kind] += 1
         if not work:
@@ -326,7 +377,7 @@ class LLM:
                                       for w in work], running=running)
         tokens = self._sample(work, logits)
         self.scheduler.postprocess(work, tokens)
-        now = time.perf_counter() - self._t0  # the tokens exist once sampled (sample reads them to the host)
+        now = time.perf_counter()  # the tokens exist once sampled (sample reads them to the host)
         times = self._token_times
         for seq_id in tokens:
             times.setdefault(seq_id, []).append(now)
@@ -352,7 +403,7 @@ class LLM:
         sched = Counter(e[0] for e in self.scheduler.events[sched_mark:])
         hits, queries = self.blocks.hit_tokens - hits0, self.blocks.query_tokens - queries0
         self.stats = dict(steps=sum(self.steps.values()), prefill_steps=self.steps["prefill"],
-                          decode_steps=self.steps["decode"], preemptions=sched["preempt"], drains=sched["drain"],
+                          decode_steps=self.steps["decode"], mixed_steps=self.steps["mixed"], preemptions=sched["preempt"], drains=sched["drain"],
                           pool_events=dict(kinds), prefix_hit_tokens=hits, prefix_query_tokens=queries,
                           prefix_hit_rate=hits / queries if queries else 0.0,
                           graph_decode_steps=(graph.steps - graph0) if graph else 0,

@@ -1,6 +1,8 @@
 """Continuous batching with adapters: which sequences run in each step, and what each computes.
 
-Every step is a prefill step or a decode step (nano-vllm's rule: prefill first). A prefill step
+By default every step is a prefill step or a decode step (nano-vllm's rule: prefill first); with
+``SchedulerConfig.mixed_steps`` (the engine's default) a step holds every decode and prefill chunks
+within the token budget (vLLM V1's scheduler, Sarathi-Serve's stall-free batching). A prefill step
 continues the sequences whose prompt is partly computed (chunked prefill), then admits waiting ones
 (``admit_requests``: KV blocks, the per-batch adapter cap with the base model as one adapter,
 resident adapters first, a drained adapter held back), within ``max_num_batched_tokens`` tokens.
@@ -39,6 +41,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # a prompt longer than this is prefilled in chunks
     max_loras_per_batch: int = 4
     drain_threshold: Optional[int] = None  # steps; None: never drain
+    # False: a step is all prefill or all decode (prefill first: nano-vllm). True: mixed steps, every
+    # running decode plus prefill chunks within the token budget (vLLM V1, Sarathi-Serve)
+    mixed_steps: bool = False
 
     def check(self) -> None:
         """Raises ValueError for a limit < 1 or a negative threshold."""
@@ -94,9 +99,17 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> tuple[str, list[Work]]:
-        """The next step: ("prefill" | "decode", work), or ("idle", []) when nothing can run."""
+        """The next step: ("prefill" | "decode" | "mixed", work), or ("idle", []) when nothing can run.
+
+        With ``mixed_steps`` every running sequence past its prompt decodes one token first (decode
+        tokens count against ``max_num_batched_tokens`` too), then partly computed prompts take
+        chunks of what is left of the budget, then waiting requests are admitted into the rest; the
+        step's kind is "mixed" when it holds both decodes and prefill chunks.
+        """
         self.step_no += 1
         self._update_drain()
+        if self.config.mixed_steps:
+            return self._mixed_work()
         work = self._prefill_work()
         if work:
             return "prefill", work
@@ -128,8 +141,16 @@ class Scheduler:
             self.drain_active, self.draining = True, uid
             self.events.append(("drain", uid))
 
-    def _prefill_work(self) -> list[Work]:
-        budget, work = self.config.max_num_batched_tokens, []
+    def _mixed_work(self) -> tuple[str, list[Work]]:
+        """Sarathi-Serve's stall-free batch: decodes first, so a long prompt never holds them back."""
+        decodes = self._decode_work(self.config.max_num_batched_tokens)
+        prefills = self._prefill_work(self.config.max_num_batched_tokens - len(decodes))
+        kind = "mixed" if decodes and prefills else "decode" if decodes else "prefill" if prefills else "idle"
+        return kind, decodes + prefills
+
+    def _prefill_work(self, budget: Optional[int] = None) -> list[Work]:
+        budget = self.config.max_num_batched_tokens if budget is None else budget
+        work = []
         for seq in self.running:  # partly computed prompts first (even with one token left)
             if seq.in_prefill and budget > 0:
                 work.append(self._chunk(seq, budget))
@@ -162,10 +183,16 @@ class Scheduler:
             budget -= work[-1].end - work[-1].start
         return work
 
-    def _decode_work(self) -> list[Work]:
+    def _decode_work(self, budget: Optional[int] = None) -> list[Work]:
+        """One token for every running sequence past its prompt, in running order, at most
+        ``budget`` of them (None: all); a sequence whose next position needs a block no one has
+        preempts the most recently admitted sequence (itself last)."""
         work, i, events, bs = [], 0, self.events, self.blocks.block_size
-        while i < len(self.running):
+        while i < len(self.running) and (budget is None or len(work) < budget):
             seq = self.running[i]
+            if seq.in_prefill:  # only with mixed steps: its chunk comes from _prefill_work
+                i += 1
+                continue
             n = seq.num_tokens
             if n <= len(seq.block_table) * bs:  # the common case: its last position has a block already
                 events.append(("decode", seq.seq_id))

@@ -964,6 +964,159 @@ for row in bench["extras"]:
 # closed batch, vLLM's offline API) does not take.
 
 # %% [markdown]
+# ## 9. The engine at the hardware floor
+#
+# A benchmark of LoRA costs is only as honest as the base step it is measured against. A decode
+# step has a floor: it must read every weight once (all but the input embedding, of which it needs
+# one row per token) and the keys and values of every position it attends, and a GPU cannot read
+# faster than its memory bandwidth. `benchmark_engine.py` measures that bandwidth with a plain
+# device-to-device copy and prints, for every row, the median floor of its decode steps and TPOT p50
+# over it. Three things kept this engine far above its floor; each has a remedy in the code now.
+#
+# **1. Attention that reads what it needs.** The torch attention of section 6 gathers each
+# sequence's block table into a dense tensor, zeroes what lies past its length and runs SDPA with a
+# mask. Under a CUDA graph every row's table is padded to the widest the model allows
+# (`PagedDecodeGraphRunner.max_blocks`), so every row gathers the whole width whatever its length.
+# For the benchmark's workload (prompts of 128-1024 tokens, a model whose context holds the longest
+# prompt and its new tokens) the bytes per decode step, per layer:
+
+# %%
+cfg_kv = dict(kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16)  # Llama-3-8B's KV, bf16
+context = 1024 + 128 + 8  # the benchmark's max_position_embeddings: the longest prompt, its new tokens
+max_blocks = -(-context // cfg_kv["block_size"])
+per_position = 2 * cfg_kv["kv_heads"] * cfg_kv["head_dim"] * cfg_kv["dtype_bytes"]  # keys and values
+rng = random.Random(0)
+lens = [rng.randint(128, 1024) + 32 for _ in range(256)]  # prompt plus half of the 64 new tokens
+gathered = len(lens) * max_blocks * cfg_kv["block_size"] * per_position  # one dense copy of every padded table
+needed = sum(lens) * per_position
+# torch path: the gather reads the cache and writes the copy, the masking `where` reads and writes
+# it again, SDPA reads it: 5 passes over the padded width. The kernel reads each owned position once.
+moved = 5 * gathered
+print(f"{len(lens)} sequences of mean length {statistics.mean(lens):.0f} in tables of {max_blocks} blocks "
+      f"({max_blocks * cfg_kv['block_size']} positions):")
+print(f"  torch path: {moved / 2**20:.0f} MiB moved per layer and step; the sequences own {needed / 2**20:.0f} MiB "
+      f"({moved / needed:.1f}x more moved than needed)")
+
+# %% [markdown]
+# `reference/ops/paged_attention.py` is a Triton kernel that walks the block table instead
+# (PagedAttention's idea, in the grid of vLLM's unified Triton attention). One program owns a few
+# query tokens of one sequence and one KV head, and all the query heads that share that KV head
+# (GQA: the keys are loaded once for the group). For each tile of key positions it loads
+# `block_tables[seq, pos // block_size]`, reads those keys and values straight from the cache, and
+# stops at the sequence's length; the online softmax (FlashAttention's running max and sum) never
+# materialises the scores. Because a program finds its sequence by a binary search over
+# `query_start_loc` (the cumulative query lengths), the launch depends on host ints only: one kernel
+# serves decode rows, whole prompts and prefill chunks in one step, and a CUDA graph can capture it.
+# A decode batch too small to fill the GPU splits each sequence's keys over several programs and
+# merges their partial results (flash-decoding); each graph bucket fixes its split count at capture.
+
+# %%
+import inspect
+
+from reference.ops import paged_attention as paged_attention_ops
+
+kernel_source = inspect.getsource(paged_attention_ops._paged_attention_kernel.fn)
+print(kernel_source[kernel_source.index("    # -- the key tiles"):kernel_source.index("    out_ok =")])
+
+# %% [markdown]
+# The kernel is judged against the torch path on every device: here through Triton's interpreter on
+# a step that mixes a one-token sequence, a prompt, a chunk of a cached prompt and decode rows, with
+# NaN in every cache entry no sequence owns (a kernel that read one position too far would print
+# NaN), without and with splits:
+
+# %%
+from reference.engine.model_runner import SeqWork, build_attention_metadata, paged_attention
+
+gen = torch.Generator().manual_seed(0)
+heads, kv_heads, head_dim, bs = 8, 2, 16, 4
+work = [SeqWork([0], 0, [3]), SeqWork([0] * 9, 0, [5, 0, 8]), SeqWork([0] * 6, 10, [1, 9, 2, 4]),
+        SeqWork([0], 6, [6, 7])]
+meta = build_attention_metadata(work, bs, "cpu")
+k_cache = torch.full((10, bs, kv_heads, head_dim), float("nan"))
+v_cache = k_cache.clone()
+for w in work:  # the cached positions of each sequence get real values; the rest stays NaN
+    for p in range(w.start):
+        k_cache[w.block_table[p // bs], p % bs] = torch.randn(kv_heads, head_dim, generator=gen)
+        v_cache[w.block_table[p // bs], p % bs] = torch.randn(kv_heads, head_dim, generator=gen)
+n = len(meta.positions)
+q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, backend="torch")
+for splits in (1, 2):
+    got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta._replace(num_splits=splits), backend="triton")
+    print(f"{splits} split(s): max |triton - torch| = {(got - want).abs().max().item():.2e}, NaN: {bool(got.isnan().any())}")
+
+# %% [markdown]
+# **2. A step loop that keeps the GPU busy.** A CUDA graph replays a whole decode step with one
+# launch, but the host still schedules the step, builds its inputs and reads the sampled tokens,
+# and the GPU waits meanwhile. Per-sequence Python in that loop grows with the batch: copying every
+# sequence's whole token list to read its last token, copying its block table, checking each id
+# with a generator expression, one `torch.multinomial` (and one device read) per sampled request.
+# The engine's step now reads one token per decoding sequence, passes the tables as they are,
+# checks ids with C-level builtins, and samples every row (greedy and seeded together) in one pass
+# on the device with one copy back: a seeded row adds Gumbel noise hashed from (seed, tokens drawn so
+# far, token id), so its draw depends on its own seed only, not on its batch
+# (`reference.engine.model_runner.sample_batch`). `--profile` reports the fraction of the decode
+# steps' wall time during which the GPU ran anything.
+#
+# **3. Mixed steps.** The scheduler of sections 1-7 runs a step of prefill or a step of decode,
+# prefill first (nano-vllm's rule). When a long prompt arrives, every sequence that is decoding
+# waits for all of its chunks: its time per output token spikes by the whole prefill. vLLM's V1
+# scheduler and Sarathi-Serve ("Taming Throughput-Latency Tradeoff in LLM Inference with
+# Sarathi-Serve", OSDI 2024) put every running decode into every step and fill the rest of the
+# token budget with prefill chunks, so a prompt slows decoding a little for a few steps instead of
+# stopping it. `SchedulerConfig.mixed_steps` does that (the engine's default; the capstone keeps
+# prefill first, where `running` matters). The control plane alone shows the difference: two
+# sequences decoding, a 60-token prompt arriving, a budget of 16 tokens per step:
+
+# %%
+def decode_gaps(mixed: bool) -> list[int]:
+    sched = Scheduler(SchedulerConfig(4, 16, 4, mixed_steps=mixed), BlockManager(64, 4))
+    for i in range(2):
+        sched.add(Sequence(i, [1, 2], None, SamplingParams(max_new_tokens=20)))
+    last, gaps = {}, []
+    for step in range(60):
+        if step == 3:
+            sched.add(Sequence(9, list(range(60)), None, SamplingParams(max_new_tokens=2)))
+        kind, work = sched.schedule()
+        if not work:
+            break
+        for w in work:
+            if w.seq.seq_id < 2 and w.end == w.seq.num_tokens:
+                gaps += [step - last[w.seq.seq_id]] if w.seq.seq_id in last else []
+                last[w.seq.seq_id] = step
+        sched.postprocess(work, {w.seq.seq_id: 5 for w in work if w.end == w.seq.num_tokens})
+    return gaps
+
+
+for mixed in (False, True):
+    gaps = decode_gaps(mixed)
+    print(f"mixed_steps={mixed!s:5}: the decoding sequences' longest wait between tokens {max(gaps)} steps "
+          f"(median {statistics.median(gaps)})")
+
+# %% [markdown]
+# Prefill first, the two sequences get no token while the prompt's chunks run; mixed, they get one
+# every step, and each step carries up to 16 - 2 prompt tokens. In time, a mixed step costs a decode
+# step plus its share of the prompt, so TPOT p99 is bounded by the token budget, not by the longest
+# prompt. `benchmark_engine.py --arrival-loads` measures it with requests arriving as a Poisson
+# process (`LLM.add_request` and `LLM.step`, vLLM's `LLMEngine` shape: a request joins the running
+# batch at the next step).
+#
+# What the committed results say, when they include these measurements:
+
+# %%
+floor_rows = [r for r in bench["rows"] if "tpot_p50_over_floor" in r]
+if not floor_rows:
+    print("benchmarks/results/engine_h200.json predates the floor measurements: run "
+          "`python benchmarks/benchmark_engine.py --profile` on a GPU to add them")
+for r in floor_rows:
+    print(f"{r.get('attention', '?'):6} D={r['adapters']:3d}: TPOT p50 {r['tpot_ms_p50']:.2f} ms, floor "
+          f"{r['decode_floor_ms_p50']:.2f} ms ({r['tpot_p50_over_floor']}x), GPU busy "
+          f"{r.get('gpu_busy_decode', 'not profiled')}")
+for r in (e for e in bench["extras"] if e.get("experiment") == "poisson_arrivals"):
+    print(f"Poisson arrivals at {r['rate_per_s']} req/s, D={r['adapters']}: TPOT p50 {r['tpot_ms_p50']:.2f} ms, "
+          f"p99 {r['tpot_ms_p99']:.2f} ms ({r['tpot_p99_over_p50']}x), TTFT p50 {r['ttft_s_p50']:.3f} s")
+
+# %% [markdown]
 # ## How production systems do it
 #
 # - **vLLM**: `vllm/v1/core/kv_cache_utils.py` (`hash_block_tokens`: the parent block's hash, the
@@ -981,6 +1134,13 @@ for row in bench["extras"]:
 #   keys registered once a block is full) and `nanovllm/engine/scheduler.py` (prefill first, then
 #   decode; preemption of the most recently admitted sequence). It serves no adapters; this book's
 #   engine is its shape with the adapter added to every decision.
+# - **Paged attention and mixed steps**: vLLM `vllm/attention/ops/triton_unified_attention.py` (the
+#   grid of section 9: q blocks found by binary search over `query_start_loc`, GQA heads in one tile,
+#   segments over the KV length merged by `reduce_segments`) and its CUDA/FlashAttention backends;
+#   SGLang `python/sglang/srt/layers/attention/triton_ops/decode_attention.py` (flash-decoding's two
+#   stages) and `extend_attention.py`; FlashInfer's paged prefill/decode wrappers. vLLM's V1
+#   scheduler always mixes decodes and prefill chunks under one token budget; SGLang's
+#   `--enable-mixed-chunk` does the same.
 #
 # ## Summary
 #
@@ -1006,6 +1166,9 @@ for row in bench["extras"]:
 #   past the slot count, requests wait for a slot and the engine decodes in waves. The adapter-keyed
 #   prefix cache keeps only correct hits; a drain costs throughput on a closed batch and pays off
 #   only where new requests of popular adapters keep arriving.
+# - A decode step's floor is (weights + attended KV) / bandwidth. Attention that gathers a padded
+#   table moves bytes no sequence owns; a paged kernel walks each table up to its length. Host work
+#   per step must not grow with the batch, and mixed steps keep decoding while prompts are prefilled.
 #
 # ## Review questions
 #
@@ -1026,3 +1189,6 @@ for row in bench["extras"]:
 # 7. In a prefill step, `engine_step` passes `running` to the runner although the decoding sequences
 #    compute nothing. Which adapter would the pool evict without it, and what would the next decode
 #    step have to do? Would the tokens change, and what in the engine's log would?
+# 8. A decode batch of 4 sequences runs on a GPU of 132 SMs with 8 KV heads. Why does the paged
+#    kernel split each sequence's keys over several programs, what does the merge cost, and why is
+#    the split count fixed per CUDA-graph bucket rather than chosen per step?
