@@ -275,29 +275,15 @@ _ROW_NAMES = ("x_local", "W_local", "A_local", "B", "token_slots", "lora_ranks",
 _COLUMN_NAMES = ("x", "W_local", "A_local", "B_local", "token_slots", "lora_ranks", "scalings", "slice_offsets")
 
 
-def _communicated(counts: dict, want: dict, why: str) -> Optional[str]:
-    """A message when a rank's collectives carried other element counts than the contract's."""
-    got = {k: v for k, v in counts.items() if v}
-    if got == {k: v for k, v in want.items() if v}:
-        return None
-    say = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "nothing"  # noqa: E731
-    return f"the collectives carried {say(got)} elements on this rank; the contract's carry {say(want)} ({why})"
-
-
 def drive_row(fn, x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant) -> torch.Tensor:
     """The learner's ``row_parallel_lora`` in ``tp`` gloo ranks, rank j given shard j; [tp, T, out].
 
-    Each rank's collectives must carry what its variant sends: the base output [T, out] all-reduced,
-    plus the shrink output [T, R] for "reduce_shrink" (fused into one all-reduce or not)."""
-    T, out, R = x_locals.shape[1], W_locals.shape[1], B.shape[2]
-    shrink = T * R if variant == "reduce_shrink" else 0
-    why = ("reduce_shrink all-reduces the base output [T, out] and the shrink output [T, R]" if shrink else
-           "reduce_with_base adds the partial delta first and all-reduces [T, out] once")
-
-    def check(rank, counts):
-        return _communicated(counts, {"all_reduce": T * out + shrink}, why) if variant in VARIANTS["row"] else None
+    Graded on what the ranks return. What the collectives carry is not graded (issue #31: it could
+    only be recorded in the rank processes, next to learner code, which can forge the record), so
+    the two variants are held to their outputs: by linearity they give the same numbers, and a
+    missing or doubled all-reduce gives other ones."""
     return run_ranks(x_locals.shape[0], fn, lambda j: (x_locals[j], W_locals[j], A_locals[j], B, token_slots,
-                                                        lora_ranks, scalings, variant), _ROW_NAMES, check)
+                                                        lora_ranks, scalings, variant), _ROW_NAMES)
 
 
 def _row_case(name, gen, tp, tokens, ranks, scalings, variant, d_in=8, d_out=6, R=16,
@@ -364,8 +350,10 @@ def _row_hint(case: Case, expected, got) -> Optional[str]:
     if torch.isnan(g).any():
         return ("NaN in y: columns of t (and B) past a slot's rank are junk here (NaN), and so is the whole base slot; "
                 "select with torch.where / slicing, not by multiplying with a 0/1 mask (NaN * 0 = NaN)")
-    # (a missing or doubled all-reduce never gets here: the driver counts what the collectives carry)
     base = sum(x_locals[j].float() @ W_locals[j].float().T for j in range(tp))
+    if torch.allclose(g.float(), tp * e.float(), rtol=1e-3, atol=1e-3):
+        return (f"y is {tp} (tp) times the expected output: the sum over ranks was all-reduced twice (each "
+                "variant all-reduces [T, out] once; reduce_shrink also all-reduces t, before the expand)")
     if not torch.equal(g[0], g[-1]):
         return ("the ranks ended with different y: every rank must return the same, fully reduced output; a delta "
                 "computed from this rank's t_j alone and added after the base all-reduce is only its partial delta "
@@ -411,13 +399,9 @@ def _column_outputs(x, W_locals, B_locals, t, slots, keep, scale, offsets) -> to
 def drive_column(fn, x, W_locals, A_locals, B_locals, token_slots, lora_ranks, scalings, slice_offsets) -> torch.Tensor:
     """The learner's ``fully_sharded_column_lora`` in ``tp`` gloo ranks; [tp, T, out_local].
 
-    Each rank's collectives must carry the gathered shrink output and nothing else: [T, stack * R]
-    all-gathered (the output's elements), no all-reduce."""
-    T, R, stack = x.shape[0], B_locals.shape[3], len(slice_offsets) - 1
-    why = "an all-gather of every rank's shrink output t_j [T, stack * R/tp] (gathering A instead moves its weights)"
+    Graded on what the ranks return (see :func:`drive_row`: what the collectives carry is not)."""
     return run_ranks(W_locals.shape[0], fn, lambda j: (x, W_locals[j], A_locals[j], B_locals[j], token_slots,
-                                                        lora_ranks, scalings, list(slice_offsets)),
-                     _COLUMN_NAMES, lambda rank, counts: _communicated(counts, {"all_gather": T * stack * R}, why))
+                                                        lora_ranks, scalings, list(slice_offsets)), _COLUMN_NAMES)
 
 
 def _column_case(name, gen, tp, tokens, ranks, scalings, part_widths, d_in=8, R=16, slot_dtype=torch.int32,

@@ -13,9 +13,11 @@ that only joins), and ``group`` holds global ranks 1..tp, so an answer that igno
 default group is the whole job) is caught, as in a server whose attention-TP group is not the world
 (SGLang PR 32708 fixed a row-parallel LoRA all-reducing over the wrong group). In each rank the
 collectives are wrapped for the call: one on another group than ``group`` fails at once with a
-message, and the elements each collective carries are counted, so a driver can hold an answer to
-what its variant communicates (outputs alone cannot tell the variants apart: by linearity they give
-the same numbers).
+message (a courtesy: such a collective would wait for the bystander, and the hang is reported anyway).
+
+What the collectives carry is NOT observed or graded (issue #31): anything recorded in a rank sits
+next to learner code, which can call an unwrapped primitive and write the expected record itself;
+no process that never runs learner code sees the ranks' traffic. Graded is what the ranks return.
 
 What can go wrong in a rank, and what the grader reports: an exception (re-raised in the child with
 the rank named, so a case whose contract is ``ValueError`` still sees ``ValueError``; when only some
@@ -40,7 +42,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,47 +63,42 @@ def _die_with_parent() -> None:
         pass
 
 
-#: What a rank's collectives carried, by op: the elements of the tensor each produces (for an
-#: all-gather, all of its outputs).
+#: The collectives and group queries whose group is checked.
 _OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor")
 
 
 @contextlib.contextmanager
-def _watched(tp_group, counts: dict):
-    """For a ``with`` block: the collectives of ``_OPS`` and the group queries, refusing any group but
-    ``tp_group`` and counting into ``counts``. A collective outside ``_OPS`` on the wrong group is
-    not named: it waits for the bystander, and the hang is reported."""
+def _watched(tp_group):
+    """For a ``with`` block: the collectives of ``_OPS`` and the group queries refuse any group but
+    ``tp_group``. A collective outside ``_OPS`` on the wrong group is not named: it waits for the
+    bystander, and the hang is reported."""
     saved = {name: getattr(dist, name) for name in _OPS + ("get_rank", "get_world_size")}
 
-    def on(name: str, group, elements: int = 0):
+    def on(name: str, group):
         if group is not tp_group:
             what = "the default group (every process of this job)" if group in (None, dist.group.WORLD) else "another group"
             raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the "
                                f"{saved['get_world_size'](tp_group)} tensor-parallel ranks): pass group=group to "
                                "every collective and query")
-        if name in _OPS:  # one all-gather, whichever of its two APIs
-            key = "all_gather" if name == "all_gather_into_tensor" else name
-            counts[key] = counts.get(key, 0) + elements
         return group
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return saved["all_reduce"](tensor, op=op, group=on("all_reduce", group, tensor.numel()), async_op=async_op)
+        return saved["all_reduce"](tensor, op=op, group=on("all_reduce", group), async_op=async_op)
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        elements = sum(t.numel() for t in tensor_list)
-        return saved["all_gather"](tensor_list, tensor, group=on("all_gather", group, elements), async_op=async_op)
+        return saved["all_gather"](tensor_list, tensor, group=on("all_gather", group), async_op=async_op)
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
         return saved["all_gather_into_tensor"](output_tensor, input_tensor, async_op=async_op,
-                                               group=on("all_gather_into_tensor", group, output_tensor.numel()))
+                                               group=on("all_gather_into_tensor", group))
 
     def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-        return saved["broadcast"](tensor, src=src, group=on("broadcast", group, tensor.numel()), async_op=async_op,
+        return saved["broadcast"](tensor, src=src, group=on("broadcast", group), async_op=async_op,
                                   group_src=group_src)
 
     def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002
         return saved["reduce_scatter_tensor"](output, input, op=op, async_op=async_op,
-                                              group=on("reduce_scatter_tensor", group, output.numel()))
+                                              group=on("reduce_scatter_tensor", group))
 
     def get_rank(group=None):
         return saved["get_rank"](on("get_rank", group))
@@ -127,7 +124,7 @@ def _same(a, b) -> bool:
 
 
 def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callable[[int], tuple],
-               names: Sequence[str], check: Optional[Callable[[int, dict], Optional[str]]]) -> None:
+               names: Sequence[str]) -> None:
     """Join the job (global rank ``rank + 1``; ``rank`` -1 is the bystander), build the TP subgroup,
     call, write the outcome, then wait to be killed: a rank never tears its group down itself, so no
     rank's exit can break a collective or a rendezvous another rank is still in (the parent kills
@@ -145,16 +142,12 @@ def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callabl
         if rank >= 0:
             args = rank_args(rank)
             before = [a.clone() if isinstance(a, torch.Tensor) else list(a) if isinstance(a, list) else a for a in args]
-            counts: dict = {}
-            with _watched(group, counts):
+            with _watched(group):
                 result = fn(*args, group)
             changed = [n for n, a, b in zip(names, args, before) if not _same(a, b)]
             if changed:
                 raise RuntimeError(f"your function modified its input {changed[0]!r} on rank {rank}; inputs must stay "
                                    "unchanged (a pool's buffers are read again by the next batch)")
-            problem = check(rank, counts) if check is not None else None
-            if problem:
-                raise RuntimeError(problem)
             if isinstance(result, torch.Tensor):
                 outcome = {"tensor": result.detach().cpu().contiguous()}
             else:
@@ -186,18 +179,14 @@ def _raise_from_rank(rank: int, outcome: dict) -> None:
     raise cls(f"rank {rank}: {outcome['exc']}: {outcome['msg']}")
 
 
-def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: Sequence[str] = (),
-              check: Optional[Callable[[int, dict], Optional[str]]] = None) -> torch.Tensor:
+def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: Sequence[str] = ()) -> torch.Tensor:
     """``fn(*rank_args(j), group)`` on each of ``tp`` forked gloo ranks; their tensors stacked, [tp, ...].
 
-    ``names`` name ``rank_args``' entries in messages; ``check(rank, counts)``, with counts the
-    elements each collective carried on that rank ({"all_reduce": n, "all_gather": n (output
-    elements)}), returns a message when that is not what the contract communicates, else None.
+    ``names`` name ``rank_args``' entries in messages.
     Raises:
         the exception a rank raised (same class when it is a built-in exception, else RuntimeError),
             with "rank j:" before its message; RuntimeError when only some ranks raised;
-        RuntimeError: a rank modified an input, used another group than ``group``, or communicated
-            what ``check`` refuses;
+        RuntimeError: a rank modified an input or used another group than ``group``;
         TypeError: a rank returned something other than a tensor, or ranks returned tensors of
             different shapes or dtypes (which stacking would hide);
         TimeoutError: some rank did not finish within ``RANK_TIMEOUT_S`` (every rank is killed); once
@@ -214,7 +203,7 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
             if pid == 0:  # a rank: never returns into the grader's code
                 code = 0
                 try:
-                    _rank_body(rank, tp, folder, fn, rank_args, names, check)
+                    _rank_body(rank, tp, folder, fn, rank_args, names)
                 except BaseException:  # noqa: BLE001
                     code = 1
                 os._exit(code)

@@ -410,3 +410,38 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     assert feedback["flood"].stat().st_size < feedback["honest"].stat().st_size + 2 * MAX_CELL_OUTPUT_BYTES
     spy = feedback["spy"].read_text()
     assert "SPY saw []" in spy, spy[spy.find("SPY saw"):][:600]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hole 3: nothing recorded inside a rank (next to learner code) decides a grade
+
+_FORGE = textwrap.dedent('''
+    import sys
+    def _forge():  # write what a counting wrapper would have recorded, in every frame above
+        frame = sys._getframe(1)
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, dict) and not value:
+                    value["all_reduce"] = 10 ** 6
+            frame = frame.f_back
+''')
+
+
+@needs_bwrap
+def test_a_ranks_own_record_of_its_collectives_decides_nothing(monkeypatch):
+    """The same per-rank answer (reduce_with_base that also all-reduces t: its outputs are right,
+    its traffic is not the variant's) through the watched collectives, through the unwatched
+    primitive, and forging a record of what it carried: one score for all three, the one its
+    outputs earn (what the collectives carry is not graded: it could only be recorded in the rank)."""
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    honest = solution_answers()["ch10.3"].replace(
+        '    if variant == "reduce_shrink":\n        dist.all_reduce(y, group=group)\n',
+        '    if True:\n        dist.all_reduce(y, group=group)\n').replace(
+        '    if variant == "reduce_with_base":\n        dist.all_reduce(y, group=group)\n', '')
+    assert honest != solution_answers()["ch10.3"]
+    unwatched = honest.replace("dist.all_reduce(", "dist.distributed_c10d.all_reduce(")
+    forged = _FORGE + unwatched.replace("    return y\n", "    _forge()\n    return y\n")
+    assert forged.count("    _forge()\n") == 1
+    scores = {name: grade_source("ch10.3", src).score for name, src in
+              (("watched", honest), ("unwatched", unwatched), ("forged", forged))}
+    assert scores == {"watched": 3.0, "unwatched": 3.0, "forged": 3.0}, scores

@@ -85,13 +85,13 @@ MUTANTS = [
     # ch10.3 row_parallel_lora
     Mutant("ch10.3", "shrink-output-not-reduced",
            ((_REDUCE_SHRINK, "    if variant == \"reduce_shrink\":\n        dist.all_reduce(y, group=group)\n"),),
-           "the shrink output [T, R]", "math", plausible=True),
+           "all-reduce t first", "math", plausible=True),
     Mutant("ch10.3", "base-all-reduce-missing",
            ((_REDUCE_WITH_BASE, ""),),
-           "the collectives carried nothing", "clause"),
+           "the ranks ended with different y", "clause"),
     Mutant("ch10.3", "all-reduce-applied-twice",
            ((_REDUCE_WITH_BASE, "    dist.all_reduce(y, group=group)\n"),),
-           "the collectives carried all_reduce", "clause"),
+           "all-reduced twice", "clause"),
     Mutant("ch10.3", "delta-added-after-the-base-all-reduce",
            ((_REDUCE_WITH_BASE + "    return y\n",
              "    return y\n"),
@@ -118,11 +118,10 @@ MUTANTS = [
              "        raise ValueError(f\"unknown variant {variant!r}\")\n", ""),),
            "unknown_variant_raises_value_error", "error"),
 
-    Mutant("ch10.3", "variant-ignored-two-all-reduces",
-           (("    if variant == \"reduce_shrink\":\n        dist.all_reduce(y, group=group)\n",
-             "    if True:\n        dist.all_reduce(y, group=group)\n"),
-            (_REDUCE_WITH_BASE, "")),
-           "reduce_with_base adds the partial delta first", "clause"),
+    # (no mutant that differs only in what its collectives carry: a reduce_with_base that also
+    # all-reduces t, a column layer that gathers A instead of t. Outputs cannot tell them apart, and
+    # what the collectives carry is not graded: issue #31, it could only be recorded next to learner
+    # code, which can forge the record)
     Mutant("ch10.3", "default-group",
            (("        dist.all_reduce(y, group=group)\n        dist.all_reduce(t, group=group)\n",
              "        dist.all_reduce(y)\n        dist.all_reduce(t)\n"),),
@@ -161,14 +160,6 @@ MUTANTS = [
            (("    keep = torch.arange(R) < r.unsqueeze(1)                        # [T, R]\n",
              "    keep = torch.arange(R) < torch.clamp(r, max=R // tp).unsqueeze(1)\n"),),
            "the LoRA rows differ", "math"),
-    Mutant("ch10.4", "gathers-A-not-t",
-           (("    t_local = torch.einsum(\"ti,tki->tk\", x, A_local[slots]).contiguous()\n"
-             "    pieces = [torch.empty_like(t_local) for _ in range(tp)]\n"
-             "    dist.all_gather(pieces, t_local, group=group)\n",
-             "    A_pieces = [torch.empty_like(A_local) for _ in range(tp)]\n"
-             "    dist.all_gather(A_pieces, A_local.contiguous(), group=group)\n"
-             "    pieces = [torch.einsum(\"ti,tki->tk\", x, a[slots]) for a in A_pieces]\n"),),
-           "gathering A instead", "math"),
     Mutant("ch10.4", "default-group",
            (("    tp, stack, R = dist.get_world_size(group), len(slice_offsets) - 1, B_local.shape[2]\n",
              "    tp, stack, R = dist.get_world_size(), len(slice_offsets) - 1, B_local.shape[2]\n"),),
