@@ -106,6 +106,21 @@ def seq(i, prompt, uid=None, n=4):
     return Sequence(i, list(prompt), uid, SamplingParams(max_new_tokens=n))
 
 
+def test_block_keys_extended_as_a_sequence_grows_equal_the_whole_chain():
+    """BlockManager keeps each sequence's reference keys and extends them block by block: at every
+    length, for lookups and for registration, they equal block_hashes over the whole prefix."""
+    bm = BlockManager(64, 3)
+    s = seq(0, [4, 8, 15, 16, 23], "a@0", n=20)
+    for t in range(20):
+        want = block_hashes(s.tokens, "a@0", 3)
+        assert bm._chained_keys(s, len(want)) == want, t
+        assert bm._lookup_keys(s) == block_hashes(s.tokens[:s.num_tokens - 1], "a@0", 3), t
+        s.output.append((t * 7) % V)
+    s.uid = "b@1"  # another adapter (or block size) recomputes from the start
+    assert bm._lookup_keys(s) == block_hashes(s.tokens[:s.num_tokens - 1], "b@1", 3)
+    assert BlockManager(64, 4)._lookup_keys(s) == block_hashes(s.tokens[:s.num_tokens - 1], "b@1", 4)
+
+
 def test_blocks_prefix_hits_only_after_compute_and_per_adapter():
     bm = BlockManager(8, 2)
     a = seq(0, [1, 2, 3, 4, 5], "x")

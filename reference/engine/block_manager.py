@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence as Seq
 
-from reference.engine.policies import block_hashes
+from reference.engine.policies import block_hashes, stable_hash
 from reference.engine.sequence import Sequence
 
 __all__ = ["BlockManager"]
@@ -63,7 +63,27 @@ class BlockManager:
 
     def _lookup_keys(self, seq: Sequence) -> list:
         # all but the last token: at least one token is computed, whose logits give the next token
+        if self.hash_fn is block_hashes:
+            return self._chained_keys(seq, (seq.num_tokens - 1) // self.block_size)
         return self.hash_fn(seq.tokens[:seq.num_tokens - 1], seq.uid, self.block_size)
+
+    def _chained_keys(self, seq: Sequence, full: int) -> list:
+        """The reference ``block_hashes`` of ``seq``'s first ``full`` blocks, extended block by block
+        from the keys computed before (kept on the sequence with the uid and block size they were
+        computed for): a sequence's tokens only grow, so a key, once computed, never changes.
+        Recomputing the whole chain whenever a block fills, and for every waiting request in every
+        step, cost O(length) per call and grew with what was running."""
+        memo = seq.prefix_keys
+        if memo[:2] != [seq.uid, self.block_size]:
+            memo[:] = [seq.uid, self.block_size]
+        have = len(memo) - 2
+        if have < full:
+            bs, parent = self.block_size, memo[-1] if have else None
+            tokens = seq.token_slice(have * bs, full * bs)
+            for j in range(full - have):
+                parent = stable_hash((parent, seq.uid, tuple(int(t) for t in tokens[j * bs:(j + 1) * bs])))
+                memo.append(parent)
+        return memo[2:2 + full]
 
     def _hits(self, keys: list) -> list[int]:
         hits = []
@@ -133,7 +153,8 @@ class BlockManager:
         full = seq.num_computed // self.block_size
         if full <= seq.num_hashed:
             return
-        keys = self.hash_fn(seq.tokens[:full * self.block_size], seq.uid, self.block_size)
+        keys = (self._chained_keys(seq, full) if self.hash_fn is block_hashes else
+                self.hash_fn(seq.tokens[:full * self.block_size], seq.uid, self.block_size))
         for j in range(seq.num_hashed, full):
             block, key = seq.block_table[j], keys[j]
             if key not in self.key_to_block:  # an identical block cached elsewhere keeps its entry

@@ -228,8 +228,9 @@ class LLM:
         params.check()
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if isinstance(prompt, (str, bytes)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                       for t in prompt):
+        if isinstance(prompt, (str, bytes)) or not (all(type(t) is int for t in prompt) or  # noqa: E721 (fast path)
+                                                    all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                        for t in prompt)):
             raise ValueError("a prompt is a sequence of int token ids (the engine has no tokenizer)")
         tokens = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size

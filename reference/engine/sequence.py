@@ -77,6 +77,9 @@ class Sequence:
     num_hashed: int = 0
     finish_reason: Optional[str] = None
     in_prefill: bool = False  # admitted, and its prompt (or recomputed tokens) not all computed yet
+    # [uid, block_size, key of block 0, key of block 1, ...]: the reference block keys computed so
+    # far (BlockManager extends them as blocks fill; never compared, never printed)
+    prefix_keys: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:
