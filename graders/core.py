@@ -218,7 +218,10 @@ def _child_preexec(sandboxed: bool, cuda: bool) -> None:
     from graders import forkserver, sandbox
 
     if sandboxed:
+        from graders import cgroups
+
         sandbox.limit_resources(cpu_only=not cuda)
+        cgroups.enter()
     forkserver._set_parent_death_signal()
 
 

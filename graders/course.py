@@ -206,6 +206,7 @@ def _course_settings(course: Path, assignment: str, need_autograded: bool = True
     get = lambda key, default: cd[key] if key in cd else default  # noqa: E731
     settings = {"source": course / get("source_directory", "source"),
                 "autograded": course / get("autograded_directory", "autograded"),
+                "feedback": course / get("feedback_directory", "feedback"),
                 "course_id": get("course_id", "default_course"),
                 "db_url": get("db_url", "") or f"sqlite:///{(course / 'gradebook.db').resolve()}"}
     db_url = settings["db_url"]

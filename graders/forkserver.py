@@ -457,11 +457,15 @@ class ForkServer:
                                       gpu=self.kind == "cuda",
                                       env=sandbox.sandbox_env({IN_SANDBOX_ENV: "1", **extra}))
             env = None
+            from graders import cgroups
+
+            preexec = cgroups.enter  # the server and every job it forks: one sandbox's bounds
         else:
+            preexec = None
             argv, env = command, sandbox.sandbox_env({"HOME": os.environ.get("HOME", "/tmp"),
                                                       "TMPDIR": tempfile.gettempdir(), **extra})
         self.proc = _spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                           start_new_session=True, env=env, cwd=tempfile.gettempdir())
+                           start_new_session=True, env=env, cwd=tempfile.gettempdir(), preexec_fn=preexec)
         try:
             meta, _ = unpack(_read_frame(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S))
         except (EOFError, TimeoutError, ValueError) as exc:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from graders import sandbox
 
-__all__ = ["grade_assignment", "grade_assignments", "leftover_processes", "cap_outputs"]
+__all__ = ["grade_assignment", "grade_assignments", "leftover_processes", "cap_outputs", "prune_feedback"]
 
 
 def leftover_processes(marker: str) -> list[str]:
@@ -63,6 +63,29 @@ def cap_outputs(course: Path, assignments: Sequence[str]) -> int:
             except Exception:  # noqa: BLE001 (an unreadable notebook: the re-grade reports it)
                 pass
     return cut
+
+
+def prune_feedback(course: Path, assignments: Sequence[str]) -> int:
+    """Keep in ``feedback/<student>/<assignment>/`` only what feedback needs: the HTML pages and the
+    files of the assignment's source folder (its figures); nbgrader copies every file of the
+    submission there too. Returns the files removed."""
+    from graders import course as jobs_mod
+
+    removed = 0
+    for assignment in assignments:
+        settings = jobs_mod._course_settings(course, assignment, need_autograded=False)
+        source = settings["source"] / assignment
+        for folder in settings["feedback"].glob(f"*/{assignment}"):
+            for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
+                rel = path.relative_to(folder)
+                if path.is_dir() and not path.is_symlink():
+                    if not any(path.iterdir()):
+                        path.rmdir()
+                elif not (path.suffix == ".html" and len(rel.parts) == 1) and not (
+                        (source / rel).is_file() and not (source / rel).is_symlink()):
+                    path.unlink()
+                    removed += 1
+    return removed
 
 
 def grade_assignment(course: Path, assignment: str, jobs: int = 1, db_url: Optional[str] = None,
@@ -147,6 +170,7 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
     else:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             list(pool.map(lambda a: jobs_mod._nbgrader(course, "generate_feedback", a, "--force"), assignments))
+    prune_feedback(course, assignments)
     jobs_mod._nbgrader(course, "export")
     seconds["feedback and export"] = time.perf_counter() - start
     return {"scores": scores, "findings": findings, "autograde": runs, "sandbox": sandbox.describe(),

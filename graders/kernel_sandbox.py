@@ -6,7 +6,9 @@ running ``ipykernel`` (``graders.sandbox.bwrap_argv``), so the kernel and every 
 starts live in the sandbox and die with nbgrader:
 
 - the course folder (gradebook.db, every other submission, the instructor's source notebooks) is
-  hidden; only the notebook's own folder (nbgrader's working folder for it) is writable;
+  hidden; the notebook's own folder (nbgrader's working folder for it) shows its files read-only in
+  a writable tmpfs of :data:`NOTEBOOK_MB`: what the kernel writes there stays in memory, bounded,
+  and never reaches the course folder or the feedback;
 - the grading run's work folder and runtime folder (every kernel's connection file with its key,
   every kernel's sockets) are hidden, wherever TMPDIR puts them, but for this kernel's own
   connection file (read-only) and ipc folder;
@@ -35,6 +37,8 @@ from pathlib import Path
 from graders import sandbox
 
 KERNEL_NAME = "lora-book-sandboxed"
+#: The notebook folder's size in the kernel, MiB: a tmpfs over it (the files there show read-only).
+NOTEBOOK_MB = 128
 #: The file that marks a folder made for one grading run's kernel sockets (:func:`ipc_folder`).
 IPC_MARKER = ".lora-book-ipc"
 __all__ = ["KERNEL_NAME", "IPC_MARKER", "install_kernelspec", "ipc_folder", "course_root", "main"]
@@ -55,7 +59,7 @@ def install_kernelspec(jupyter_dir: Path) -> Path:
     on ``JUPYTER_PATH``) and return its folder."""
     folder = jupyter_dir / "kernels" / KERNEL_NAME
     folder.mkdir(parents=True, exist_ok=True)
-    spec = {"argv": [sys.executable, "-m", "graders.kernel_sandbox", "-f", "{connection_file}"],
+    spec = {"argv": [*sandbox.python_argv("graders.kernel_sandbox"), "-f", "{connection_file}"],
             "display_name": "Python 3 (LoRA book, sandboxed)", "language": "python",
             "interrupt_mode": "message", "metadata": {"debugger": False}}
     (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(command[0], command)
     conn = json.loads(connection_file.read_text())
     cwd = Path.cwd().resolve()
-    writable = [cwd]
+    writable = []
     share_net = conn.get("transport") != "ipc"
     if not share_net:
         ipc = _ipc_folder(conn, connection_file).resolve()
@@ -95,16 +99,21 @@ def main(argv: list[str] | None = None) -> None:
                      f"{IPC_MARKER}): other kernels' sockets there would be open to learner code; "
                      f"use graders.course.ipc_config() (python -m graders.course grade does)")
         writable.append(ipc)
-    readable = [connection_file]
+    # the notebook's folder: what is there now, read-only, in a tmpfs of NOTEBOOK_MB that takes the
+    # kernel's writes (nothing it writes reaches the host's disk, nor the feedback)
+    readable = [connection_file, *sorted(cwd.iterdir())]
     root = course_root(cwd)
     hidden = [root] if root is not None and root != cwd else []
     # the grading run's work folder (every kernel's connection file, with its key, and sockets) and
     # the runtime folder, wherever they are: only this kernel's own file and ipc folder show
-    hidden += [connection_file.parent] + ([writable[1].parent] if len(writable) > 1 else [])
+    hidden += [connection_file.parent] + [w.parent for w in writable]
     cuda = any(Path("/dev").glob("nvidia[0-9]*"))
     argv = sandbox.bwrap_argv(command, writable=writable, readable=readable, hidden=hidden, cwd=cwd,
-                              gpu=cuda, share_net=share_net)
+                              gpu=cuda, share_net=share_net, scratch=[(cwd, NOTEBOOK_MB)])
     sandbox.limit_resources(cpu_only=not cuda)  # inherited through exec
+    from graders import cgroups
+
+    cgroups.enter()  # this kernel's processes and memory, bounded as a whole where the host allows
     os.execv(argv[0], argv)
 
 

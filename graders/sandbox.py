@@ -115,7 +115,13 @@ def describe() -> str:
     except SandboxUnavailable as exc:
         return f"learner code cannot run: {exc}"
     if on:
-        return "learner code ran sandboxed (bubblewrap: read-only files, no network, no secret, limits)"
+        from graders import cgroups
+
+        bounds = ("processes and memory bounded per sandbox by cgroups" if cgroups.available() else
+                  "NO per-sandbox bound on processes and memory (no writable cgroup here: rlimits only, "
+                  + ("which do not bound root's processes" if os.getuid() == 0 else "shared by this user's sandboxes")
+                  + ")")
+        return f"learner code ran sandboxed (bubblewrap: read-only files, no network, no secret, limits; {bounds})"
     why = "LORA_BOOK_SANDBOX=off" if mode() == "off" else "bubblewrap (bwrap) is not available here"
     return f"learner code ran UNSANDBOXED ({why}): it could read and write what this user can"
 
@@ -176,7 +182,8 @@ def python_argv(module: str, *args: str) -> list[str]:
 
 def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden: Iterable[Path] = (),
                readable: Iterable[Path] = (), cwd: Optional[Path] = None, gpu: bool = False,
-               tmp_mb: int = TMP_MB, env: Optional[dict] = None, share_net: bool = False) -> list[str]:
+               tmp_mb: int = TMP_MB, env: Optional[dict] = None, share_net: bool = False,
+               scratch: Iterable[tuple[Path, int]] = ()) -> list[str]:
     """The argv that runs ``command`` in the sandbox.
 
     Args:
@@ -189,6 +196,8 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         tmp_mb: size of the private /tmp in MiB.
         env: the environment inside (default :func:`sandbox_env`); nothing else passes.
         share_net: keep the host's network (only a kernel whose client speaks TCP needs it).
+        scratch: (folder, MiB) pairs: each folder replaced by a writable tmpfs of that size, whose
+            writes never reach the host (bind what it should show with ``readable``).
     Raises:
         FileNotFoundError: bwrap is not installed.
     """
@@ -205,6 +214,7 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
             hidden.append(path)
     mounts = [(Path("/tmp"), 0, ["--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"])]
     mounts += [(p, 1, ["--tmpfs", str(p)]) for p in hidden if p != Path("/tmp")]
+    mounts += [(Path(p), 1, ["--size", str(mb * 2**20), "--tmpfs", str(p)]) for p, mb in scratch]
     mounts += [(p, 2, ["--ro-bind", str(p), str(p)]) for p in _needed_paths()]
     mounts += [(Path(p), 3, ["--ro-bind", str(p), str(p)]) for p in readable]
     mounts += [(Path(p), 4, ["--bind", str(p), str(p)]) for p in writable]
@@ -235,8 +245,9 @@ def _needed_paths() -> list[Path]:
     """Folders outside :data:`SYSTEM_FOLDERS` that a sandboxed Python needs, bound read-only: the
     book's checkout, Python's prefixes and the folders on its module search path; outermost only."""
     root = Path(__file__).resolve().parents[1]
+    here = os.getcwd()  # on sys.path when run as `python -m` or a script: never needed, never bound
     candidates = [root, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.executable).parent,
-                  Path(sys.executable).resolve().parent.parent, *(Path(p) for p in sys.path if p)]
+                  Path(sys.executable).resolve().parent.parent, *(Path(p) for p in sys.path if p and p != here)]
     system = [Path(f) for f in SYSTEM_FOLDERS]
     # both the path as named and where its links lead (a virtual environment's python is a link)
     named = {Path(os.path.abspath(c)) for c in candidates if c.is_absolute() and c.exists()}

@@ -389,6 +389,7 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     }
     for student, cells in students.items():
         course_mod.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
+    (course / "submitted" / "flood" / chapter / "junk.bin").write_bytes(b"0" * (1 << 20))  # hole 6: not for feedback
     tmpdir = ROOT / "build" / f"tmpdir-{uuid.uuid4().hex[:8]}"
     tmpdir.mkdir(parents=True)
     try:
@@ -405,6 +406,9 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0}, scores
     feedback = {s: (course / "feedback" / s / chapter / f"{chapter}.html") for s in students}
     assert all(f.exists() for f in feedback.values()), "every student's feedback was written"
+    assert sorted(p.name for p in feedback["flood"].parent.iterdir()) == sorted(
+        p.name for p in feedback["honest"].parent.iterdir()), "feedback holds the page and the chapter's figures only"
+    assert not (feedback["flood"].parent / "junk.bin").exists()
     flood = feedback["flood"].read_text()
     assert CUT_NOTE in flood
     assert feedback["flood"].stat().st_size < feedback["honest"].stat().st_size + 2 * MAX_CELL_OUTPUT_BYTES
@@ -445,3 +449,57 @@ def test_a_ranks_own_record_of_its_collectives_decides_nothing(monkeypatch):
     scores = {name: grade_source("ch10.3", src).score for name, src in
               (("watched", honest), ("unwatched", unwatched), ("forged", forged))}
     assert scores == {"watched": 3.0, "unwatched": 3.0, "forged": 3.0}, scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Hole 6: processes and memory bounded per sandbox, /dev/shm sized
+
+_GREEDY = textwrap.dedent('''
+    import os, subprocess
+    def lora_forward(x, W, A, B, scaling):
+        seen = []
+        try:
+            with open("/dev/shm/big", "wb") as f:
+                for _ in range(10):
+                    f.write(b"0" * (10 << 20))
+            seen.append("100 MB in /dev/shm")
+        except OSError:
+            seen.append("/dev/shm bounded")
+        started = []
+        try:
+            for _ in range(PROCESSES):
+                started.append(subprocess.Popen(["sleep", "30"]))
+        except OSError:
+            pass
+        seen.append(f"{len(started)} processes")
+        for p in started:
+            p.kill()
+            p.wait()
+        raise RuntimeError("SEEN " + ", ".join(seen) + " END")
+''')
+
+
+@needs_bwrap
+def test_a_sandbox_has_its_own_bounds_on_processes_memory_and_shared_memory(monkeypatch):
+    """As root an rlimit on processes binds nothing, and it is shared by every sandbox of a user:
+    each sandbox gets its own cgroup (processes, memory) where the host allows, and /dev/shm is a
+    small tmpfs everywhere."""
+    import re
+
+    from graders import cgroups
+
+    if not cgroups.available():
+        pytest.skip("no writable cgroup here: processes and memory are bounded by rlimits only (README)")
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    monkeypatch.setenv(cgroups.MEMORY_ENV, "1536")
+    forkserver.kill_all()
+    try:
+        answer = _GREEDY.replace("PROCESSES", str(cgroups.PIDS_MAX + 40))
+        seen = re.search(r"SEEN (.*?) END", grade_source("ch01.1", answer).report).group(1).split(", ")
+        assert seen[0] == "/dev/shm bounded", seen
+        assert int(seen[1].split()[0]) < cgroups.PIDS_MAX, seen
+        hog = "def lora_forward(x, W, A, B, scaling):\n    hold = bytearray(3 << 30)\n    return hold\n"
+        result = grade_source("ch01.1", hog)
+        assert result.score == 0 and "exit code -9" in result.report, result.report  # the OOM killer, in its cgroup
+    finally:
+        forkserver.kill_all()

@@ -207,6 +207,13 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
             print("repo writable")
         except OSError:
             print("repo read-only")
+        try:  # issue #31: the notebook folder has a total, not only a per-file cap
+            for k in range(3):
+                with open(f"big-{{k}}.bin", "wb") as f:
+                    f.write(b"0" * (60 << 20))
+            print("180 MB written")
+        except OSError:
+            print("notebook folder bounded")
     ''')
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
     before = _sleepers(KERNEL_SLEEP)
@@ -223,8 +230,9 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
         os.environ.clear()
         os.environ.update(env_before)
     text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
-    assert text.split("\n")[:5] == ["secret None", "gradebook False", "other student False", "repo read-only", ""], text
-    assert (own / "own-file.txt").read_text() == "mine"
+    assert text.split("\n")[:6] == ["secret None", "gradebook False", "other student False", "repo read-only",
+                                     "notebook folder bounded", ""], text
+    assert not (own / "own-file.txt").exists() and not list(own.glob("big-*")), "the kernel's writes reach no disk"
     time.sleep(1)
     assert _sleepers(KERNEL_SLEEP) == before, "a process started in the kernel outlived it"
 
