@@ -118,6 +118,13 @@ def make_engine(base, adapter_dirs, config=CONFIG, policies=EnginePolicies()):
     return llm
 
 
+def run_workload(base, adapter_dirs, **config_changes):
+    """(engine, outputs) of the judge's workload on an engine of CONFIG with ``config_changes``."""
+    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, **config_changes))
+    prompts, names, params = workload()
+    return llm, llm.generate(prompts, params, lora_request=names)
+
+
 @pytest.fixture(scope="module")
 def engine_run(base, adapter_dirs):
     llm = make_engine(base, adapter_dirs)
@@ -142,9 +149,7 @@ def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
 
 @pytest.fixture(scope="module")
 def graph_run(base, adapter_dirs):
-    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True, mixed_steps=False))
-    prompts, names, params = workload()
-    return llm, llm.generate(prompts, params, lora_request=names)
+    return run_workload(base, adapter_dirs, cuda_graph=True, mixed_steps=False)
 
 
 def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_model):
@@ -176,9 +181,7 @@ OTHER_ATTENTION = "triton" if DEVICE == "cpu" else "torch"
 
 @pytest.fixture(scope="module")
 def other_attention_run(base, adapter_dirs):
-    llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=True, attention_backend=OTHER_ATTENTION))
-    prompts, names, params = workload()
-    return llm, llm.generate(prompts, params, lora_request=names)
+    return run_workload(base, adapter_dirs, cuda_graph=True, attention_backend=OTHER_ATTENTION)
 
 
 def test_the_other_attention_kernel_equals_peft_generate_alone(other_attention_run, peft_model):
