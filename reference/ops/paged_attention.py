@@ -84,6 +84,14 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
+    # int64 strides: a cache of 2^31 elements or more must not wrap its offsets (Triton passes ints as i32)
+    stride_qt, stride_qh = tl.cast(stride_qt, tl.int64), tl.cast(stride_qh, tl.int64)
+    stride_ot, stride_oh = tl.cast(stride_ot, tl.int64), tl.cast(stride_oh, tl.int64)
+    stride_kb, stride_ks = tl.cast(stride_kb, tl.int64), tl.cast(stride_ks, tl.int64)
+    stride_kh, stride_vb = tl.cast(stride_kh, tl.int64), tl.cast(stride_vb, tl.int64)
+    stride_vs, stride_vh = tl.cast(stride_vs, tl.int64), tl.cast(stride_vh, tl.int64)
+    stride_bt, stride_pt = tl.cast(stride_bt, tl.int64), tl.cast(stride_pt, tl.int64)
+    stride_ph, stride_ps = tl.cast(stride_ph, tl.int64), tl.cast(stride_ps, tl.int64)
     # -- map the program to (sequence, q block, kv head, split)
     pid_q, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq_idx(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
@@ -173,6 +181,9 @@ def _merge_splits_kernel(
     head_dim, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    stride_ot, stride_oh = tl.cast(stride_ot, tl.int64), tl.cast(stride_oh, tl.int64)
+    stride_pt, stride_ph = tl.cast(stride_pt, tl.int64), tl.cast(stride_ph, tl.int64)
+    stride_ps = tl.cast(stride_ps, tl.int64)
     # -- one program per (token, head): rescale every split's partial to the common max and add
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
