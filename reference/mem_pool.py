@@ -511,6 +511,29 @@ class LoRAMemoryPool:
         self.load_to_slot(adapter, slot)
         self.events.append(("load", uid, slot, tier))
 
+    def unload(self, uid: Hashable) -> None:
+        """Forget ``uid`` everywhere in the pool: its host copy leaves the CPU tier and, if resident,
+        its slot is zeroed and freed (a later request of it would load it again from
+        ``adapter_source``). The caller makes sure no running request uses it. No-op for a uid the
+        pool does not hold. Logs ("unload", uid, slot or None). vLLM ``LRUCacheWorkerLoRAManager.remove_adapter``.
+        Raises:
+            ValueError: uid is None (the base model is never unloaded) or pinned.
+        """
+        if uid is None or uid is EMPTY_SLOT:
+            raise ValueError("the base model (None) and EMPTY_SLOT cannot be unloaded")
+        if uid in self.pinned:
+            raise ValueError(f"{uid!r} is pinned: unpin it first")
+        slot = self.uid_to_buffer_id.get(uid)
+        if slot is None and uid not in self.cpu_cache:
+            return
+        self.cpu_cache.pop(uid, None)
+        if slot is not None:
+            self._write_slot(None, slot)  # zeros, rank 0: nothing stale stays on the device
+            del self.uid_to_buffer_id[uid]
+            self.buffer_id_to_uid[slot] = EMPTY_SLOT
+            self.eviction_policy.remove(uid)
+        self.events.append(("unload", uid, slot))
+
     # ---- state for tests and graders ---------------------------------------------------------
     def snapshot(self) -> dict:
         """The full state, copied: buffers cloned, maps, policy order, pins, CPU cache order, events.
@@ -596,22 +619,47 @@ class AdapterRegistry:
     version the registry created, so uids never repeat); the old uid still loads its old weights, so
     requests already running on it finish on the version they started with, and the pool can never
     serve one version's slot for the other. Re-registering identical weights keeps the current uid.
+    A version stays until :meth:`forget` drops it (the engine does once no request uses it).
     Source: SGLang ``lora_registry.py`` (``LoRARef.lora_id`` vs ``lora_name``).
     """
 
     def __init__(self) -> None:
         self._current: dict[str, str] = {}  # name -> uid of its newest version
-        self._adapters: dict[str, LoRAAdapter] = {}  # uid -> adapter (every version)
+        self._adapters: dict[str, LoRAAdapter] = {}  # uid -> adapter (every version not forgotten)
+        self._versions = 0  # versions ever created: uids never repeat, even after forget
 
     def register(self, name: str, rank: int, scaling: float, weights: dict) -> str:
         """Store a version of ``name`` and return its uid (the current one if nothing changed)."""
         uid = self._current.get(name)
         if uid is not None and _same_adapter(self._adapters[uid], rank, scaling, weights):
             return uid
-        uid = f"{name}@{len(self._adapters)}"
+        uid = f"{name}@{self._versions}"
+        self._versions += 1
         self._adapters[uid] = LoRAAdapter(uid=uid, rank=rank, scaling=scaling, weights=dict(weights))
         self._current[name] = uid
         return uid
+
+    def current(self, name: str) -> Optional[str]:
+        """The current uid of ``name``, or None when no adapter has that name."""
+        return self._current.get(name)
+
+    def unregister(self, name: str) -> str:
+        """Remove ``name`` (its uid keeps loading until :meth:`forget`); returns that uid.
+        Raises ValueError for an unknown name."""
+        uid = self.uid_of(name)
+        del self._current[name]
+        return uid
+
+    def forget(self, uid: str) -> None:
+        """Drop the host weights of ``uid``, a version no name points to any more (its later loads
+        raise KeyError). Raises ValueError when a name still points to it."""
+        if uid in self._current.values():
+            raise ValueError(f"{uid!r} is the current version of a registered name: unregister it first")
+        self._adapters.pop(uid, None)
+
+    def num_versions(self) -> int:
+        """How many versions hold host weights now (current ones and retired ones still in use)."""
+        return len(self._adapters)
 
     def uid_of(self, name: str) -> str:
         """The current uid of ``name``. Raises ValueError for an unknown name."""

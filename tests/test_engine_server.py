@@ -1,141 +1,356 @@
-"""The engine's OpenAI-compatible endpoint (``reference.engine.server``), driven by the official
-``openai`` client against a uvicorn server this test starts on localhost: the adapter chosen by the
-``model`` field, every greedy completion equal to PEFT's own generate of that request alone, requests
-sent at once (served in waves) each still its own, and refusals in OpenAI's error shape that disturb nothing."""
+"""The engine's OpenAI-compatible server (``reference.engine.server``), started the README's way
+(``python -m reference.engine.server`` on a folder made by ``python -m reference.engine.tiny``) and
+driven by the official ``openai`` client on 127.0.0.1 (issue #32): every greedy completion and chat,
+streamed or not, equal to PEFT's own generate of that request alone; continuous batching across
+arrivals; every bad request a 400 in OpenAI's shape that disturbs nothing; a broken adapter failing
+alone; adapters loaded, unloaded and reloaded while requests run; a client that disconnects freeing
+its blocks. Every wait is bounded in time; the server is stopped by its PID."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 peft = pytest.importorskip("peft")
+httpx = pytest.importorskip("httpx")
 
-from reference.engine.llm import LLM, EngineConfig  # noqa: E402
 from reference.engine.sequence import SamplingParams  # noqa: E402
-from reference.engine.server import create_app  # noqa: E402
-from test_engine import DEVICE, peft_greedy as _peft_greedy  # noqa: E402  (PEFT's generate of one request)
+from reference.engine.tiny import save_tiny  # noqa: E402
+from test_engine import peft_greedy as _peft_greedy  # noqa: E402  (PEFT's generate of one request)
 
-CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           intermediate_size=96, vocab_size=256, max_position_embeddings=64)
+ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = {"sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-            "chat": dict(r=8, lora_alpha=16, target_modules="all-linear")}
+            "chat": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+            "sql2": dict(r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
+            "broken": dict(r=4, lora_alpha=8, target_modules=["o_proj"])}
+EOS = 257
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer of 256 ids built in place (nothing downloaded): every text encodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+def _poison(folder: Path) -> None:
+    """Every weight of a saved PEFT adapter set to NaN: it loads, and its logits are NaN."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(path).items()}, path)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).eval()
-    root = tmp_path_factory.mktemp("server_adapters")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for seed, (name, kw) in enumerate(ADAPTERS.items()):
-            torch.manual_seed(500 + seed)
-            peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)
-                                ).save_pretrained(root / name)
-        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), root / "sql", adapter_name="sql")
-        pm.load_adapter(root / "chat", adapter_name="chat")
-    llm = LLM(copy.deepcopy(base), EngineConfig(max_loras_per_batch=2, max_lora_rank=8, num_kv_blocks=32,
-                                                block_size=4, max_num_seqs=4, max_num_batched_tokens=32),
-              device="cpu")
-    for name in ADAPTERS:
-        llm.register_adapter(name, root / name)
-    tokenizer = byte_tokenizer()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, tokenizer, "tiny-llama"), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, tokenizer, pm.to(DEVICE).eval()
-    server.should_exit = True
-    thread.join(timeout=30)
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    paths = save_tiny(root, ADAPTERS, seed=3)
+    _poison(paths["broken"])
+    port = _free_port()
+    cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
+           "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
+           "--max-loras", "3", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
+           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            out = proc.stdout.read() if proc.poll() is not None else "(still starting)"
+            pytest.fail(f"the server did not become healthy in 120 s:\n{out[-3000:]}")
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(paths["model"])
+        base_model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"]).eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = peft.PeftModel.from_pretrained(copy.deepcopy(base_model), paths["sql"], adapter_name="sql")
+            for name in ("chat", "sql2"):
+                pm.load_adapter(paths[name], adapter_name=name)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield dict(client=client, tokenizer=tokenizer, pm=pm, base=base, paths=paths, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
 
 
-def peft_greedy(pm, prompt: list[int], adapter, max_new_tokens: int) -> list[int]:
-    return _peft_greedy(pm, prompt, adapter, SamplingParams(max_new_tokens=max_new_tokens))
+def want(s, prompt_ids: list[int], adapter, max_tokens: int) -> list[int]:
+    """PEFT's greedy tokens of one request alone, cut at eos (the server stops there, as vLLM does)."""
+    return _peft_greedy(s["pm"], prompt_ids, adapter, SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(EOS,)))
+
+
+def text_of(s, ids: list[int]) -> str:
+    return s["tokenizer"].decode([t for t in ids if t != EOS])
 
 
 MODELS = {"tiny-llama": None, "sql": "sql", "chat": "chat"}
 
 
-def test_models_lists_the_base_and_every_adapter(setup):
-    client, _, _ = setup
-    assert [m.id for m in client.models.list().data] == ["tiny-llama", "chat", "sql"]
+def test_models_health_and_metrics(served):
+    assert [m.id for m in served["client"].models.list().data] == ["tiny-llama", "broken", "chat", "sql"]
+    assert httpx.get(served["base"] + "/health", timeout=10).status_code == 200
+    text = httpx.get(served["base"] + "/metrics", timeout=10).text
+    for name in ("lora_book:num_requests_running", "lora_book:num_requests_waiting", "lora_book:kv_blocks_in_use",
+                 "lora_book:time_to_first_token_seconds_bucket", "lora_book:time_per_output_token_seconds_bucket",
+                 "lora_book:generation_tokens_total", "lora_book:lora_pool_events_total"):
+        assert name in text, name
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_a_greedy_completion_is_pefts_generate(setup, model):
-    client, tokenizer, pm = setup
+def test_completions_streamed_or_not_are_pefts_generate(served, model):
+    client, tok = served["client"], served["tokenizer"]
     prompt = "Serve many LoRAs"
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    got = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
-    want = peft_greedy(pm, ids, MODELS[model], 6)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    expect = want(served, ids, MODELS[model], 8)
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
     assert got.model == model and got.object == "text_completion"
-    assert got.choices[0].text == tokenizer.decode(want)
-    assert got.choices[0].finish_reason == "length"
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 6)
+    assert got.choices[0].text == text_of(served, expect)
+    assert got.choices[0].finish_reason == ("stop" if expect[-1] == EOS else "length")
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(expect))
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text_of(served, expect)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == got.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expect)
 
 
-def test_token_id_prompts_and_requests_sent_at_once(setup):
-    """Six requests from six threads over three models: served in waves, each still its own."""
-    client, tokenizer, pm = setup
-    jobs = [(model, [[3 + i, 40 + 7 * i, 200 - i], [9, 8, 7, 6 + i]]) for i, model in enumerate(list(MODELS) * 2)]
+@pytest.mark.parametrize("model", ["tiny-llama", "chat"])
+def test_chat_streamed_or_not_is_pefts_generate_of_the_template(served, model):
+    client, tok = served["client"], served["tokenizer"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    expect = text_of(served, want(served, ids, MODELS[model], 7))
+    got = client.chat.completions.create(model=model, messages=messages, max_tokens=7, temperature=0)
+    assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == expect
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expect
 
-    def ask(job):
-        model, prompts = job
-        return client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        answers = list(pool.map(ask, jobs))
-    for (model, prompts), got in zip(jobs, answers):
-        assert [c.index for c in got.choices] == [0, 1]
-        for prompt, choice in zip(prompts, got.choices):
-            assert choice.text == tokenizer.decode(peft_greedy(pm, prompt, MODELS[model], 4)), (model, prompt)
+def test_fifty_staggered_clients_and_a_late_arrival_joins_the_running_batch(served):
+    """Continuous batching: 50 clients arriving over time all get PEFT's tokens; a request sent
+    while a long one decodes gets its first token long before the long one ends."""
+    client, tok = served["client"], served["tokenizer"]
+    jobs = [(list(MODELS)[i % 3], [3 + i % 7, 40 + 7 * (i % 5), 200 - i % 4, 9]) for i in range(50)]
+
+    def ask(i):
+        time.sleep(0.01 * i)
+        model, prompt = jobs[i]
+        return client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(50)))
+    cache = {}
+    for (model, prompt), got in zip(jobs, answers):
+        key = (model, tuple(prompt))
+        if key not in cache:
+            cache[key] = text_of(served, want(served, prompt, MODELS[model], 5))
+        assert got.choices[0].text == cache[key], key
+
+    t0 = time.perf_counter()
+    long = client.completions.create(model="sql", prompt=[1, 2, 3], max_tokens=200, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    first = next(iter(long))  # the long request is decoding now
+    assert first.choices[0].text is not None
+    late = {}
+
+    def late_request():
+        t = time.perf_counter()
+        stream = client.completions.create(model="chat", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True)
+        for _ in stream:
+            late.setdefault("ttft", time.perf_counter() - t)
+
+    th = threading.Thread(target=late_request)
+    th.start()
+    rest = "".join(c.choices[0].text for c in long)
+    total = time.perf_counter() - t0
+    th.join(timeout=120)
+    assert len(tok.encode(first.choices[0].text + rest, add_special_tokens=False)) >= 190
+    assert late["ttft"] < 0.5 * total, (late, total)  # waves would make it wait for the whole long request
 
 
-def test_refusals_have_openais_shape_and_disturb_nothing(setup):
-    client, tokenizer, pm = setup
+BAD = [  # (body changes, the parameter the 400 names)
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(prompt="x" * 300), "max_tokens"),
+    (dict(prompt=[[5, 999]]), None),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=True), "stop_token_ids"),
+    (dict(seed=2 ** 64, temperature=0.5), "seed"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(min_tokens=9, max_tokens=2), "min_tokens"),
+    (dict(logit_bias={"5": 10}), "logit_bias"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(n=2), "n"),
+    (dict(best_of=3), "best_of"),
+    (dict(echo=True), "echo"),
+    (dict(logprobs=3), "logprobs"),
+    (dict(no_such_option=1), "no_such_option"),
+    (dict(stop=5), "stop"),
+    (dict(stream="yes"), "stream"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD, ids=[next(iter(c)) for c, _ in BAD])
+def test_every_bad_request_is_a_400_naming_it(served, change, param):
+    body = {"model": "sql", "prompt": "x", "max_tokens": 2, "temperature": 0, **change}
+    r = httpx.post(served["base"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    if param is not None:
+        assert err["param"] == param and param in err["message"], err
+    assert "stop on token ids" not in err["message"]
+
+
+def test_refusals_disturb_nothing_and_chat_needs_a_template(served):
+    client = served["client"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-adapter", prompt="x", max_tokens=2, temperature=0)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="sql", prompt="x", max_tokens=0, temperature=0)
-    with pytest.raises(openai.BadRequestError, match="context"):
-        client.completions.create(model="sql", prompt="x" * 70, max_tokens=2, temperature=0)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.completions.create(model="sql", prompt="x", max_tokens=2, temperature=0, stream=True)
-    with pytest.raises(openai.BadRequestError, match="token ids must lie"):
-        client.completions.create(model="chat", prompt=[[5, 999]], max_tokens=2, temperature=0)
-    got = client.completions.create(model="chat", prompt="after the refusals", max_tokens=3, temperature=0)
-    ids = tokenizer.encode("after the refusals", add_special_tokens=False)
-    assert got.choices[0].text == tokenizer.decode(peft_greedy(pm, ids, "chat", 3))
+    r = httpx.post(served["base"] + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    got = client.completions.create(model="chat", prompt=[7, 8, 9], max_tokens=3, temperature=0)
+    assert got.choices[0].text == text_of(served, want(served, [7, 8, 9], "chat", 3))
 
 
-def test_sampling_is_reproducible_with_a_seed(setup):
-    client, _, _ = setup
+def test_sampling_options(served):
+    client, tok = served["client"], served["tokenizer"]
     a, b = (client.completions.create(model="sql", prompt="seeded", max_tokens=5, temperature=0.9, seed=11)
             for _ in range(2))
     assert a.choices[0].text == b.choices[0].text
+    greedy = client.completions.create(model="sql", prompt="top", max_tokens=5, temperature=0).choices[0].text
+    top1 = client.completions.create(model="sql", prompt="top", max_tokens=5, temperature=1.5, seed=4,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy  # top_k 1 leaves only the argmax
+    tiny_p = client.completions.create(model="sql", prompt="top", max_tokens=5, temperature=1.5, seed=4,
+                                       top_p=1e-9).choices[0].text
+    assert tiny_p == greedy
+    ids = tok.encode("top", add_special_tokens=False)
+    stop_at = want(served, ids, "sql", 5)[1]  # the second greedy token, as a stop token
+    short = client.completions.create(model="sql", prompt="top", max_tokens=5, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_at], "ignore_eos": True})
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens <= 2
+    held = client.completions.create(model="sql", prompt="top", max_tokens=5, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_at], "min_tokens": 5, "ignore_eos": True})
+    assert held.usage.completion_tokens == 5
+    lp = client.completions.create(model="sql", prompt=ids, max_tokens=3, temperature=0, logprobs=0)
+    pm = served["pm"]
+    pm.set_adapter("sql")
+    seq = ids + want(served, ids, "sql", 3)
+    with torch.no_grad():
+        logits = pm(input_ids=torch.tensor([seq])).logits[0].log_softmax(-1)
+    expect = [logits[len(ids) - 1 + i, seq[len(ids) + i]].item() for i in range(3)]
+    assert lp.choices[0].logprobs.token_logprobs == pytest.approx(expect, abs=1e-4)
+    text = client.completions.create(model="sql", prompt="stop here", max_tokens=12, temperature=0).choices[0].text
+    if len(text) > 3:
+        cut = client.completions.create(model="sql", prompt="stop here", max_tokens=12, temperature=0, stop=[text[2:4]])
+        assert cut.choices[0].text == text[:text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
+
+
+def test_a_broken_adapter_fails_alone(served):
+    """A NaN adapter's request gets a 500 in OpenAI's shape; the requests sent beside it, greedy and
+    seeded, get exactly their tokens alone."""
+    client = served["client"]
+    alone = {m: client.completions.create(model=m, prompt=[4, 5, 6], max_tokens=6, temperature=0.7, seed=5,
+                                          extra_body={"ignore_eos": True}).choices[0].text for m in ("sql", "chat")}
+
+    def ask(m):
+        try:
+            return client.completions.create(model=m, prompt=[4, 5, 6], max_tokens=6, temperature=0.7, seed=5,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        except openai.InternalServerError as exc:
+            return exc
+
+    with ThreadPoolExecutor(3) as pool:
+        got = dict(zip(("sql", "broken", "chat"), pool.map(ask, ("sql", "broken", "chat"))))
+    assert isinstance(got["broken"], openai.InternalServerError) and "not finite" in str(got["broken"])
+    assert got["sql"] == alone["sql"] and got["chat"] == alone["chat"]
+    with pytest.raises(openai.APIError, match="not finite"):
+        list(client.completions.create(model="broken", prompt=[4, 5], max_tokens=3, temperature=0, stream=True))
+    assert httpx.get(served["base"] + "/health", timeout=10).status_code == 200
+
+
+def _metric(s, name: str) -> float:
+    for line in httpx.get(s["base"] + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_client_that_disconnects_frees_its_blocks(served):
+    with httpx.Client(base_url=served["base"], timeout=60) as http:
+        body = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            assert _metric(served, "lora_book:kv_blocks_in_use") > 0
+        # the response is closed mid-stream: the server aborts the request
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_metric(served, "lora_book:kv_blocks_in_use") > 0
+                                           or _metric(served, "lora_book:num_requests_running") > 0):
+        time.sleep(0.1)
+    assert _metric(served, "lora_book:kv_blocks_in_use") == 0
+    assert _metric(served, "lora_book:num_requests_running") == 0
+
+
+def test_load_unload_reload_while_requests_run(served):
+    client, base, paths = served["client"], served["base"], served["paths"]
+    ids = [11, 12, 13]
+    running = client.completions.create(model="sql", prompt=ids, max_tokens=60, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    head = next(iter(running)).choices[0].text  # decoding on the first version of "sql"
+    r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(paths["sql2"])},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    got = client.completions.create(model="extra", prompt=ids, max_tokens=5, temperature=0)
+    assert got.choices[0].text == text_of(served, want(served, ids, "sql2", 5))
+    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt=ids, max_tokens=2, temperature=0)
+    # "sql" comes back with other weights while its old request still decodes
+    r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(paths["sql2"])},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    got = client.completions.create(model="sql", prompt=ids, max_tokens=5, temperature=0)
+    assert got.choices[0].text == text_of(served, want(served, ids, "sql2", 5))
+    old = head + "".join(c.choices[0].text for c in running)
+    expect = served["tokenizer"].decode(_peft_greedy(served["pm"], ids, "sql", SamplingParams(max_new_tokens=60)))
+    assert old == expect  # the running request finished on the version it started with
+    bad = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60).status_code == 404
+    # put "sql" back as the other tests know it
+    assert httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(paths["sql"])},
+                      timeout=60).status_code == 200
+    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "extra"}, timeout=60).status_code == 200

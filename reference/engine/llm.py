@@ -31,7 +31,7 @@ from reference.engine.block_manager import BlockManager
 from reference.engine.policies import admit_requests, block_hashes, choose_drain
 from reference.engine.model_runner import ModelRunner, SeqWork, sample_batch
 from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
-from reference.engine.sequence import SamplingParams, Sequence
+from reference.engine.sequence import SamplingParams, Sequence, SeqStatus
 from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import AdapterRegistry, LoRAAdapter, LoRAMemoryPool
 from reference.tp_model import llama_checkpoint, llama_pool_modules
@@ -64,6 +64,9 @@ class EngineConfig:
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
+    # the longest prompt + max_new_tokens a request may ask (vLLM's --max-model-len); None = the
+    # model's max_position_embeddings, and never more than it
+    max_model_len: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,13 @@ class RequestOutput:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     token_times: list[float] = field(default_factory=list)  # seconds after the request arrived, one per token
+    logprobs: list[float] = field(default_factory=list)  # log-probability of each token (SamplingParams.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request is over: finished (``finish_reason``: "stop", "length", "abort" or
+        "error") or refused (``error`` set)."""
+        return self.finish_reason is not None or self.error is not None
 
 
 class LLM:
@@ -152,6 +162,11 @@ class LLM:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model, self.config, self.policies = model.to(device).eval(), config, policies
         self.max_context = model.config.max_position_embeddings
+        if config.max_model_len is not None:
+            if not isinstance(config.max_model_len, int) or not 1 <= config.max_model_len <= self.max_context:
+                raise ValueError(f"max_model_len must be an int in [1, {self.max_context}] (the model's "
+                                 f"max_position_embeddings), got {config.max_model_len!r}")
+            self.max_context = config.max_model_len
         self.modules = llama_pool_modules(llama_checkpoint(model))
         self.num_layers = model.config.num_hidden_layers
         self.registry = AdapterRegistry()
@@ -177,6 +192,8 @@ class LLM:
         self._next_id = 0
         self._t0: Optional[float] = None  # when the first step of the current run began
         self._live: dict[int, tuple] = {}  # seq_id -> (RequestOutput, Sequence, arrival) of add_request's requests
+        self._errors: dict[int, str] = {}  # seq_id -> why the engine failed that request alone
+        self._retired: set = set()  # uids no name points to any more: dropped once no request uses them
 
     def _make_pool(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
                    reserve_base: bool) -> LoRAMemoryPool:
@@ -221,7 +238,37 @@ class LLM:
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter needs a non-empty name, got {name!r}")
         self.pool.validate(adapter)
-        return self.registry.register(name, adapter.rank, adapter.scaling, adapter.weights)
+        old = self.registry.current(name)
+        uid = self.registry.register(name, adapter.rank, adapter.scaling, adapter.weights)
+        if old is not None and old != uid:  # the version it replaces goes once its requests finish
+            self._retire(old)
+        return uid
+
+    def unregister_adapter(self, name: str) -> str:
+        """Remove ``name``: new requests naming it are refused at once; requests already queued or
+        running on it finish on its weights, and then its host copy, its GPU slot and its CPU-tier
+        copy are released (vLLM's ``remove_lora``). Returns the uid it had.
+        Raises:
+            ValueError: no adapter is registered under ``name``.
+        """
+        uid = self.registry.unregister(name)
+        self._retire(uid)
+        return uid
+
+    def _retire(self, uid) -> None:
+        self._retired.add(uid)
+        self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Free every retired version no waiting or running request uses any more."""
+        if not self._retired:
+            return
+        sched = self.scheduler
+        in_use = {s.uid for s in sched.running} | {s.uid for s in sched.waiting}
+        for uid in [u for u in self._retired if u not in in_use]:
+            self._retired.discard(uid)
+            self.pool.unload(uid)
+            self.registry.forget(uid)
 
     # ---- requests --------------------------------------------------------------------------
     def _check_request(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
@@ -301,21 +348,28 @@ class LLM:
             self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
             self._t0 = None
             raise
+        finally:
+            self._release_retired()
         for out, seq in pairs:
             if seq is not None:
                 out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
                 out.token_times = [t - self._t0 for t in self._token_times.pop(seq.seq_id, [])]
+                out.logprobs = self._logprobs.pop(seq.seq_id, [])
+                if seq.seq_id in self._errors:
+                    out.error = self._errors.pop(seq.seq_id)
         self._collect_stats()
         self._t0 = None
         return [out for out, _ in pairs]
 
-    # ---- arrivals: vLLM's LLMEngine shape (add_request / step), for requests that come over time ----
+    # ---- arrivals: vLLM's LLMEngine shape (add_request / step / abort_request) ---------------------
     def add_request(self, prompt: Seq[int], params: SamplingParams = SamplingParams(),
                     adapter: Optional[str] = None) -> RequestOutput:
         """Queue one request now; it joins the running batch at the next :meth:`step` the scheduler
-        admits it. Returns its :class:`RequestOutput`, filled in when it finishes (``error`` set at
-        once, and nothing queued, for a refused request: see :meth:`generate`). ``token_times`` count
-        from this call. Requests added this way are reported by :meth:`step`, not by ``generate``."""
+        admits it. Returns its :class:`RequestOutput`, which every step updates in place
+        (``token_ids``, ``token_times``, ``logprobs`` grow as tokens are sampled; ``finish_reason``
+        is set when it ends), so a caller can stream it. ``error`` is set at once, and nothing
+        queued, for a refused request (see :meth:`generate`). ``token_times`` count from this call.
+        Requests added this way are reported by :meth:`step`, not by ``generate``."""
         out, seq = self._new_sequence(prompt, params, adapter)
         if seq is not None:
             self._live[seq.seq_id] = (out, seq, time.perf_counter())
@@ -323,32 +377,70 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step over everything queued (:meth:`add_request`): the requests that finished in
-        it, their outputs filled in. Returns [] when nothing is unfinished. Raises what the step
-        raises (the engine's own bugs: bad requests were refused when added)."""
+        it, their outputs complete. Returns [] when nothing is unfinished. A request the engine
+        cannot serve (a non-finite row of logits: e.g. an adapter whose weights are NaN) finishes
+        alone with ``finish_reason`` "error" and ``error`` set; the others go on exactly as they would
+        without it. Raises what the step raises (the engine's own bugs: bad requests were refused when
+        added); the caller may then abort the requests it holds (:meth:`abort_request`)."""
         if not self.scheduler.has_unfinished():
             return []
         if self._t0 is None:
             self._reset_step_state()
             self._t0 = time.perf_counter()
-        self._step()
+        tokens = self._step()
         done = []
+        for seq_id in tokens:
+            entry = self._live.get(seq_id)
+            if entry is None:
+                continue
+            out, seq, arrived = entry
+            out.token_ids.append(tokens[seq_id])
+            out.token_times.append(self._token_times[seq_id][-1] - arrived)
+            if seq_id in self._logprobs:
+                out.logprobs.append(self._logprobs[seq_id][-1])
+        for seq_id in self._step_failed:
+            if seq_id in self._live:
+                out, seq, _ = self._live[seq_id]
+                out.error = self._errors.pop(seq_id)
         for seq_id, (out, seq, arrived) in list(self._live.items()):
             if seq.finish_reason is not None:
                 del self._live[seq_id]
-                out.token_ids, out.finish_reason = list(seq.output), seq.finish_reason
-                out.token_times = [t - arrived for t in self._token_times.pop(seq_id, [])]
+                self._token_times.pop(seq_id, None)
+                self._logprobs.pop(seq_id, None)
+                out.finish_reason = seq.finish_reason
                 done.append(out)
+        self._release_retired()
         if not self.scheduler.has_unfinished():  # the run is over: its stats, and a fresh clock next time
             self._collect_stats()
             self._t0 = None
         return done
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request of :meth:`add_request` now (a client that went away): it leaves the queues,
+        its KV blocks are released and its adapter no longer counts as running; its output keeps the
+        tokens so far with ``finish_reason`` "abort". Returns False when it had already finished (or
+        was never added). vLLM ``LLMEngine.abort_request``."""
+        entry = self._live.pop(request_id, None)
+        if entry is None:
+            return False
+        out, seq, _ = entry
+        self._abort([seq])
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        out.finish_reason = "abort"
+        self._token_times.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self._release_retired()
+        if not self.scheduler.has_unfinished() and self._t0 is not None:
+            self._collect_stats()
+            self._t0 = None
+        return True
 
     def has_unfinished(self) -> bool:
         """Whether some request added by :meth:`add_request` is still waiting or running."""
         return self.scheduler.has_unfinished()
 
     def _abort(self, seqs: list[Sequence]) -> None:
-        """Drop this call's unfinished sequences from the queues and release their blocks."""
+        """Drop these unfinished sequences from the queues and release their blocks."""
         sched = self.scheduler
         for seq in seqs:
             if seq in sched.running:
@@ -356,7 +448,10 @@ class LLM:
                 self.blocks.release(seq)
             elif seq in sched.waiting:
                 sched.waiting.remove(seq)
-        sched.drain_active, sched.draining, sched.drain_for = False, None, None
+        if sched.drain_for is not None and not any(s.uid == sched.drain_for for s in sched.waiting):
+            sched.drain_active, sched.draining, sched.drain_for = False, None, None
+        elif not sched.has_unfinished():
+            sched.drain_active, sched.draining, sched.drain_for = False, None, None
 
     def _reset_step_state(self) -> None:
         graph = self.runner.graph_runner
@@ -364,10 +459,13 @@ class LLM:
                        self.blocks.query_tokens, graph.steps if graph else 0, Counter(graph.eager if graph else ()))
         self.steps = Counter()
         self._token_times: dict[int, list[float]] = {}
+        self._logprobs: dict[int, list[float]] = {}
+        self._step_failed: list[int] = []
 
-    def _step(self) -> None:
-        """One step; token times are recorded as absolute perf_counter readings (each caller turns
-        them into times after its requests' arrival)."""
+    def _step(self) -> dict[int, int]:
+        """One step; returns {seq_id: token} of the tokens sampled. Token times are recorded as
+        absolute perf_counter readings (each caller turns them into times after its requests'
+        arrival). Sequences whose logits were not finite are failed alone (``_step_failed``)."""
         kind, work = self.scheduler.schedule()
         self.steps[kind] += 1
         if not work:
@@ -376,24 +474,67 @@ class LLM:
         # the tables are passed, not copied: the runner reads them during the call and keeps nothing
         logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
                                       for w in work], running=running)
-        tokens = self._sample(work, logits)
+        tokens, logprobs = self._sample(work, logits)
+        self._step_failed = [seq_id for seq_id, t in tokens.items() if t < 0]
+        if self._step_failed:
+            work = self._fail(work, tokens)
         self.scheduler.postprocess(work, tokens)
         now = time.perf_counter()  # the tokens exist once sampled (sample reads them to the host)
         times = self._token_times
         for seq_id in tokens:
             times.setdefault(seq_id, []).append(now)
+        for seq_id, lp in logprobs.items():
+            self._logprobs.setdefault(seq_id, []).append(lp)
+        return tokens
 
-    def _sample(self, work: list[Work], logits: torch.Tensor) -> dict[int, int]:
+    def _fail(self, work: list[Work], tokens: dict[int, int]) -> list[Work]:
+        """Finish the sequences whose row was not finite with an error, alone: their blocks are
+        released before anything is recorded, so no other sequence sees a trace of them (their
+        full blocks may stay in the prefix cache, keyed by their own adapter's uid). Returns the
+        work of the others."""
+        kept = []
+        for w in work:
+            if tokens.get(w.seq.seq_id, 0) >= 0:
+                kept.append(w)
+                continue
+            seq = w.seq
+            del tokens[seq.seq_id]
+            self.scheduler.running.remove(seq)
+            self.blocks.release(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            self.scheduler.events.append(("finish", seq.seq_id, "error"))
+            self._errors[seq.seq_id] = (
+                f"the model's output for this request is not finite (NaN or inf logits after {len(seq.output)} "
+                f"tokens{'' if seq.uid is None else f' with adapter {seq.uid!r}'}): the request was stopped; "
+                "the other requests were not affected")
+        return kept
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, float]]:
         """Every finished chunk's next token, greedy and seeded rows together, with one pass on the
-        device and one device-to-host copy (:func:`~reference.engine.model_runner.sample_batch`)."""
+        device and one device-to-host copy (:func:`~reference.engine.model_runner.sample_batch`):
+        ({seq_id: token}, {seq_id: logprob} for the requests that asked). A row that is not finite
+        gets token -1 (its request fails alone: a NaN row's argmax is meaningless)."""
         rows = [i for i, w in enumerate(work) if w.end == w.seq.num_tokens]  # chunks that reached the end
         if not rows:
-            return {}
+            return {}, {}
         seqs = [work[i].seq for i in rows]
-        picked = sample_batch(logits[rows] if len(rows) < len(work) else logits,
-                              [s.params.temperature for s in seqs], [s.params.seed or 0 for s in seqs],
-                              [len(s.output) for s in seqs]).tolist()
-        return dict(zip((s.seq_id for s in seqs), picked))
+        sel = logits[rows] if len(rows) < len(work) else logits
+        ps = [s.params for s in seqs]
+        banned = [p.stop_token_ids if len(s.output) < p.min_tokens else () for s, p in zip(seqs, ps)]
+        picked = sample_batch(sel, [p.temperature for p in ps], [p.seed or 0 for p in ps],
+                              [len(s.output) for s in seqs],
+                              top_ks=[p.top_k for p in ps] if any(p.top_k for p in ps) else None,
+                              top_ps=[p.top_p for p in ps] if any(p.top_p < 1 for p in ps) else None,
+                              banned=banned if any(banned) else None)
+        picked = torch.where(torch.isfinite(sel).all(dim=-1), picked, -1)
+        ids = [s.seq_id for s in seqs]
+        if not any(p.logprobs for p in ps):
+            return dict(zip(ids, picked.tolist())), {}
+        lse = torch.logsumexp(sel.float(), dim=-1)
+        chosen = sel.float().gather(1, picked.clamp(min=0)[:, None])[:, 0] - lse
+        host = torch.stack((picked.double(), chosen.double())).tolist()  # still one copy
+        tokens = dict(zip(ids, (int(t) for t in host[0])))
+        return tokens, {i: lp for i, lp, p in zip(ids, host[1], ps) if p.logprobs}
 
     def _collect_stats(self) -> None:
         pool_mark, sched_mark, hits0, queries0, graph0, eager0 = self._marks

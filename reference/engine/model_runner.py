@@ -494,7 +494,9 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
-                 counters: Sequence[int]) -> torch.Tensor:
+                 counters: Sequence[int], top_ks: Optional[Sequence[int]] = None,
+                 top_ps: Optional[Sequence[float]] = None,
+                 banned: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
     """One next token per row of logits [n, vocab], greedy or seeded, in one pass on logits' device:
     int64 [n]. Rows with temperature 0 take the argmax (ties to the lowest id); a row with
     temperature T > 0 draws from softmax(logits / T) by the Gumbel-max trick, its noise a hash of
@@ -503,28 +505,54 @@ def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     the same guarantee with one generator per request; a counter-based hash does it for the whole
     batch at once: Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011).
 
-    Semantics, per row i:
-        T == 0:  argmax(logits[i])
-        T > 0:   argmax(logits[i] / T + G[i]),  G[i, v] = -log(-log(U(seed_i, counter_i, v))),
-                 U uniform in (0, 1) from SplitMix64 of the three
-    Host lists only: nothing on the host reads the device. Raises ValueError for lengths that
-    differ from the number of rows, or a negative or non-finite temperature.
+    Semantics, per row i (``top_ks``/``top_ps``/``banned``: None = off for every row):
+        z = logits[i] with z[banned[i]] = -inf          (min_tokens: stop tokens not yet allowed)
+        T == 0:  argmax(z)
+        T > 0:   z = z / T, then -inf outside the top_ks[i] largest (0: none dropped) and outside
+                 the smallest set of largest tokens whose softmax(z) mass reaches top_ps[i] (vLLM's
+                 order: temperature, top-k, top-p); argmax(z + G[i]), G[i, v] = -log(-log(U(seed_i,
+                 counter_i, v))), U uniform in (0, 1) from SplitMix64 of the three
+    A row of logits that is not finite gives whatever argmax gives: the caller checks
+    (``LLM`` fails that request alone). Host lists only: nothing on the host reads the device.
+    Raises ValueError for lengths that differ from the number of rows, or a negative or
+    non-finite temperature.
     """
     n, vocab = logits.shape
     if not len(temperatures) == len(seeds) == len(counters) == n:
         raise ValueError(f"{n} rows but {len(temperatures)} temperatures, {len(seeds)} seeds, {len(counters)} counters")
+    if any(len(x) != n for x in (top_ks, top_ps, banned) if x is not None):
+        raise ValueError(f"{n} rows but top_ks, top_ps or banned of another length")
     if any(not (0 <= t < float("inf")) for t in temperatures):
         raise ValueError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
+    dev = logits.device
+    if banned is not None and any(banned):
+        rows = [i for i, b in enumerate(banned) for _ in b]
+        cols = [t for b in banned for t in b]
+        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
     if all(t == 0 for t in temperatures):
         return logits.argmax(dim=-1)
-    dev = logits.device
     temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float64).to(dev, non_blocking=True)
     keys = torch.tensor([_signed64(s * 0x9E3779B97F4A7C15 + c) for s, c in zip(seeds, counters)],
                         dtype=torch.int64).to(dev, non_blocking=True)
     hot = torch.tensor([t > 0 for t in temperatures]).to(dev, non_blocking=True)
+    z = logits.double() / temp[:, None]
+    if top_ks is not None and any(0 < k < vocab for k in top_ks):
+        k_max = max(k for k in top_ks if 0 < k < vocab)
+        kth = torch.tensor([min(k, k_max) - 1 if 0 < k < vocab else k_max - 1 for k in top_ks], device=dev)
+        cut = z.topk(k_max, dim=-1).values.gather(1, kth[:, None])
+        off = torch.tensor([not 0 < k < vocab for k in top_ks], device=dev)
+        z = torch.where(off[:, None] | (z >= cut), z, float("-inf"))
+    if top_ps is not None and any(p < 1 for p in top_ps):
+        p = torch.tensor(list(top_ps), dtype=torch.float64).to(dev, non_blocking=True)
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+        drop = (before >= p[:, None]) & (p[:, None] < 1)  # the first token always stays
+        z = z.scatter(1, order, sorted_z.masked_fill(drop, float("-inf")))
     bits = _splitmix64(_splitmix64(keys[:, None]) ^ torch.arange(vocab, device=dev, dtype=torch.int64)[None, :])
     u = (_srl(bits, 11).double() + 0.5) * 2.0 ** -53  # (0, 1): never log(0)
-    scores = logits.double() / temp[:, None] - torch.log(-torch.log(u))
+    scores = z - torch.log(-torch.log(u))
     return torch.where(hot, scores.argmax(dim=-1), logits.argmax(dim=-1))
 
 

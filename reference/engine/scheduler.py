@@ -10,7 +10,9 @@ With nothing to prefill, every running sequence decodes one token; when a sequen
 block and none is free, the most recently admitted sequence is preempted (its blocks released, its
 tokens recomputed later: vLLM's recompute preemption). A request that waits past
 ``drain_threshold`` steps while the cap keeps it out starts a drain (``choose_drain``): the chosen
-running adapter takes no new requests until the starving request's adapter is running.
+running adapter takes no new requests until the starving request's adapter is running; one that
+waited that long while seats or KV blocks kept it out is admitted in arrival order with the resident
+adapters' requests (admission stops preferring them over it).
 
 The log ``events`` records every decision as tuples of host values, which chapter 11's graders
 compare: ("admit", seq_id), ("prefill", seq_id, start, end), ("decode", seq_id), ("preempt",
@@ -165,7 +167,15 @@ class Scheduler:
         return Work(seq, seq.num_computed, end)
 
     def _admit(self, budget: int) -> list[Work]:
-        admitted = self.admit_fn(self._candidates(), [s.uid for s in self.running], set(self.resident()),
+        warm = set(self.resident())
+        if self.config.drain_threshold is not None:
+            # a request that waited past the threshold counts as warm: admission then takes it in
+            # arrival order with the resident adapters' requests, so when seats (max_num_seqs) or KV
+            # blocks bind rather than the adapter cap, a hot adapter cannot take every freed seat
+            # before it (the drain covers the cap; this covers the other limits)
+            limit = self.step_no - self.config.drain_threshold
+            warm |= {s.uid for s in self.waiting if s.enqueued_step < limit}
+        admitted = self.admit_fn(self._candidates(), [s.uid for s in self.running], warm,
                                  self.config.max_loras_per_batch, self.blocks.num_free,
                                  self.config.max_num_seqs - len(self.running), self.draining, self.drain_active)
         by_id = {s.seq_id: s for s in self.waiting}

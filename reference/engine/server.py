@@ -1,209 +1,733 @@
-"""An OpenAI-compatible HTTP endpoint over the engine: ``/v1/models`` and ``/v1/completions``.
+"""An OpenAI-compatible HTTP server over the engine, shaped like vLLM's.
 
-Source: vLLM's OpenAI server (``vllm/entrypoints/openai``): the adapter is chosen by the request's
-``model`` field (the base model's served name, or a registered adapter's name, as vLLM serves
-``--lora-modules name=path``); an unknown model is a 404, a request the engine refuses a 400, both
-in OpenAI's error shape (``{"error": {"message", "type", "code"}}``), so the official ``openai``
-client raises ``NotFoundError`` / ``BadRequestError``.
+Endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (both streamed as
+server-sent events with ``stream: true``), ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's runtime adapter API), ``/health`` and ``/metrics`` (Prometheus).
 
-Batching: one engine thread serves the requests in waves. It takes every request queued when it
-becomes free and runs them as one ``LLM.generate`` call (one continuous-batching run over all of
-their prompts and adapters); requests that arrive meanwhile wait for the next wave. The engine's
-step loop is not exposed to add requests to a running wave (vLLM's ``AsyncLLMEngine`` does that).
+Source: vLLM's OpenAI server (``vllm/entrypoints/openai``) and ``AsyncLLMEngine``. The adapter is
+chosen by the request's ``model`` field (the base model's served name, or a registered adapter's
+name, as vLLM serves ``--lora-modules name=path``).
 
-Run::
+Continuous batching: one engine thread owns the :class:`~reference.engine.llm.LLM` and runs its step
+loop (``add_request`` / ``step`` / ``abort_request``); an HTTP request hands its prompts to that
+thread, which adds them before its next step, so a request that arrives while others decode joins
+their batch at once. Every step updates each request's output in place and wakes its handler,
+which streams the new text or waits for the end. A client that disconnects aborts its requests:
+their KV blocks are freed and their adapter no longer counts as running.
 
-    python -m reference.engine.server --model PATH [--adapter NAME=PEFT_DIR ...] [--port 8000]
+Errors, in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``, so the official
+``openai`` client raises the matching exception): 400 for what a request asked that the server
+refuses (with the parameter named), 404 for an unknown model, 500 for the server's own faults. A
+request the engine cannot serve (a NaN adapter's logits) fails alone; every other request's tokens
+are exactly what they would have been without it (``LLM.step``).
 
-``PATH`` is a saved Hugging Face Llama folder with its tokenizer. Client::
+Every parameter of OpenAI's API is either honoured or refused with a 400 that names it. Honoured:
+``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``seed``, ``stop``
+(strings), ``n`` = 1, ``logprobs`` (the chosen token's only: 0 / ``true`` with ``top_logprobs`` 0),
+``stream`` and ``stream_options.include_usage``, ``user`` (recorded nowhere); vLLM's extras
+``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``. The engine stops at the tokenizer's
+eos token unless ``ignore_eos``.
+
+Run (``python -m reference.engine.tiny /tmp/tiny --adapter sql`` makes a folder to try it with)::
+
+    python -m reference.engine.server --model /tmp/tiny/model --lora-modules sql=/tmp/tiny/sql --port 8000
+
+Client::
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-    client.completions.create(model="NAME", prompt="Hello", max_tokens=8, temperature=0)
+    client.completions.create(model="sql", prompt="Hello", max_tokens=8, temperature=0)
 """
 
 import argparse
+import asyncio
+import json
 import queue
 import secrets
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from reference.engine.llm import LLM
+from reference.engine.llm import LLM, EngineConfig, RequestOutput
 from reference.engine.sequence import SamplingParams
 
-__all__ = ["create_app", "main"]
+__all__ = ["EngineLoop", "create_app", "main"]
 
-Prompt = Union[str, list[int], list[str], list[list[int]]]
+# OpenAI parameters refused unless they carry their default (the engine has no such feature)
+_REFUSED = {"echo": False, "suffix": None, "best_of": None, "presence_penalty": 0, "frequency_penalty": 0,
+            "logit_bias": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "functions": None,
+            "function_call": None, "response_format": None, "parallel_tool_calls": None,
+            "repetition_penalty": 1.0, "min_p": 0.0, "prompt_logprobs": None, "n": 1, "guided_json": None,
+            "audio": None, "modalities": None, "prediction": None, "reasoning_effort": None}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "stream", "stream_options",
+           "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", *_REFUSED}
+_COMPLETION_KEYS = _COMMON | {"prompt"}
+_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs",
+                        "store", "metadata"}
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, kind: str) -> None:
+class Refused(Exception):
+    """A request the server answers with an error: HTTP ``status``, OpenAI ``kind`` and ``param``."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: Optional[str] = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-class _Waves:
-    """The engine thread: queued requests run together, one ``generate`` call per wave."""
+@dataclass
+class _Stream:
+    """One prompt's request inside the engine, as its HTTP handler sees it."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.queue: "queue.Queue[tuple[list, list, list, Future]]" = queue.Queue()
-        threading.Thread(target=self._loop, name="engine", daemon=True).start()
+    out: Optional[RequestOutput] = None  # set by the engine thread when added
+    wake: Callable[[], None] = lambda: None  # thread-safe: tells the handler something changed
+    failure: Optional[Refused] = None  # a server fault that ended it (500)
+    arrived: float = field(default_factory=time.perf_counter)
+    reported: int = 0  # tokens the metrics counted
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams], names: list[Optional[str]]):
+
+class EngineLoop:
+    """The engine thread: owns ``llm``; everything else talks to it through :meth:`call`.
+
+    Each turn it runs the calls queued (adds, aborts, adapter loads), then one ``llm.step()``, then
+    wakes every handler whose request changed. A step that raises is the engine's own fault: every
+    request in flight ends with a 500 and is aborted, and the loop goes on (the engine stays usable).
+    """
+
+    def __init__(self, llm: LLM, metrics: "Optional[_Metrics]" = None) -> None:
+        self.llm, self.metrics = llm, metrics
+        self.inbox: "queue.Queue[tuple[Callable, Future]]" = queue.Queue()
+        self.streams: dict[int, _Stream] = {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine thread before its next step; its result (or exception) in the future."""
         done: Future = Future()
-        self.queue.put((prompts, params, names, done))
-        return done.result()
+        self.inbox.put((fn, done))
+        return done
+
+    def add(self, prompt: list[int], params: SamplingParams, adapter: Optional[str], stream: _Stream) -> None:
+        """(engine thread) Add one request; a refused one ends at once with its error set."""
+        out = self.llm.add_request(prompt, params, adapter)
+        stream.out = out
+        if out.error is None:
+            self.streams[out.request_id] = stream
+        stream.wake()
+
+    def abort(self, stream: _Stream) -> None:
+        """(engine thread) Abort a request whose client went away."""
+        if stream.out is not None and self.streams.pop(stream.out.request_id, None) is not None:
+            self.llm.abort_request(stream.out.request_id)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.inbox.put((lambda: None, Future()))
+        self.thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while True:
-            wave = [self.queue.get()]
-            while True:
-                try:
-                    wave.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            prompts = [p for w in wave for p in w[0]]
-            params = [p for w in wave for p in w[1]]
-            names = [n for w in wave for n in w[2]]
+        while not self.stopped.is_set():
+            idle = not self.llm.has_unfinished()
             try:
-                outs = self.llm.generate(prompts, params, lora_request=names)
-            except BaseException as exc:  # noqa: BLE001 (every waiting request hears of it)
-                for w in wave:
-                    w[3].set_exception(exc)
+                item = self.inbox.get(timeout=0.5) if idle else self.inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                fn, done = item
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                    done.set_exception(exc)
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not self.llm.has_unfinished():
                 continue
-            at = 0
-            for w in wave:
-                w[3].set_result(outs[at:at + len(w[0])])
-                at += len(w[0])
+            try:
+                self.llm.step()
+            except Exception as exc:  # noqa: BLE001 (the engine's fault: every request in flight hears of it)
+                failure = Refused(500, f"the engine failed while serving this request: {type(exc).__name__}: {exc}",
+                                  "InternalServerError")
+                for rid, stream in list(self.streams.items()):
+                    self.llm.abort_request(rid)
+                    stream.failure = failure
+            for rid, stream in list(self.streams.items()):
+                if stream.out.finished or stream.failure is not None:
+                    del self.streams[rid]
+                stream.wake()
+            if self.metrics is not None:
+                self.metrics.after_step(self.llm)
 
 
-def _prompts(prompt: Prompt, tokenizer) -> list[list[int]]:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
     """OpenAI's four prompt forms -> token id lists."""
+    bad = Refused(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
+                  param="prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise _Refused(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
-                       "BadRequestError")
+        raise bad
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append(list(tokenizer.encode(p, add_special_tokens=False)))
-        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(_encode(tokenizer, p))
+        elif isinstance(p, list) and all(_is_int(t) for t in p):
             out.append(p)
         else:
-            raise _Refused(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
-                           "BadRequestError")
+            raise bad
     return out
 
 
-def create_app(llm: LLM, tokenizer, served_model_name: str = "base"):
+def _encode(tokenizer, text: str) -> list[int]:
+    if tokenizer is None:
+        raise Refused(400, "this server has no tokenizer: send token ids", param="prompt")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chat_prompt(messages: Any, tokenizer, add_generation_prompt: bool) -> list[int]:
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise Refused(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise Refused(400, "messages must be a non-empty list of {role, content} objects with string content",
+                      param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 (a template error is about this request's messages)
+        raise Refused(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+    return _encode(tokenizer, text)
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    params: SamplingParams
+    adapter: Optional[str]
+    model: str
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
+    """The request a body asks for, or Refused (400 / 404) naming what is wrong."""
+    if not isinstance(body, dict):
+        raise Refused(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - (_CHAT_KEYS if chat else _COMPLETION_KEYS))
+    if unknown:
+        raise Refused(400, f"unknown parameter(s): {', '.join(unknown)}", param=unknown[0])
+    for key, default in _REFUSED.items():
+        value = body.get(key)
+        if value is None or value == default or (key != "n" and value in ({}, [])):
+            continue
+        raise Refused(400, f"{key} is not supported by this server (only its default, {default!r}, is)", param=key)
+    model = body.get("model")
+    if model != served and model not in llm.registry.names():
+        raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if chat:
+        agp = body.get("add_generation_prompt", True)
+        if not isinstance(agp, bool):
+            raise Refused(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
+        if "messages" not in body:
+            raise Refused(400, "messages is required", param="messages")
+        prompts = [_chat_prompt(body["messages"], tokenizer, agp)]
+    else:
+        if "prompt" not in body:
+            raise Refused(400, "prompt is required", param="prompt")
+        prompts = _prompts(body["prompt"], tokenizer)
+    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(max_key)
+    if max_tokens is None:
+        max_tokens = 16 if not chat else llm.max_context - max(len(p) for p in prompts)
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    seed = body.get("seed")
+    if _is_num(temperature) and temperature > 0 and seed is None:
+        seed = secrets.randbelow(2 ** 31)  # OpenAI's seed is optional; the engine draws reproducibly from one
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise Refused(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    if stop and tokenizer is None:
+        raise Refused(400, "stop strings need a tokenizer; this server has none (use stop_token_ids)", param="stop")
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise Refused(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise Refused(400, "ignore_eos must be a boolean", param="ignore_eos")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and not ignore_eos and eos not in stop_ids:
+        stop_ids = [*stop_ids, eos]
+    logprobs = body.get("logprobs")
+    if chat:
+        if logprobs not in (None, False, True):
+            raise Refused(400, "logprobs must be a boolean", param="logprobs")
+    elif logprobs not in (None, 0, 1) or isinstance(logprobs, bool):
+        raise Refused(400, "logprobs: only the chosen token's (0 or 1) is supported", param="logprobs")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise Refused(400, "stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise Refused(400, "stream_options supports include_usage only", param="stream_options")
+    top_k, top_p, min_tokens = body.get("top_k"), body.get("top_p"), body.get("min_tokens")
+    params = dict(max_new_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=tuple(stop_ids),
+                  top_k=0 if top_k in (None, -1) else top_k, top_p=1.0 if top_p is None else top_p,
+                  min_tokens=0 if min_tokens is None else min_tokens,
+                  logprobs=logprobs is not None and logprobs is not False)
+    try:
+        sp = SamplingParams(**params)
+        sp.check()
+    except (ValueError, TypeError) as exc:
+        text = str(exc).replace("max_new_tokens", max_key)
+        param = next((k for k in ("seed", "temperature", "top_k", "top_p", "min_tokens", "stop_token_ids")
+                      if text.startswith(k)), max_key)
+        raise Refused(400, text, param=param) from None
+    for p in prompts:
+        if not p:
+            raise Refused(400, "the prompt is empty", param="prompt")
+        if len(p) + sp.max_new_tokens > llm.max_context:
+            raise Refused(400, f"This model's maximum context length is {llm.max_context} tokens; the prompt "
+                               f"({len(p)} tokens) plus {max_key} ({sp.max_new_tokens}) exceeds it", param=max_key)
+    return _Request(prompts, sp, None if model == served else model, model, stop, stream,
+                    bool(options.get("include_usage", False)), chat)
+
+
+class _Metrics:
+    """Prometheus metrics in a registry of the app's own (vLLM's set, under the ``lora_book:`` prefix)."""
+
+    def __init__(self, llm: LLM) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = reg = CollectorRegistry()
+        self.running = Gauge("lora_book:num_requests_running", "Requests running in the batch", registry=reg)
+        self.waiting = Gauge("lora_book:num_requests_waiting", "Requests waiting to be admitted", registry=reg)
+        self.kv_used = Gauge("lora_book:kv_blocks_in_use", "KV blocks held by running requests", registry=reg)
+        self.kv_total = Gauge("lora_book:kv_blocks_total", "KV blocks of the cache", registry=reg)
+        self.kv_total.set(llm.blocks.num_blocks)
+        self.prompt_tokens = Counter("lora_book:prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
+        self.generation_tokens = Counter("lora_book:generation_tokens", "Tokens generated", registry=reg)
+        self.finished = Counter("lora_book:request_success", "Requests finished, by reason", ["finished_reason"],
+                                registry=reg)
+        buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("lora_book:time_to_first_token_seconds", "Time to first token", registry=reg,
+                              buckets=buckets)
+        self.tpot = Histogram("lora_book:time_per_output_token_seconds", "Time between two tokens of a request",
+                              registry=reg, buckets=buckets)
+        self.e2e = Histogram("lora_book:e2e_request_latency_seconds", "Arrival to last token", registry=reg,
+                             buckets=buckets)
+        self.lora_events = Counter("lora_book:lora_pool_events", "Adapter pool events (load, evict, unload)",
+                                   ["event"], registry=reg)
+        self._pool_seen = len(llm.pool.events)
+
+    def after_step(self, llm: LLM) -> None:
+        """(engine thread) Fold the step's changes in; the pool's event log is read then trimmed."""
+        events = llm.pool.events
+        for e in events[self._pool_seen:]:
+            if e[0] != "hit":
+                self.lora_events.labels(e[0]).inc()
+        if not llm.has_unfinished():  # nobody counts from a mark into the log now: trim it
+            del events[:]
+            del llm.scheduler.events[:]
+        self._pool_seen = len(events)
+        self.refresh(llm)
+
+    def refresh(self, llm: LLM) -> None:
+        sched = llm.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_used.set(sum(1 for c in llm.blocks.ref_count if c > 0))
+
+    def observe(self, stream: _Stream) -> None:
+        """(engine thread or handler) Count a request's new tokens and, once over, its latencies."""
+        out = stream.out
+        if out is None:
+            return
+        times = out.token_times
+        new = len(times) - stream.reported
+        if new > 0:
+            if stream.reported == 0:
+                self.prompt_tokens.inc(len(out.prompt))
+                self.ttft.observe(times[0])
+            for a, b in zip(times[max(0, stream.reported - 1):], times[max(1, stream.reported):]):
+                self.tpot.observe(b - a)
+            self.generation_tokens.inc(new)
+            stream.reported = len(times)
+        if out.finished:
+            self.finished.labels(out.finish_reason or "error").inc()
+            if times:
+                self.e2e.observe(times[-1])
+
+
+class _Detok:
+    """Incremental text of one request: what is safe to send now (no half UTF-8 character, nothing
+    that could still become a stop string), and where a stop string ends it."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+        self.stopped = False
+
+    def text(self, token_ids: list[int]) -> str:
+        # special tokens (eos) are not text, as vLLM's skip_special_tokens default has it
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.stopped = True
+                text = text[:at]
+        return text
+
+    def delta(self, token_ids: list[int], final: bool) -> str:
+        text = self.text(token_ids)
+        end = len(text)
+        if not final and not self.stopped:
+            if text.endswith("\ufffd"):  # a character whose bytes are not all here yet
+                end = len(text.rstrip("\ufffd"))
+            end = max(self.sent, end - self.hold)
+        piece, self.sent = text[self.sent:end], max(self.sent, end)
+        return piece
+
+
+def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_loras: Optional[int] = None):
     """A FastAPI app serving ``llm``: the base model as ``served_model_name``, each adapter
-    registered in ``llm`` (``llm.register_adapter(name, path)``, before or after this call) under its
-    name. ``tokenizer``: anything with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``
-    (a ``transformers`` tokenizer). Raises ImportError without fastapi."""
+    registered in ``llm`` under its name (``llm.register_adapter``, or at run time through
+    ``/v1/load_lora_adapter``). ``tokenizer``: a ``transformers`` tokenizer (None: token-id prompts
+    only, no stop strings, no chat). ``max_loras``: how many adapters may be registered at once
+    (None: any number). The engine thread starts now; ``app.state.engine.stop()`` ends it.
+    Raises ImportError without fastapi or prometheus_client."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     app = FastAPI(title="multi-LoRA book engine")
-    waves = _Waves(llm)
+    metrics = _Metrics(llm)
+    engine = EngineLoop(llm, metrics)
+    app.state.engine = engine
     created = int(time.time())
+    admin = threading.Lock()  # one adapter load/unload at a time (they read folders off the engine thread)
 
-    def refuse(exc: _Refused) -> JSONResponse:
-        return JSONResponse(status_code=exc.status,
-                            content={"error": {"message": exc.message, "type": exc.kind, "param": None,
-                                               "code": exc.status}})
+    def error(exc: Refused) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content=exc.body())
+
+    async def engine_call(fn):
+        return await asyncio.wrap_future(engine.call(fn))
+
+    @app.get("/health")
+    def health():
+        if not engine.thread.is_alive():
+            return error(Refused(500, "the engine thread is not running", "InternalServerError"))
+        return {}
+
+    @app.get("/metrics")
+    def metrics_endpoint():
+        metrics.refresh(llm)
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     def models() -> dict:
-        data = [{"id": served_model_name, "object": "model", "created": created, "owned_by": "lora-book"}]
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "lora-book",
-                  "parent": served_model_name} for name in sorted(llm.registry.names())]
+        data = [{"id": served_model_name, "object": "model", "created": created, "owned_by": "lora-book",
+                 "root": served_model_name, "parent": None, "max_model_len": llm.max_context}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "lora-book", "root": name,
+                  "parent": served_model_name, "max_model_len": llm.max_context} for name in sorted(llm.registry.names())]
         return {"object": "list", "data": data}
+
+    async def json_body(request: Request):
+        try:
+            return await request.json()
+        except ValueError:
+            raise Refused(400, "the request body is not JSON") from None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        try:
+            body = await json_body(request)
+            name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise Refused(400, "lora_name and lora_path (strings) are required", param="lora_name")
+            if name == served_model_name:
+                raise Refused(400, f"{name!r} is the base model's name", param="lora_name")
+            if max_loras is not None and name not in llm.registry.names() and len(llm.registry.names()) >= max_loras:
+                raise Refused(400, f"{max_loras} adapters are loaded (--max-loras): unload one first", param="lora_name")
+            from reference.adapters import load_peft_adapter
+
+            def read():
+                with admin:
+                    return load_peft_adapter(path, llm.modules, llm.num_layers, llm.config.max_lora_rank, uid=name)
+            import anyio
+
+            try:
+                adapter = await anyio.to_thread.run_sync(read)  # disk reads off the engine thread
+            except (OSError, ValueError) as exc:
+                raise Refused(400, f"could not load the adapter in {path!r}: {exc}", param="lora_path") from None
+            try:
+                await engine_call(lambda: llm.register_adapter_weights(name, adapter))
+            except ValueError as exc:
+                raise Refused(400, str(exc), param="lora_path") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        except Refused as exc:
+            return error(exc)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        try:
+            body = await json_body(request)
+            name = body.get("lora_name") if isinstance(body, dict) else None
+            if not isinstance(name, str) or name not in llm.registry.names():
+                raise Refused(404, f"no adapter named {name!r} is loaded", "NotFoundError", "lora_name")
+            await engine_call(lambda: llm.unregister_adapter(name))
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        except Refused as exc:
+            return error(exc)
+        except ValueError as exc:  # unloaded by another request meanwhile
+            return error(Refused(404, str(exc), "NotFoundError", "lora_name"))
+
+    async def serve(request: Request, chat: bool):
+        try:
+            body = await json_body(request)
+            req = _parse(body, tokenizer, served_model_name, llm, chat)
+        except Refused as exc:
+            return error(exc)
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        streams = [_Stream(wake=lambda: loop.call_soon_threadsafe(changed.set)) for _ in req.prompts]
+        for prompt, stream in zip(req.prompts, streams):
+            engine.call(lambda p=prompt, s=stream: engine.add(p, req.params, req.adapter, s))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        detoks = [_Detok(tokenizer, req.stop) for _ in streams]
+
+        async def updates():
+            """Yields after every change until every request is over; aborts them all if cancelled."""
+            try:
+                while True:
+                    await changed.wait()
+                    changed.clear()
+                    for i, s in enumerate(streams):
+                        if s.out is not None and s.out.error is None and s.failure is None and detoks[i].stopped \
+                                and not s.out.finished:
+                            engine.call(lambda s=s: engine.abort(s))  # a stop string ended it
+                    yield
+                    if all(_over(s, d) for s, d in zip(streams, detoks)):
+                        return
+            finally:
+                if not all(_over(s, d) for s, d in zip(streams, detoks)):  # the client went away
+                    for s in streams:
+                        engine.call(lambda s=s: engine.abort(s))
+
+        if req.stream:
+            return StreamingResponse(_sse(req, rid, streams, detoks, updates(), metrics, chat),
+                                     media_type="text/event-stream")
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
+        try:
+            async for _ in updates():
+                for s, d in zip(streams, detoks):
+                    if s.out is not None:
+                        d.text(s.out.token_ids)  # notices stop strings as tokens arrive
+                if watcher.done():
+                    raise asyncio.CancelledError
+        finally:
+            watcher.cancel()
+        for s in streams:
+            metrics.observe(s)
+        failed = next((_failure(s) for s in streams if _failure(s) is not None), None)
+        if failed is not None:
+            return error(failed)
+        choices = []
+        for i, (s, d) in enumerate(zip(streams, detoks)):
+            text = d.text(s.out.token_ids)
+            n = _kept_tokens(tokenizer, s.out.token_ids, d) if d.stopped else len(s.out.token_ids)
+            choice = {"index": i, "finish_reason": _reason(s, d), "logprobs": _logprobs(s.out, 0, n, tokenizer, chat)}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choices.append(choice)
+        prompt_tokens = sum(len(p) for p in req.prompts)
+        completion = sum(len(s.out.token_ids) for s in streams)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": req.model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            return refuse(_Refused(400, "the request body is not JSON", "BadRequestError"))
-        try:
-            prompts, params, adapter, model = _parse(body, tokenizer, served_model_name, llm)
-        except _Refused as exc:
-            return refuse(exc)
-        import anyio
+        return await serve(request, chat=False)
 
-        outs = await anyio.to_thread.run_sync(waves.submit, prompts, [params] * len(prompts),
-                                              [adapter] * len(prompts))
-        errors = [o.error for o in outs if o.error]
-        if errors:
-            return refuse(_Refused(400, errors[0], "BadRequestError"))
-        choices = [{"index": i, "text": tokenizer.decode(o.token_ids), "logprobs": None,
-                    "finish_reason": "stop" if o.finish_reason == "stop" else "length"}
-                   for i, o in enumerate(outs)]
-        completion = sum(len(o.token_ids) for o in outs)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": prompt_tokens + completion}}
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    @app.on_event("shutdown")
+    def _stop_engine() -> None:
+        engine.stop()
 
     return app
 
 
-def _parse(body: Any, tokenizer, served: str, llm: LLM):
-    """(prompts, SamplingParams, adapter name or None, model) of a completions body, or _Refused."""
-    if not isinstance(body, dict):
-        raise _Refused(400, "the request body must be a JSON object", "BadRequestError")
-    model = body.get("model")
-    if model != served and model not in llm.registry.names():
-        raise _Refused(404, f"The model `{model}` does not exist.", "NotFoundError")
-    unsupported = [k for k, default in (("stream", False), ("echo", False), ("logprobs", None), ("suffix", None),
-                                        ("n", 1), ("best_of", None), ("stop", None))
-                   if body.get(k, default) not in (default, [] if k == "stop" else default)]
-    if unsupported:
-        raise _Refused(400, f"not supported by this server: {', '.join(unsupported)} (stop on token ids: "
-                            "stop_token_ids)", "BadRequestError")
-    if "prompt" not in body:
-        raise _Refused(400, "prompt is required", "BadRequestError")
-    prompts = _prompts(body["prompt"], tokenizer)
-    temperature = body.get("temperature", 1.0)
-    seed = body.get("seed")
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0 and seed is None:
-        seed = secrets.randbelow(2 ** 31)  # OpenAI's seed is optional; the engine draws reproducibly from one
-    params = SamplingParams(max_new_tokens=body.get("max_tokens", 16), temperature=temperature, seed=seed,
-                            stop_token_ids=tuple(body.get("stop_token_ids") or ()))
-    try:
-        params.check()
-    except ValueError as exc:
-        raise _Refused(400, str(exc).replace("max_new_tokens", "max_tokens"), "BadRequestError") from None
-    return prompts, params, (None if model == served else model), model
+async def _watch_disconnect(request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.2)
+
+
+def _failure(s: _Stream) -> Optional[Refused]:
+    if s.failure is not None:
+        return s.failure
+    if s.out is not None and s.out.error is not None:
+        # refused when added (400: what it asked), or failed while generating (500: the served model's fault)
+        return Refused(500 if s.out.finish_reason == "error" else 400, s.out.error,
+                       "InternalServerError" if s.out.finish_reason == "error" else "BadRequestError")
+    return None
+
+
+def _over(s: _Stream, d: _Detok) -> bool:
+    return s.failure is not None or (s.out is not None and (s.out.finished or (d.stopped and s.out.finish_reason)))
+
+
+def _reason(s: _Stream, d: _Detok) -> str:
+    if d.stopped or s.out.finish_reason == "stop":
+        return "stop"
+    return "length" if s.out.finish_reason == "length" else s.out.finish_reason or "stop"
+
+
+def _kept_tokens(tokenizer, ids: list[int], d: _Detok) -> int:
+    """How many tokens the text up to the stop string takes (for usage and logprobs)."""
+    text = d.text(ids)
+    for n in range(len(ids) + 1):
+        if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) >= len(text):
+            return n
+    return len(ids)
+
+
+def _logprobs(out: RequestOutput, start: int, end: int, tokenizer, chat: bool):
+    """OpenAI's logprobs object for tokens [start, end) of ``out`` (the chosen tokens only); None
+    when the request did not ask for them."""
+    if not out.logprobs:
+        return None
+    ids, lps = out.token_ids[start:end], out.logprobs[start:end]
+    toks = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(toks, lps)]}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+
+
+async def _sse(req: _Request, rid: str, streams: list[_Stream], detoks: list[_Detok], updates, metrics, chat: bool):
+    """Server-sent events as the ``openai`` client reads them: one chunk per change, then [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+    sent_role = [False] * len(streams)
+    done = [False] * len(streams)
+    logged = [0] * len(streams)
+
+    def chunk(i: int, text: str, reason: Optional[str], lps=None) -> str:
+        if chat:
+            delta = {"content": text}
+            if not sent_role[i]:
+                delta["role"], sent_role[i] = "assistant", True
+            choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lps}
+        else:
+            choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": lps}
+        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": req.model,
+                                      "choices": [choice]}) + "\n\n"
+
+    async for _ in updates:
+        for i, (s, d) in enumerate(zip(streams, detoks)):
+            if done[i] or s.out is None and s.failure is None:
+                continue
+            failed = _failure(s)
+            if failed is not None:
+                done[i] = True
+                yield "data: " + json.dumps(failed.body()) + "\n\n"
+                continue
+            final = _over(s, d)
+            piece = d.delta(s.out.token_ids, final)
+            lps = None
+            if s.out.logprobs and len(s.out.token_ids) > logged[i]:
+                upto = _kept_tokens(d.tokenizer, s.out.token_ids, d) if d.stopped else len(s.out.token_ids)
+                lps = _logprobs(s.out, logged[i], upto, d.tokenizer, chat)
+                logged[i] = upto
+            if piece or final or lps:
+                yield chunk(i, piece, _reason(s, d) if final else None, lps)
+            if final:
+                done[i] = True
+                metrics.observe(s)
+    if req.include_usage:
+        prompt_tokens = sum(len(p) for p in req.prompts)
+        completion = sum(len(s.out.token_ids) for s in streams if s.out is not None)
+        yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [],
+                                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                               "total_tokens": prompt_tokens + completion}}) + "\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="a saved Hugging Face Llama folder (with its tokenizer)")
-    ap.add_argument("--adapter", action="append", default=[], metavar="NAME=PEFT_DIR")
+    ap.add_argument("--model", required=True, help="a saved Hugging Face Llama folder (with its tokenizer, "
+                                                   "or pass --tokenizer / --skip-tokenizer-init)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PEFT_DIR",
+                    help="adapters served under their names (vLLM's flag)")
+    ap.add_argument("--adapter", action="append", default=[], metavar="NAME=PEFT_DIR", help=argparse.SUPPRESS)
     ap.add_argument("--served-model-name", default="base")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder, when the model folder has none")
+    ap.add_argument("--skip-tokenizer-init", action="store_true",
+                    help="serve without a tokenizer: token-id prompts only (no chat, no stop strings)")
+    ap.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (GPU slots, the base model's included)")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, help="host copies kept (the CPU tier)")
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--num-kv-blocks", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-adapters", type=int, default=None, help="adapters registered at once (None: any)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default=None)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
+    import torch
     import transformers
     import uvicorn
 
-    llm = LLM(args.model)
-    for spec in args.adapter:
+    cfg = EngineConfig(max_loras_per_batch=args.max_loras, max_lora_rank=args.max_lora_rank,
+                       max_loaded_loras=args.max_cpu_loras, num_kv_blocks=args.num_kv_blocks,
+                       block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    llm = LLM(args.model, cfg, dtype=getattr(torch, args.dtype), device=device)
+    for spec in [*args.lora_modules, *args.adapter]:
         name, sep, path = spec.partition("=")
         if not sep:
-            raise SystemExit(f"--adapter takes NAME=PEFT_DIR, got {spec!r}")
+            raise SystemExit(f"--lora-modules takes NAME=PEFT_DIR, got {spec!r}")
         llm.register_adapter(name, path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    uvicorn.run(create_app(llm, tokenizer, args.served_model_name), host=args.host, port=args.port)
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"no tokenizer in {args.tokenizer or args.model} ({exc}); pass --tokenizer DIR, or "
+                             "--skip-tokenizer-init to serve token-id prompts only") from None
+    uvicorn.run(create_app(llm, tokenizer, args.served_model_name, args.max_adapters), host=args.host, port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":
