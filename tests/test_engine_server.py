@@ -8,6 +8,8 @@ its blocks. Every wait is bounded in time; the server is stopped by its PID."""
 from __future__ import annotations
 
 import copy
+import http.client
+import json
 import os
 import signal
 import socket
@@ -18,6 +20,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -27,11 +30,10 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 peft = pytest.importorskip("peft")
-httpx = pytest.importorskip("httpx")
 
 from reference.engine.sequence import SamplingParams  # noqa: E402
 from reference.engine.tiny import save_tiny  # noqa: E402
-from test_engine import peft_greedy as _peft_greedy  # noqa: E402  (PEFT's generate of one request)
+from test_engine import DEVICE, peft_greedy as _peft_greedy  # noqa: E402  (PEFT's generate of one request)
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = {"sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -39,6 +41,35 @@ ADAPTERS = {"sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
             "sql2": dict(r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"]),
             "broken": dict(r=4, lora_alpha=8, target_modules=["o_proj"])}
 EOS = 257
+
+
+class _Reply:
+    def __init__(self, status: int, text: str) -> None:
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _request(method: str, url: str, body=None, timeout: float = 60, raw: bytes | None = None) -> _Reply:
+    """One plain HTTP request (the standard library: the client's own HTTP stack is not what is tested)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, parts.path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        r = conn.getresponse()
+        return _Reply(r.status, r.read().decode())
+    finally:
+        conn.close()
+
+
+def _get(url: str, timeout: float = 60) -> _Reply:
+    return _request("GET", url, timeout=timeout)
+
+
+def _post(url: str, body=None, timeout: float = 60, raw: bytes | None = None) -> _Reply:
+    return _request("POST", url, body, timeout, raw)
 
 
 def _free_port() -> int:
@@ -64,7 +95,7 @@ def served(tmp_path_factory):
     cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
            "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
            "--max-loras", "3", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
-           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port)]
+           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -72,9 +103,9 @@ def served(tmp_path_factory):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                if _get(base + "/health", timeout=2).status_code == 200:
                     break
-            except httpx.TransportError:
+            except OSError:
                 time.sleep(0.2)
         else:
             out = proc.stdout.read() if proc.poll() is not None else "(still starting)"
@@ -89,7 +120,7 @@ def served(tmp_path_factory):
             for name in ("chat", "sql2"):
                 pm.load_adapter(paths[name], adapter_name=name)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        yield dict(client=client, tokenizer=tokenizer, pm=pm, base=base, paths=paths, proc=proc)
+        yield dict(client=client, tokenizer=tokenizer, pm=pm.to(DEVICE), base=base, paths=paths, proc=proc)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -113,8 +144,8 @@ MODELS = {"tiny-llama": None, "sql": "sql", "chat": "chat"}
 
 def test_models_health_and_metrics(served):
     assert [m.id for m in served["client"].models.list().data] == ["tiny-llama", "broken", "chat", "sql"]
-    assert httpx.get(served["base"] + "/health", timeout=10).status_code == 200
-    text = httpx.get(served["base"] + "/metrics", timeout=10).text
+    assert _get(served["base"] + "/health", timeout=10).status_code == 200
+    text = _get(served["base"] + "/metrics", timeout=10).text
     for name in ("lora_book:num_requests_running", "lora_book:num_requests_waiting", "lora_book:kv_blocks_in_use",
                  "lora_book:time_to_first_token_seconds_bucket", "lora_book:time_per_output_token_seconds_bucket",
                  "lora_book:generation_tokens_total", "lora_book:lora_pool_events_total"):
@@ -224,7 +255,7 @@ BAD = [  # (body changes, the parameter the 400 names)
 @pytest.mark.parametrize("change,param", BAD, ids=[next(iter(c)) for c, _ in BAD])
 def test_every_bad_request_is_a_400_naming_it(served, change, param):
     body = {"model": "sql", "prompt": "x", "max_tokens": 2, "temperature": 0, **change}
-    r = httpx.post(served["base"] + "/v1/completions", json=body, timeout=60)
+    r = _post(served["base"] + "/v1/completions", body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "BadRequestError" and err["code"] == 400
@@ -237,7 +268,7 @@ def test_refusals_disturb_nothing_and_chat_needs_a_template(served):
     client = served["client"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-adapter", prompt="x", max_tokens=2, temperature=0)
-    r = httpx.post(served["base"] + "/v1/completions", content=b"{not json", timeout=30)
+    r = _post(served["base"] + "/v1/completions", raw=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     got = client.completions.create(model="chat", prompt=[7, 8, 9], max_tokens=3, temperature=0)
     assert got.choices[0].text == text_of(served, want(served, [7, 8, 9], "chat", 3))
@@ -268,7 +299,7 @@ def test_sampling_options(served):
     pm.set_adapter("sql")
     seq = ids + want(served, ids, "sql", 3)
     with torch.no_grad():
-        logits = pm(input_ids=torch.tensor([seq])).logits[0].log_softmax(-1)
+        logits = pm(input_ids=torch.tensor([seq], device=DEVICE)).logits[0].float().log_softmax(-1)
     expect = [logits[len(ids) - 1 + i, seq[len(ids) + i]].item() for i in range(3)]
     assert lp.choices[0].logprobs.token_logprobs == pytest.approx(expect, abs=1e-4)
     text = client.completions.create(model="sql", prompt="stop here", max_tokens=12, temperature=0).choices[0].text
@@ -297,25 +328,28 @@ def test_a_broken_adapter_fails_alone(served):
     assert got["sql"] == alone["sql"] and got["chat"] == alone["chat"]
     with pytest.raises(openai.APIError, match="not finite"):
         list(client.completions.create(model="broken", prompt=[4, 5], max_tokens=3, temperature=0, stream=True))
-    assert httpx.get(served["base"] + "/health", timeout=10).status_code == 200
+    assert _get(served["base"] + "/health", timeout=10).status_code == 200
 
 
 def _metric(s, name: str) -> float:
-    for line in httpx.get(s["base"] + "/metrics", timeout=10).text.splitlines():
+    for line in _get(s["base"] + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
 
 
 def test_a_client_that_disconnects_frees_its_blocks(served):
-    with httpx.Client(base_url=served["base"], timeout=60) as http:
-        body = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
-            assert _metric(served, "lora_book:kv_blocks_in_use") > 0
-        # the response is closed mid-stream: the server aborts the request
+    parts = urlsplit(served["base"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    while not r.readline().startswith(b"data:"):
+        pass
+    assert _metric(served, "lora_book:kv_blocks_in_use") > 0
+    conn.close()  # the client goes away mid-stream: the server aborts the request
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (_metric(served, "lora_book:kv_blocks_in_use") > 0
                                            or _metric(served, "lora_book:num_requests_running") > 0):
@@ -330,16 +364,16 @@ def test_load_unload_reload_while_requests_run(served):
     running = client.completions.create(model="sql", prompt=ids, max_tokens=60, temperature=0, stream=True,
                                         extra_body={"ignore_eos": True})
     head = next(iter(running)).choices[0].text  # decoding on the first version of "sql"
-    r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(paths["sql2"])},
+    r = _post(base + "/v1/load_lora_adapter", {"lora_name": "extra", "lora_path": str(paths["sql2"])},
                    timeout=60)
     assert r.status_code == 200, r.text
     got = client.completions.create(model="extra", prompt=ids, max_tokens=5, temperature=0)
     assert got.choices[0].text == text_of(served, want(served, ids, "sql2", 5))
-    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60).status_code == 200
+    assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "sql"}, timeout=60).status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="sql", prompt=ids, max_tokens=2, temperature=0)
     # "sql" comes back with other weights while its old request still decodes
-    r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(paths["sql2"])},
+    r = _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql2"])},
                    timeout=60)
     assert r.status_code == 200, r.text
     got = client.completions.create(model="sql", prompt=ids, max_tokens=5, temperature=0)
@@ -347,10 +381,10 @@ def test_load_unload_reload_while_requests_run(served):
     old = head + "".join(c.choices[0].text for c in running)
     expect = served["tokenizer"].decode(_peft_greedy(served["pm"], ids, "sql", SamplingParams(max_new_tokens=60)))
     assert old == expect  # the running request finished on the version it started with
-    bad = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"}, timeout=60)
+    bad = _post(base + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/folder"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
-    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60).status_code == 404
+    assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "nope"}, timeout=60).status_code == 404
     # put "sql" back as the other tests know it
-    assert httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(paths["sql"])},
+    assert _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql"])},
                       timeout=60).status_code == 200
-    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "extra"}, timeout=60).status_code == 200
+    assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "extra"}, timeout=60).status_code == 200

@@ -125,6 +125,7 @@ class EngineLoop:
         """(engine thread) Abort a request whose client went away."""
         if stream.out is not None and self.streams.pop(stream.out.request_id, None) is not None:
             self.llm.abort_request(stream.out.request_id)
+            stream.wake()  # a handler that stopped it (a stop string) waits for its end
 
     def stop(self) -> None:
         self.stopped.set()
