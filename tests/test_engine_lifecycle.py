@@ -69,9 +69,13 @@ def test_a_nan_adapter_fails_alone_and_the_others_keep_their_tokens(llm):
     assert llm.generate([PROMPTS[0]], PARAMS[0], ["a"])[0].token_ids == alone[0]  # the engine goes on
 
 
-def test_a_seed_past_64_bits_is_refused_when_added_not_while_generating(llm):
+def test_what_would_fail_on_the_device_is_refused_when_added(llm):
+    """A seed past 64 bits, a stop token past the vocabulary (min_tokens masks its column)."""
     out = llm.add_request([1, 2], SamplingParams(max_new_tokens=2, temperature=0.5, seed=2 ** 64))
     assert out.error is not None and "seed" in out.error and not llm.has_unfinished()
+    far = llm.add_request([1, 2], SamplingParams(max_new_tokens=2, stop_token_ids=(5, llm.model.config.vocab_size),
+                                                 min_tokens=1))
+    assert far.error is not None and "stop_token_ids" in far.error and not llm.has_unfinished()
     ok = llm.add_request([1, 2], SamplingParams(max_new_tokens=2, temperature=0.5, seed=2 ** 64 - 1))
     assert ok.error is None
     for _ in range(10):

@@ -234,6 +234,7 @@ BAD = [  # (body changes, the parameter the 400 names)
     (dict(prompt=[[5, 999]]), None),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=True), "stop_token_ids"),
+    (dict(stop_token_ids=[999]), None),
     (dict(seed=2 ** 64, temperature=0.5), "seed"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),

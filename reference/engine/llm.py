@@ -285,6 +285,9 @@ class LLM:
             raise ValueError("the prompt is empty")
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            # min_tokens masks these columns of the logits: an id past the vocabulary would index out of bounds
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {list(params.stop_token_ids)}")
         if len(tokens) + params.max_new_tokens > self.max_context:
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"model's context of {self.max_context} positions")
