@@ -2,6 +2,7 @@
 #   make demo   - the main job: generate learner versions, autograde the bundled submissions, print scores
 #   make test   - the test suite
 #   make lab    - self-study: generate the learner versions into learner/ and open JupyterLab there
+#                 (LAB_ARGS="..." passes options to jupyter lab)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -31,8 +32,11 @@ test: $(STAMP)
 learner: $(STAMP)
 	$(PY) -m graders.course learner --out learner
 
+# LAB_ARGS passes options to jupyter lab (make lab LAB_ARGS="--no-browser --port 8899"); as root (a
+# container's usual user) Jupyter refuses to start without --allow-root, so it is added there
+LAB_ARGS ?=
 lab: learner
-	$(VENV)/bin/jupyter lab learner
+	$(VENV)/bin/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS) learner
 
 notebooks: $(STAMP)
 	$(PY) tools/build_notebooks.py
