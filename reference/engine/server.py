@@ -41,6 +41,7 @@ Client::
 
 import argparse
 import asyncio
+import contextlib
 import json
 import queue
 import secrets
@@ -423,9 +424,15 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    app = FastAPI(title="multi-LoRA book engine")
     metrics = _Metrics(llm)
     engine = EngineLoop(llm, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        engine.stop()  # the server shuts down: the engine thread ends with it
+
+    app = FastAPI(title="multi-LoRA book engine", lifespan=lifespan)
     app.state.engine = engine
     created = int(time.time())
     admin = threading.Lock()  # one adapter load/unload at a time (they read folders off the engine thread)
@@ -576,10 +583,6 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
-
-    @app.on_event("shutdown")
-    def _stop_engine() -> None:
-        engine.stop()
 
     return app
 
