@@ -98,7 +98,9 @@ print(moe_lora.virtual_expert_ids(topk_ids, token_slots, num_experts=4))
 # (integers) and `token_slots [num_tokens]`, return `[num_tokens, top_k]` **int64** ids
 # `token_slots[t] * num_experts + topk_ids[t, j]`. A **negative** id (-1 marks an expert another
 # expert-parallel rank holds, section 4) gives -1. Raise `ValueError` when `topk_ids` is not 2-D, when
-# `token_slots` is not a 1-D tensor with one entry per token, or when an expert id is `>= num_experts`. The example above gives
+# `token_slots` is not a 1-D tensor with one entry per token, or when an expert id is `>= num_experts`.
+# Zero tokens (`topk_ids` of shape `[0, top_k]`, a step in which no token reaches this layer's
+# experts) is not an error: return an empty `[0, top_k]` int64 tensor. The example above gives
 # `[[1, 3], [8, 10], [7, 5]]`.
 
 # %% exercise="ch09.1" role="answer"
