@@ -179,6 +179,10 @@ def _target_edge() -> list[Case]:
         _target_case("regex_layer_1_not_10", r".*layers\.1\..*", _path(10, "up_proj")),
         _target_case("regex_prefix_is_not_enough", r".*layers\.1", o1),  # re.match would say True
         _target_case("regex_alternation_is_not_anchored_per_branch", r".*q_proj|v_proj", _path(2, "v_proj")),
+        # re.match(regex + "$"): the "$" ends only the last branch, so the first still accepts a prefix
+        _target_case("regex_dollar_binds_only_the_last_branch", r".*layers\.1|zz_proj", o1),
+        _target_case("regex_first_branch_prefix_of_the_path", r".*self_attn|.*mlp\.up_proj", q0),
+        _target_case("regex_second_branch_whole_path", r".*self_attn|.*mlp\.up_proj", up1),
         _target_case("all_linear", "all-linear", _path(5, "down_proj")),
         _target_case("all_linear_any_case", "All-Linear", q0),
     ]
@@ -229,10 +233,13 @@ def _target_hint(case: Case, expected, got) -> Optional[str]:
     if isinstance(targets, str) and targets.lower() == "all-linear":
         return "'all-linear' (in any case) selects every linear projection: return True"
     if isinstance(targets, str):
+        if got and "|" in targets and (re.search(f"^{targets}$", path) or re.match(targets + "$", path)):
+            return ("anchors added to a regex do not reach inside an alternation: '^' + regex + '$' anchors "
+                    "only the first and the last branch ('^q_proj|v_proj$' accepts any path ending in v_proj), "
+                    "and re.match(regex + '$') ends only its LAST branch, so an earlier branch still accepts "
+                    "a prefix of the path ('.*layers\\.1|x'): use re.fullmatch, which anchors the whole regex")
         if got and re.search(f"^{targets}$", path):
-            return ("'^' + regex + '$' anchors only the first and the last branch of an alternation "
-                    "('^q_proj|v_proj$' accepts any path ending in v_proj): use re.fullmatch, which "
-                    "anchors the whole regex")
+            return ("'^' + regex + '$' is not re.fullmatch: use re.fullmatch, which anchors the whole regex")
         if got and re.match(targets, path):
             return ("a string target_modules is a regex that must match the WHOLE path (re.fullmatch): "
                     "re.match only anchors the START, so a pattern that matches a prefix of the path "
@@ -284,6 +291,11 @@ def _scaling_edge() -> list[Case]:
         _scaling_case("pattern_is_a_regex", {"r": 4, "lora_alpha": 8,
                                              "rank_pattern": {r"layers\.[01]\.self_attn\.(q|k)_proj": 6}}, k1),
         _scaling_case("pattern_must_reach_the_end", {"r": 4, "lora_alpha": 8, "rank_pattern": {"self_attn": 2}}, k1),
+        # the key is grouped: "(.*\.)?self_attn|mlp$" would accept the prefix "model.layers.1.self_attn"
+        _scaling_case("alternation_key_reaches_the_end_in_every_branch",
+                      {"r": 4, "lora_alpha": 8, "rank_pattern": {"self_attn|mlp": 2}}, k1),
+        _scaling_case("alternation_key_selects_either_branch",
+                      {"r": 4, "lora_alpha": 8, "rank_pattern": {"q_proj|k_proj": 2}}, k1),
         _scaling_case("dotted_pattern", {"r": 4, "lora_alpha": 8, "rank_pattern": {"layers.1.self_attn.o_proj": 7}}, o1),
         _scaling_case("first_match_wins_not_most_specific",
                       {"r": 4, "lora_alpha": 8, "rank_pattern": {"gate_proj": 5, "layers.1.mlp.gate_proj": 2}}, g1),
@@ -331,12 +343,25 @@ def _scaling_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
+def _ungrouped_key_matches(patterns, path: str, value) -> bool:
+    """Whether the first key that matches without its group (rf"(.*\\.)?{key}$") gives ``value``, and
+    that key does not match with it: the symptom of the group left out."""
+    for key, v in (patterns or {}).items():
+        if re.match(rf"(.*\.)?{key}$", path):
+            return v == value and not re.match(rf"(.*\.)?({key})$", path)
+    return False
+
+
 def _scaling_hint(case: Case, expected, got) -> Optional[str]:
     config, path = case.args
     if not (isinstance(got, tuple) and len(got) == 2):
         return "return a tuple (r, scaling): the module's rank (an int) and its scaling (a float)"
     r_exp, s_exp = expected
     r_got, s_got = got
+    if r_got != r_exp and _ungrouped_key_matches(config.get("rank_pattern"), path, r_got):
+        return ("a rank_pattern key is a regex put inside a group, re.match(rf'(.*\\.)?({key})$', path): "
+                "without the parentheses an alternation key ('self_attn|mlp') binds '(.*\\.)?' to its first "
+                "branch and '$' to its last, so the first branch accepts a prefix of the path")
     if r_got != r_exp:
         return ("the module's rank: the value of the FIRST rank_pattern key (in the dict's order) that "
                 "matches a dot-separated suffix of the path as a regex, re.match(rf'(.*\\.)?({key})$', path); "
