@@ -53,6 +53,10 @@ def _requests_edge() -> list[Case]:
         _requests_case("decode_one_token_each", ["b", "a", None, "b"], [1, 1, 1, 1], slots, ranks, scal),
         _requests_case("adapter_with_zero_tokens_is_not_active", ["a", None], [0, 4], slots, ranks, scal),
         _requests_case("base_model_in_slot_2", ["x", None], [2, 2], {"x": 0, None: 2}, [4, 0, 0], [1.0, 0.0, 0.0]),
+        # an adapter is not a rank: a resident uid whose slot has rank 0 (all its modules zero-filled)
+        # computes no LoRA, so a batch of it and the base model has nothing active
+        _requests_case("resident_adapter_of_rank_0_is_not_active", ["z", None, "z"], [3, 2, 1],
+                       {None: 0, "z": 1}, [0, 0], [0.0, 0.0]),
         _requests_case("uid_not_resident_raises_value_error", ["a", "z"], [1, 1], slots, ranks, scal),
         _requests_case("base_model_not_resident_raises_value_error", ["a", None], [1, 1], {"a": 1}, [0, 4], [0.0, 0.5]),
         _requests_case("zero_token_uid_not_resident_raises_value_error", ["z", "a"], [0, 2], slots, ranks, scal),
@@ -96,6 +100,12 @@ def _requests_hint(case: Case, expected, got) -> Optional[str]:
     if isinstance(got.has_active_lora, torch.Tensor):
         return "has_active_lora is a host bool computed from the host lists; a tensor (or .item()) would read the device"
     if expected.has_active_lora != got.has_active_lora:
+        uids, lens, uid_to_slot, ranks = case.args[:4]
+        if got.has_active_lora and any(n > 0 and u is not None for u, n in zip(uids, lens)) \
+                and not any(n > 0 and ranks[uid_to_slot[u]] > 0 for u, n in zip(uids, lens)):
+            return ("has_active_lora asks whether some LoRA computes anything: a request of an adapter whose "
+                    "slot has rank 0 (lora_ranks[slot] == 0) computes none, like the base model; decide from "
+                    "the slot's rank, not from the uid being None")
         return ("has_active_lora: some request with at least one token uses a slot of rank > 0; the base "
                 "model's slot has rank 0, wherever it is")
     return None

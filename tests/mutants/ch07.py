@@ -7,6 +7,10 @@ from graders.mutation import Mutant
 
 MUTANTS = [
     # ch07.1 batch_info_from_requests
+    Mutant("ch07.1", "active-when-some-request-is-not-the-base",
+           (("any(n > 0 and lora_ranks[s] > 0 for n, s in zip(req_lens, slots))",
+             "any(n > 0 and u is not None for n, u in zip(req_lens, req_uids))"),),
+           "decide from the slot's rank, not from the uid being None", "clause"),
     Mutant("ch07.1", "zero-token-request-active",
            (("any(n > 0 and lora_ranks[s] > 0 for n, s in zip(req_lens, slots))",
              "any(lora_ranks[s] > 0 for s in slots)"),),
