@@ -175,6 +175,10 @@ def _admit_edge() -> list[Case]:
     return [
         c("docstring_example", [_r(0, "b"), _r(1, "a"), _r(2, "a")], [None], ["a"], 2, 10, 8),
         c("arrival_is_list_order_not_seq_id", [_r(7, "a", 2), _r(3, "a", 2)], [], [], 2, 2, 8),
+        # arrival order, not the longest wait: a preempted request waits less than the one behind it
+        c("arrival_order_not_the_longest_wait", [_r(4, "a", 1, 1), _r(5, "a", 1, 6)], [], [], 2, 10, 1),
+        # an admitted uid joins the set the cap counts: b then c cannot both fit a cap of 2 beside a
+        c("each_admitted_uid_joins_the_set", [_r(0, "b"), _r(1, "c")], ["a"], [], 2, 10, 8),
         c("preempted_at_the_front_keeps_its_place", [_r(9, "b"), _r(2, "a"), _r(5, "b")], [], ["b"], 2, 10, 8),
         c("resident_adapters_take_no_slot_until_they_run", [_r(0, "c"), _r(1, "d")], [], ["a", "b"], 2, 10, 8),
         c("draining_a_tuple_uid_compares_by_value", [_r(0, ("lora", 3)), _r(1, "b")], [], [], 3, 10, 8,
@@ -265,6 +269,8 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
     if wrong.get("running_only"):
         warm = set(running)
     order = rows if wrong.get("no_order") else sorted(rows, key=lambda r: r[1] not in warm)
+    if wrong.get("longest_wait"):
+        order = sorted(rows, key=lambda r: (r[1] not in warm, -r[3]))
     if wrong.get("by_seq_id"):
         order = sorted(rows, key=lambda r: (r[1] not in warm, r[0]))
     chosen, admitted, seen = set(running) | (set(resident) if wrong.get("resident_counted") else set()), [], 0
@@ -291,7 +297,8 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
         if wrong.get("ge_kv") and blocks == free:
             break
         admitted.append(seq_id)
-        chosen.add(uid)
+        if not wrong.get("no_add"):
+            chosen.add(uid)
         free -= 0 if wrong.get("no_decrement") else blocks
     return admitted
 
@@ -320,6 +327,10 @@ _ADMIT_MISTAKES = [
     (dict(flag_ignored=True), "hold back the drained uid only while drain_active is True (draining None with the "
                               "flag off means no drain, not \"drain the base model\")"),
     (dict(no_decrement=True), "subtract each admitted candidate's blocks_needed from the free blocks"),
+    (dict(longest_wait=True), "within each part, ARRIVAL order (the waiting list's order), not the longest wait: "
+                              "the drain is what helps a request that waited long"),
+    (dict(no_add=True), "add each admitted candidate's uid to the set the cap counts (running uids plus the ones "
+                        "admitted so far): otherwise two new adapters both fit the last free slot"),
     (dict(ge_kv=True), "a candidate that needs exactly the free blocks fits: stop only when blocks_needed > free"),
     (dict(off=1), "at most max_new_seqs admissions: one too many"),
     (dict(off=-1), "up to max_new_seqs admissions: one too few"),
@@ -335,10 +346,17 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     ids = [r[0] for r in case.args[0]]
     if any(g not in ids for g in got):
         return "return the seq_ids of the admitted candidates (ints from the waiting list), not candidates or uids"
+    # the hint follows what the answer returned: every known mistake that returns exactly this; two
+    # that do are both named (the output cannot tell them apart), rather than one of them guessed
+    matches = []
     for flags, msg in _ADMIT_MISTAKES:
         value = _admit_variant(*case.args, **flags)
-        if got == value and value != expected:
-            return msg
+        if got == value and value != expected and msg not in matches:
+            matches.append(msg)
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        return "two mistakes return exactly this; either: (1) " + matches[0] + "; or (2) " + matches[1]
     if sorted(got) == sorted(expected):
         return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
                 "resident uids first, each part in arrival order)")
