@@ -283,7 +283,8 @@ def drive_row(fn, x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scal
     the two variants are held to their outputs: by linearity they give the same numbers, and a
     missing or doubled all-reduce gives other ones."""
     return run_ranks(x_locals.shape[0], fn, lambda j: (x_locals[j], W_locals[j], A_locals[j], B, token_slots,
-                                                        lora_ranks, scalings, variant), _ROW_NAMES)
+                                                        lora_ranks, scalings, variant), _ROW_NAMES,
+                     before_any_collective=variant not in VARIANTS["row"])
 
 
 def _row_case(name, gen, tp, tokens, ranks, scalings, variant, d_in=8, d_out=6, R=16,
@@ -400,8 +401,11 @@ def drive_column(fn, x, W_locals, A_locals, B_locals, token_slots, lora_ranks, s
     """The learner's ``fully_sharded_column_lora`` in ``tp`` gloo ranks; [tp, T, out_local].
 
     Graded on what the ranks return (see :func:`drive_row`: what the collectives carry is not)."""
-    return run_ranks(W_locals.shape[0], fn, lambda j: (x, W_locals[j], A_locals[j], B_locals[j], token_slots,
-                                                        lora_ranks, scalings, list(slice_offsets)), _COLUMN_NAMES)
+    tp, stack, R = W_locals.shape[0], len(slice_offsets) - 1, B_locals.shape[3]
+    refused = bool(R % tp) or A_locals.shape[2] != stack * (R // tp)  # the contract's ValueError
+    return run_ranks(tp, fn, lambda j: (x, W_locals[j], A_locals[j], B_locals[j], token_slots,
+                                        lora_ranks, scalings, list(slice_offsets)), _COLUMN_NAMES,
+                     before_any_collective=refused)
 
 
 def _column_case(name, gen, tp, tokens, ranks, scalings, part_widths, d_in=8, R=16, slot_dtype=torch.int32,

@@ -68,10 +68,11 @@ _OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "redu
 
 
 @contextlib.contextmanager
-def _watched(tp_group):
+def _watched(tp_group, as_tp: tuple | None = None):
     """For a ``with`` block: the collectives of ``_OPS`` and the group queries refuse any group but
     ``tp_group``. A collective outside ``_OPS`` on the wrong group is not named: it waits for the
-    bystander, and the hang is reported."""
+    bystander, and the hang is reported. ``as_tp`` (rank, tp): the queries answer these for
+    ``tp_group`` (the before-any-collective probe's group also holds the bystander)."""
     saved = {name: getattr(dist, name) for name in _OPS + ("get_rank", "get_world_size")}
 
     def on(name: str, group):
@@ -101,10 +102,12 @@ def _watched(tp_group):
                                               group=on("reduce_scatter_tensor", group))
 
     def get_rank(group=None):
-        return saved["get_rank"](on("get_rank", group))
+        rank = saved["get_rank"](on("get_rank", group))
+        return rank if as_tp is None else as_tp[0]
 
     def get_world_size(group=None):
-        return saved["get_world_size"](on("get_world_size", group))
+        size = saved["get_world_size"](on("get_world_size", group))
+        return size if as_tp is None else as_tp[1]
 
     for fn in (all_reduce, all_gather, all_gather_into_tensor, broadcast, reduce_scatter_tensor, get_rank,
                get_world_size):
@@ -124,7 +127,7 @@ def _same(a, b) -> bool:
 
 
 def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callable[[int], tuple],
-               names: Sequence[str]) -> None:
+               names: Sequence[str], before_any_collective: bool = False) -> None:
     """Join the job (global rank ``rank + 1``; ``rank`` -1 is the bystander), build the TP subgroup,
     call, write the outcome, then wait to be killed: a rank never tears its group down itself, so no
     rank's exit can break a collective or a rendezvous another rank is still in (the parent kills
@@ -139,10 +142,12 @@ def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callabl
         dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=tp + 1,
                                 timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S + 30))
         group = dist.new_group(list(range(1, tp + 1)))  # every process of the job takes part
+        if before_any_collective:  # the bystander is in it and never joins: any collective waits
+            group = dist.new_group(list(range(tp + 1)))
         if rank >= 0:
             args = rank_args(rank)
             before = [a.clone() if isinstance(a, torch.Tensor) else list(a) if isinstance(a, list) else a for a in args]
-            with _watched(group):
+            with _watched(group, (rank, tp) if before_any_collective else None):
                 result = fn(*args, group)
             changed = [n for n, a, b in zip(names, args, before) if not _same(a, b)]
             if changed:
@@ -179,10 +184,15 @@ def _raise_from_rank(rank: int, outcome: dict) -> None:
     raise cls(f"rank {rank}: {outcome['exc']}: {outcome['msg']}")
 
 
-def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: Sequence[str] = ()) -> torch.Tensor:
+def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: Sequence[str] = (),
+              before_any_collective: bool = False) -> torch.Tensor:
     """``fn(*rank_args(j), group)`` on each of ``tp`` forked gloo ranks; their tensors stacked, [tp, ...].
 
-    ``names`` name ``rank_args``' entries in messages.
+    ``names`` name ``rank_args``' entries in messages. ``before_any_collective``: for inputs the
+    contract refuses "before any collective", ``group`` also holds the bystander, which never joins a
+    collective: an answer that checks first raises on every rank at once; one that calls a collective
+    before its check waits there until the deadline, and the case fails saying so. Observed by the
+    parent (which runs no learner code) from which ranks finished: nothing recorded in a rank decides.
     Raises:
         the exception a rank raised (same class when it is a built-in exception, else RuntimeError),
             with "rank j:" before its message; RuntimeError when only some ranks raised;
@@ -203,12 +213,12 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
             if pid == 0:  # a rank: never returns into the grader's code
                 code = 0
                 try:
-                    _rank_body(rank, tp, folder, fn, rank_args, names)
+                    _rank_body(rank, tp, folder, fn, rank_args, names, before_any_collective)
                 except BaseException:  # noqa: BLE001
                     code = 1
                 os._exit(code)
             pids.append(pid)
-        outcomes = _wait(pids, folder)[1:]
+        outcomes = _wait(pids, folder, not before_any_collective)[1:]
     finally:
         for pid in pids:
             try:
@@ -217,6 +227,12 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
             except (ProcessLookupError, ChildProcessError):
                 pass
         shutil.rmtree(folder, ignore_errors=True)
+    if before_any_collective and any("pending" in o for o in outcomes) and not any("exc" in o for o in outcomes):
+        waiting = [j for j, o in enumerate(outcomes) if "pending" in o]
+        raise RuntimeError(f"rank(s) {waiting} called a collective before raising: given an input the contract "
+                           f"refuses, every rank must raise ValueError BEFORE any collective (these ranks waited "
+                           f"{RANK_TIMEOUT_S:g} s in one; in a server, a rank that raises after another already "
+                           "waits in an all-reduce hangs the group)")
     died = [j for j, o in enumerate(outcomes) if o.get("died")]
     if died:
         _raise_from_rank(died[0], outcomes[died[0]])
@@ -228,7 +244,7 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
         first = outcomes[j]
         message = (f"rank {j} raised {first['exc']}: {first['msg'][:300]}, but rank(s) {others} {how}: "
                    "an error the contract names is raised on EVERY rank, before any collective")
-        if "did not finish" in how:
+        if "did not finish" in how and not before_any_collective:  # (the probe's group makes them wait)
             _hung.append(message)  # the same answer would leave a rank waiting in every later case
         raise RuntimeError(message)
     for rank in raised:
@@ -243,7 +259,7 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
     return torch.stack(tensors)
 
 
-def _wait(pids: list[int], folder: str) -> list[dict]:
+def _wait(pids: list[int], folder: str, record_hang: bool = True) -> list[dict]:
     """Every process's outcome (file ``rank{j}.pt`` for j = -1 .. tp-1, in ``pids`` order), read as
     soon as it is written. When a rank failed, the others get until the deadline to fail too (a
     contract error is raised on every rank); a rank still running then is marked ``pending``. A
@@ -263,7 +279,7 @@ def _wait(pids: list[int], folder: str) -> list[dict]:
                 return [done.get(j, {"pending": True}) for j in range(len(pids))]
         if len(done) < len(pids):
             if time.monotonic() > deadline:
-                if any("exc" in o for o in done.values()):
+                if any("exc" in o for o in done.values()) or not record_hang:
                     return [done.get(j, {"pending": True}) for j in range(len(pids))]
                 waiting = [j - 1 for j in range(len(pids)) if j not in done]
                 returned = sorted(j - 1 for j in done if j > 0)

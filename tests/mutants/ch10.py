@@ -133,6 +133,16 @@ MUTANTS = [
             ("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
              "    delta = torch.einsum(\"tr,tor->to\", t, Bt)\n")),
            "modified its input 'B'", "state"),
+    Mutant("ch10.3", "variant-checked-after-the-base-all-reduce",
+           (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
+             "        raise ValueError(f\"unknown variant {variant!r}\")\n", ""),
+            ("    y = x_local @ W_local.T\n",
+             "    y = x_local @ W_local.T\n"
+             "    dist.all_reduce(y, group=group)\n"
+             "    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
+             "        raise ValueError(f\"unknown variant {variant!r}\")\n"
+             "    y = y / dist.get_world_size(group)\n")),
+           "called a collective before raising", "error"),
     Mutant("ch10.3", "validates-on-rank-0-only",
            (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n",
              "    if dist.get_rank(group) == 0 and variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"),),
@@ -169,6 +179,14 @@ MUTANTS = [
              "        delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", ti, Bi)\n"
              "        y = y.to(delta.dtype)\n"),),
            "qkv_bf16", "dtype"),
+    Mutant("ch10.4", "row-count-checked-after-the-gather",
+           (("    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
+             "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),
+            ("    dist.all_gather(pieces, t_local, group=group)\n",
+             "    dist.all_gather(pieces, t_local, group=group)\n"
+             "    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
+             "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n")),
+           "called a collective before raising", "error"),
     Mutant("ch10.4", "no-row-count-check",
            (("    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
              "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),),
