@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+from fractions import Fraction
 from typing import Optional
 
 from graders.core import Case, Exercise
@@ -339,6 +340,13 @@ _ADMIT_MISTAKES = [
 ]
 
 
+def _several(matches: list[str]) -> str:
+    """One hint naming every known mistake that returns exactly what the answer returned (the
+    output cannot tell them apart; naming one would guess)."""
+    return (f"{len(matches)} different mistakes return exactly this; it is one of: "
+            + "; ".join(f"({k}) {m}" for k, m in enumerate(matches[:3], 1)))
+
+
 def _admit_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(expected, list) or not isinstance(got, (tuple, list)):
         return None
@@ -356,7 +364,7 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     if len(matches) == 1:
         return matches[0]
     if matches:
-        return "two mistakes return exactly this; either: (1) " + matches[0] + "; or (2) " + matches[1]
+        return _several(matches)
     if sorted(got) == sorted(expected):
         return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
                 "resident uids first, each part in arrival order)")
@@ -615,7 +623,12 @@ def _route_edge() -> list[Case]:
     ww = ring_walk(wrap, 3, 2)
     wrap_loads = [2, 2, 2]
     wrap_loads[ww[0]] = 0
+    w5 = ring_walk(k4, 5, 8)
+    floaty = [0] * 5  # 49 in flight, factor 1.1: 1.1 * 50 / 5 = 11.000000000000002, bound 12 (exact: 11)
+    for i, load in zip(w5, (11, 10, 9, 9, 10)):
+        floaty[i] = load
     return [
+        c("bound_in_floating_point_as_written", k4, floaty, 8, 1.1, 1),
         c("idle_instances_first_of_the_walk", k4, [0, 0, 0, 0], 8, 1.25),
         c("replicas_default_1", k4, [1, 0, 2, 1], 8, 1.25),
         c("first_of_the_walk_full", k4, full_first, 8, 1.0, 1),
@@ -709,6 +722,8 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
     bound = math.inf if wrong.get("no_bound") else math.ceil(cf * s / n)
     if wrong.get("factor_outside"):
         bound = cf * math.ceil(s / n)
+    if wrong.get("exact"):
+        bound = math.ceil(Fraction(repr(cf)) * s / n)
     if wrong.get("patched"):
         bound = max(bound, 1)
     if wrong.get("le"):
@@ -737,6 +752,9 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
 
 
 _ROUTE_MISTAKES = [
+    (dict(exact=True), "the bound is the floating-point formula as written, math.ceil(capacity_factor * (sum(loads) "
+                       "+ 1) / len(loads)): exact arithmetic (Fraction, Decimal, integer tricks) can give one less, "
+                       "e.g. 1.1 * 50 / 5 is 11.000000000000002 in floats, so the bound is 12, not 11"),
     (dict(no_plus_one=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
                              "load AFTER it is placed"),
     (dict(patched=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
@@ -767,13 +785,18 @@ _ROUTE_MISTAKES = [
 def _route_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
         return None
+    matches = []  # every known mistake that returns exactly this (see _admit_hint)
     for flags, msg in _ROUTE_MISTAKES:
         try:
             value = _route_variant(*case.args, **flags)
         except (ValueError, StopIteration):
             continue
-        if got == value and value != expected:
-            return msg
+        if got == value and value != expected and msg not in matches:
+            matches.append(msg)
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        return _several(matches)
     return None
 
 

@@ -140,6 +140,11 @@ MUTANTS = [
            "negative_threshold_raises_value_error", "error"),
 
     # ch11.4 route
+    Mutant("ch11.4", "bound-in-exact-arithmetic",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    from fractions import Fraction\n"
+             "    bound = math.ceil(Fraction(str(capacity_factor)) * (sum(loads) + 1) / len(loads))\n"),),
+           "the floating-point formula as written", "math"),
     Mutant("ch11.4", "factor-outside-the-ceiling",
            (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
              "    bound = capacity_factor * math.ceil((sum(loads) + 1) / len(loads))\n"),),

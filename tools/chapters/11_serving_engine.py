@@ -580,10 +580,22 @@ for policy in ("round_robin", "affinity"):
 # return the candidate with the smallest load, ties to the earliest in the walk
 # ```
 #
+# The bound is computed in floating point exactly as written, `math.ceil(capacity_factor * (sum(loads)
+# + 1) / len(loads))` (left to right: multiply, then divide), as a router written in Python does. It
+# can differ from exact arithmetic: the cell after this one shows factor 1.1 with 5 instances and 49
+# requests in flight. The grader uses the floating-point formula.
+#
 # `ring_walk` is given (imported in the cell). Raise `ValueError` when `loads` is empty,
 # `capacity_factor < 1`, `replicas < 1` or a load is negative (`ring_walk` raises for `vnodes < 1`).
 # With `capacity_factor >= 1`, `open` is never empty (the least loaded instance is below the
 # average, hence below the bound).
+
+# %%
+from fractions import Fraction
+import math
+
+print("float:", 1.1 * (49 + 1) / 5, "-> bound", math.ceil(1.1 * (49 + 1) / 5))
+print("exact:", Fraction(11, 10) * (49 + 1) / 5, "-> bound", math.ceil(Fraction(11, 10) * (49 + 1) / 5))
 
 # %% exercise="ch11.4" role="answer"
 import math
