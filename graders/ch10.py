@@ -338,12 +338,20 @@ def _row_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
+def _dtype_hint(name: str, got: torch.dtype, want: torch.dtype) -> str:
+    return (f"{name} is {str(got)[6:]} but the inputs are {str(want)[6:]}: return the input's dtype. scalings is "
+            "float32, so scalings[slot] * (...) promotes a bf16 delta to float32: cast the scaling to the "
+            "output's dtype (.to(y.dtype)) before multiplying")
+
+
 def _row_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor) or got.shape != expected.shape:
         if isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor):
             return (f"y is the FULL output [T, out] on every rank (stacked over ranks: {list(expected.shape)}): "
                     "a row-parallel layer ends with the all-reduce")
         return None
+    if got.dtype != expected.dtype:  # the symptom is the dtype: say that, whatever the values
+        return _dtype_hint("y", got.dtype, expected.dtype)
     x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant = case.args
     tp = x_locals.shape[0]
     g, e = got.detach().cpu(), expected.cpu()
@@ -471,6 +479,8 @@ def _column_hint(case: Case, expected, got) -> Optional[str]:
             return (f"each rank returns its own output columns y_local [T, out_local] (stacked: {list(expected.shape)}); "
                     "a column-parallel layer does not gather its output")
         return None
+    if got.dtype != expected.dtype:
+        return _dtype_hint("y_local", got.dtype, expected.dtype)
     g = got.detach().cpu()
     offsets = case.args[7]
     if len(offsets) > 2 and torch.allclose(g, simulate_column_rank_major(*case.args), atol=1e-4, rtol=1e-4,

@@ -143,6 +143,10 @@ MUTANTS = [
              "        raise ValueError(f\"unknown variant {variant!r}\")\n"
              "    y = y / dist.get_world_size(group)\n")),
            "called a collective before raising", "error"),
+    Mutant("ch10.3", "scaling-left-in-fp32",
+           (("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
+             "    delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
+           "return the input's dtype", "dtype"),
     Mutant("ch10.3", "validates-on-rank-0-only",
            (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n",
              "    if dist.get_rank(group) == 0 and variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"),),
