@@ -415,9 +415,27 @@ def _parse(line: str) -> dict:
     return fields
 
 
+def _static_compare(case: Case, expected, got) -> Optional[str]:
+    """The first step whose record differs, and only the fields that differ in it (the whole record
+    of a step is a long line; the learner needs the buffer or the outcome that is off)."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+        return f"the driver's record has {len(got) if isinstance(got, (tuple, list)) else '?'} entries, expected {len(expected)}"
+    k = next((i for i, (e, g) in enumerate(zip(expected[:-1], got[:-1])) if e != g), None)
+    if k is None:
+        return None if list(expected[-1]) == list(got[-1]) else "the steps' outcomes differ"
+    head = expected[k].partition(" -> ")[0]
+    e, g = _parse(expected[k]), _parse(str(got[k]))
+    lines = [f"{head}:"]
+    for field in dict.fromkeys([*e, *g]):
+        if e.get(field) != g.get(field):
+            lines.append(f"  {field}: expected {e.get(field, '(absent)')}")
+            lines.append(f"  {' ' * len(field)}  got      {g.get(field, '(absent)')}")
+    return "\n".join(lines)
+
+
 def _static_hint(case: Case, expected, got) -> Optional[str]:
     num_slots, max_seqs, tps, poison, steps = case.args
-    if not isinstance(got, tuple) or len(got) != len(expected):
+    if not isinstance(got, (tuple, list)) or len(got) != len(expected):
         return None
     k = next((i for i, (e, g) in enumerate(zip(expected[:-1], got[:-1])) if e != g), None)
     if k is None:
@@ -803,7 +821,7 @@ EXERCISES = [
              _bucket_hint, grade_on="cpu"),
     Exercise("ch08.2", "StaticLoRABatch", ("num_slots", "max_seqs", "tokens_per_seq", "poison", "steps"),
              functools.partial(drive_static_batch, StaticLoRABatch), _static_edge, _static_random, _static_hint,
-             driver=drive_static_batch, grade_on="cpu"),
+             driver=drive_static_batch, grade_on="cpu", compare=_static_compare),
     Exercise("ch08.3", "SlotChangeTracker", ("num_slots", "max_loaded_loras", "warm", "steps"),
              functools.partial(replay_tracker, SlotChangeTracker), _tracker_edge, _tracker_random, _tracker_hint,
              driver=replay_tracker, grade_on="cpu"),
