@@ -365,7 +365,7 @@ def _compare_number(name: str, exp: float | int, desc: Any, tensors: dict) -> Op
         return f"{name}: expected a number, got {kind}"
     if isinstance(exp, int) and not isinstance(exp, bool):
         if isinstance(got, float):
-            return f"{name}: expected an int (a count of bytes is whole), got the float {got!r}"
+            return f"{name}: expected an int, got the float {got!r} (use // or int(): an index, a count or a size is whole)"
         if got != exp:
             return f"{name}: expected {exp:,}, got {got:,}" if isinstance(got, (int, float)) else f"{name}: expected {exp}"
         return None

@@ -643,14 +643,22 @@ for (model_name, phase, _, _), ops in cases.items():
 for model_name, shares in prefill_share.items():
     print(f"prefill, {model_name}: the two kernels add {100 * min(shares):.0f}-{100 * max(shares):.0f}% "
           f"(target <= 30%: {'met' if max(shares) <= 0.3 else 'missed'} by the kernels alone)")
+decode_share = {k[0]: [] for k in cases}
+for (model_name, phase, _, _), ops in cases.items():
+    if phase == "decode":
+        decode_share[model_name].append((ops["gate_up"]["us"] + ops["down"]["us"]) / ops["gate_up"]["base_layer_us"])
+for model_name, shares in decode_share.items():
+    if shares:
+        print(f"decode, {model_name}: the two kernels add {100 * min(shares):.0f}-{100 * max(shares):.0f}%")
 print(f"the alignment, eager: {min(o['align']['us'] for o in cases.values()):.0f}-"
       f"{max(o['align']['us'] for o in cases.values()):.0f} us in every case")
 
 # %% [markdown]
 # What the table says:
 #
-# - **The kernels** ("kernels": gate_up + down over the base layer) add a few percent at decode and
-#   about a tenth at Mixtral's prefill. Qwen3-30B-A3B is the harder case: 128 small experts (768
+# - **The kernels** ("kernels": gate_up + down over the base layer) add the decode and prefill shares
+#   printed above: at decode they are a sizeable fraction of a small layer (a decode MoE layer moves
+#   few tokens, so the adapters' A and B bytes weigh against little work), less at Mixtral's prefill. Qwen3-30B-A3B is the harder case: 128 small experts (768
 #   wide), so each (adapter, expert) group does little work for the A and B bytes it reads, and with
 #   32 adapters its prefill exceeds the target on the kernels alone. The launches are no longer the
 #   bottleneck there; the bytes of 32 x 128 groups are.
