@@ -657,8 +657,8 @@ print(f"the alignment, eager: {min(o['align']['us'] for o in cases.values()):.0f
 # What the table says:
 #
 # - **The kernels** ("kernels": gate_up + down over the base layer) add the decode and prefill shares
-#   printed above: at decode they are a sizeable fraction of a small layer (a decode MoE layer moves
-#   few tokens, so the adapters' A and B bytes weigh against little work), less at Mixtral's prefill. Qwen3-30B-A3B is the harder case: 128 small experts (768
+#   printed above. Mixtral's are larger at decode than at its prefill: a decode MoE layer moves few
+#   tokens, so the adapters' A and B bytes weigh against little work. Qwen3-30B-A3B is the harder case: 128 small experts (768
 #   wide), so each (adapter, expert) group does little work for the A and B bytes it reads, and with
 #   32 adapters its prefill exceeds the target on the kernels alone. The launches are no longer the
 #   bottleneck there; the bytes of 32 x 128 groups are.
