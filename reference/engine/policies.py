@@ -134,8 +134,9 @@ def choose_drain(
 
     Semantics:
         running = the uids of running_remaining
-        starved = the waiting candidates with waited > threshold whose uid is not running, while
-                  len(running) >= max_loras_per_batch (the cap, not KV, keeps them out)
+        starved = the waiting candidates with waited > threshold whose uid is not running,
+                  and only if len(running) >= max_loras_per_batch (the cap, not KV, keeps them
+                  out; otherwise none)
         if none: (False, None)
         else: drain the running uid whose requests finish soonest (the smallest remaining), ties
               broken by ``uid_sort_key`` (base first, then by value) -> (True, that uid)
