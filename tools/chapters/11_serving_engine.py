@@ -944,7 +944,7 @@ print(f"64 adapters against the base model, unrounded: {engine[64]['tokens_per_s
 # - The three targets were written into `benchmarks/benchmark_engine.py` before any H200 run (the
 #   commit that added the benchmark), from S-LoRA's and Punica's reports: many adapters should keep
 #   most of one adapter's throughput. The base-model target came out at the edge (the unrounded
-#   ratio above): met, by a margin smaller than the run-to-run spread, so read it as "about 70%".
+#   ratio above): met with nothing to spare, and with one run per row, read it as "about 70%".
 #
 # The same rows as a figure (made by `figures/src/engine_throughput.py` from the committed results;
 # both axes of the throughput panel are logarithmic):
