@@ -102,7 +102,8 @@ print(f"{launches} LoRA kernel launches per decode step, on top of the base mode
 # A graph has one batch size. Capturing one per possible size costs memory and capture time, so
 # servers capture a few **buckets** and pad each batch up to the smallest bucket that holds it.
 # nano-vllm's list (`nanovllm/engine/model_runner.py`, `capture_cudagraph`): 1, 2, 4, 8, then every
-# multiple of 16 up to the largest batch. It captures them **largest first**, all into **one shared
+# multiple of 16 up to the largest batch. This book also adds the largest batch itself when it is not
+# a multiple of 16 (40 below), so every batch the server admits has a bucket. It captures them **largest first**, all into **one shared
 # memory pool** (`graph_pool`): the largest graph's temporaries are allocated first, and the smaller
 # graphs, which never run at the same time, reuse that memory. Before a replay it copies the step's
 # inputs into the static input tensors and replays the bucket's graph. Prefill (many tokens per
@@ -1168,7 +1169,8 @@ print(f"per layer: {per_layer['split-K shrink']} shrinks (one per pool module, s
 # %%
 from reference.ops.bgmv_shrink import SORTED_BLOCK_M
 print(f"the grouped shrink's default block: {SORTED_BLOCK_M} tokens of one slot per program")
-#
+
+# %% [markdown]
 # ### Prefill
 #
 # Prefill has no graph and long segments, so the layers use SGMV (chapter 07's rule). The prefill
