@@ -174,10 +174,14 @@ graders.show_reference("ch08.1")
 #
 # **Padding.** A batch of n sequences in bucket b has b - n padding sequences, and the graph runs
 # the LoRA kernels on them too. Their `token_slots` point at a **rank-0 slot** (the base model's,
-# which the runner keeps resident), so they add exactly nothing, and so do the rows past the bucket,
-# up to `max_tokens`: a slot id left there from an earlier, larger batch could belong to an adapter
-# evicted since, or to no adapter at all. Padding sequences also go into the slot-sorted view (in
-# the pad slot's segment), so the segments cover exactly the bucket's rows.
+# which the runner keeps resident), so they add exactly nothing. The rows past the bucket, up to
+# `max_tokens`, are set to that slot too. The bucket's graph computes only its own rows, but a
+# kernel's tile is wider than what is left of a batch and may still load the slot ids of the rows
+# after it; a slot id left there by an earlier, larger batch could belong to an adapter evicted
+# since, or to no adapter at all, while the pad slot is always a resident rank-0 slot. (ch08.4's
+# token ids and positions are another matter: no kernel indexes anything with them past the bucket,
+# so they are left as they are.) Padding sequences also go into the slot-sorted view (in the pad
+# slot's segment), so the segments cover exactly the bucket's rows.
 #
 # **The LoRA intermediate.** The shrink output `t [tokens, max_rank]` of each layer is allocated
 # inside the layer's forward, that is *inside the captured region*: it comes from the graph's
@@ -229,8 +233,12 @@ print("every buffer at its first address:", demo.data_ptrs() == ptrs,
 # - `token_slots`: sequence q's slot on its `tps` consecutive tokens `q*tps .. q*tps + tps - 1`,
 #   padding sequences `n .. bucket-1` **and every token past the bucket** on `pad_slot`;
 # - `seg_lens`, `seg_indptr` and `permutation[:bucket * tps]`: `slot_sorted_view` (chapter 07) of the
-#   padded bucket, `seq_slots + [pad_slot] * (bucket - n)`, with `tps` tokens per sequence
-#   (`permutation` past `bucket * tps` is not read and not graded);
+#   padded bucket, `seq_slots + [pad_slot] * (bucket - n)`, with `tps` tokens per sequence.
+#   Its signature: `slot_sorted_view(token_slots, num_slots, tokens_per_seq=1, device=None) ->
+#   (slot_counts [num_slots] int32, slot_offsets [num_slots + 1] int32, sorted_token_ids [n * tps] int64)`,
+#   which are
+#   `seg_lens`, `seg_indptr` and `permutation` (`permutation` past `bucket * tps` is not read and not
+#   graded);
 # - `lora_ranks` and `scalings` (int32 and float32): copied from the given lists **only when
 #   `ownership_changed`** is True; otherwise left as they are, whatever lists are passed;
 # - `weight_indices` is never written; **no buffer is ever replaced**: write into `self.buffers[name]`
