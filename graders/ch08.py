@@ -166,6 +166,8 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
     lines, data = [], []
     for i, step in enumerate(steps, 1):
         before = {k: v.clone() for k, v in static.buffers.items()}
+        staging = getattr(static, "staging", None)
+        staged = {k: v.clone() for k, v in staging.items()} if isinstance(staging, dict) else {}
         args = copy.deepcopy(step)
         events.start()
         try:
@@ -193,6 +195,12 @@ def drive_static_batch(cls, num_slots: int, max_seqs: int, tps: int, poison, ste
             line += "; " + "; ".join(parts)
         else:
             line += f"; buffers changed: {', '.join(changed) or 'none'}"
+            # "nothing written" covers the pinned staging too: a refused update that filled it has
+            # half-written the next step's inputs, and a caller that retries copies them
+            now = getattr(static, "staging", None)
+            touched = [k for k, v in staged.items() if not (isinstance(now, dict) and isinstance(now.get(k), torch.Tensor)
+                                                             and now[k].shape == v.shape and torch.equal(now[k], v))]
+            line += f"; staging changed: {', '.join(touched) or 'none'}"
         lines.append(line)
         data.append([outcome, replaced, [] if outcome == "returned" else changed, edited, fence])
     return lines + [data]
@@ -463,6 +471,10 @@ def _static_hint(case: Case, expected, got) -> Optional[str]:
             return f"{why}: raise ValueError"
         return f"{why}: raise ValueError before anything fails on its own (you {g['outcome']})"
     if e["outcome"] != "returned":
+        if e.get("staging") != g.get("staging"):
+            return ("a refused update writes nothing, not even the pinned staging (yours changed "
+                    f"{g.get('staging', '?').replace('changed: ', '')}): check every argument before the "
+                    "first write, into a buffer or into its staging twin")
         return "a refused update changes nothing: check every argument before the first write into a buffer"
     width = bucket * tps
     if e.get("lora_ranks") != g.get("lora_ranks") or e.get("scalings") != g.get("scalings"):

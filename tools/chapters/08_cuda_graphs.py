@@ -227,7 +227,8 @@ print("every buffer at its first address:", demo.data_ptrs() == ptrs,
 # subclass of the given class (its `__init__`, `batch_info` and `data_ptrs` are the reference's,
 # printed above). With `n = len(seq_slots)` and `tps = self.tokens_per_seq`:
 #
-# - **validate first**, and raise `ValueError` with nothing written when: not `n <= bucket <=
+# - **validate first**, and raise `ValueError` with nothing written (no buffer and no staging tensor)
+#   when: not `n <= bucket <=
 #   self.max_seqs`; `lora_ranks` or `scalings` do not have `self.num_slots` entries; a slot of
 #   `seq_slots` or `pad_slot` is outside `0..num_slots-1` (negative too); `lora_ranks[pad_slot] != 0`;
 # - `token_slots`: sequence q's slot on its `tps` consecutive tokens `q*tps .. q*tps + tps - 1`,
