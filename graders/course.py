@@ -569,7 +569,27 @@ def write_learner_version(out: Path) -> None:
             print(f"kept {dest} (your work is never overwritten; delete it to get a fresh copy)")
             continue
         shutil.copytree(course / "release" / chapter, dest, dirs_exist_ok=True)
+        _match_local_kernel(dest / f"{chapter}.ipynb")
         print(f"wrote {dest}")
+
+
+def _match_local_kernel(path: Path) -> None:
+    """Give a learner notebook the kernelspec and language_info that this environment's kernel
+    reports. JupyterLab rewrites both from the kernel when it opens a notebook, and any difference
+    (a display name, the Python patch version) marks an untouched chapter as modified, so closing
+    it asks to save (jupyter/notebook#2123). Skipped when ipykernel is not installed here."""
+    try:
+        from ipykernel.ipkernel import IPythonKernel
+        from ipykernel.kernelspec import get_kernel_dict
+    except ImportError:
+        return
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    spec = get_kernel_dict()
+    nb.metadata["kernelspec"] = {"display_name": spec["display_name"], "language": spec["language"], "name": "python3"}
+    nb.metadata["language_info"] = dict(IPythonKernel.language_info)
+    nbformat.write(nb, path)
 
 
 def main(argv: list[str] | None = None) -> int:

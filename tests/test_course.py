@@ -193,3 +193,25 @@ class _Course:
 for _numbers in COURSES:
     _name = "TestDemoCh" + "_".join(_numbers)
     globals()[_name] = type(_name, (_Course,), {"numbers": _numbers})
+
+
+def test_learner_notebooks_carry_the_local_kernels_metadata(tmp_path):
+    """JupyterLab rewrites kernelspec and language_info from the kernel it starts; a notebook whose
+    values differ opens already modified (issue #33). The learner copies carry this environment's."""
+    pytest.importorskip("ipykernel")
+    from ipykernel.ipkernel import IPythonKernel
+    from ipykernel.kernelspec import get_kernel_dict
+
+    from graders.course import _match_local_kernel
+
+    source = next((ROOT / "notebooks").glob("01_*/01_*.ipynb"))
+    path = tmp_path / source.name
+    path.write_bytes(source.read_bytes())
+    before = nbformat.read(path, as_version=4)
+    _match_local_kernel(path)
+    after = nbformat.read(path, as_version=4)
+    assert after.metadata["language_info"] == IPythonKernel.language_info
+    assert after.metadata["kernelspec"]["display_name"] == get_kernel_dict()["display_name"]
+    assert after.metadata["kernelspec"]["name"] == "python3"
+    assert [c.source for c in after.cells] == [c.source for c in before.cells]
+    assert [c.metadata for c in after.cells] == [c.metadata for c in before.cells]  # nbgrader's ids and points
