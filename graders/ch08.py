@@ -471,7 +471,7 @@ def _static_hint(case: Case, expected, got) -> Optional[str]:
             return f"{why}: raise ValueError"
         return f"{why}: raise ValueError before anything fails on its own (you {g['outcome']})"
     if e["outcome"] != "returned":
-        if e.get("staging") != g.get("staging"):
+        if e.get("staging") != g.get("staging") and e.get("buffers") == g.get("buffers"):
             return ("a refused update writes nothing, not even the pinned staging (yours changed "
                     f"{g.get('staging', '?').replace('changed: ', '')}): check every argument before the "
                     "first write, into a buffer or into its staging twin")

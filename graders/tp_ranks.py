@@ -76,6 +76,11 @@ def _watched(tp_group, as_tp: tuple | None = None):
     saved = {name: getattr(dist, name) for name in _OPS + ("get_rank", "get_world_size")}
 
     def on(name: str, group):
+        if as_tp is not None and name not in ("get_rank", "get_world_size"):
+            # the probe's group holds the bystander, which never joins: wait there as a real
+            # collective would (whatever the tensors' shapes), until the parent sees the rank pending
+            while True:
+                time.sleep(1)
         if group is not tp_group:
             what = "the default group (every process of this job)" if group in (None, dist.group.WORLD) else "another group"
             raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the "
