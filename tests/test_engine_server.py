@@ -94,7 +94,7 @@ def served(tmp_path_factory):
     port = _free_port()
     cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
            "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
-           "--max-loras", "3", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
+           "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
            "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -340,6 +340,7 @@ def _metric(s, name: str) -> float:
 
 
 def test_a_client_that_disconnects_frees_its_blocks(served):
+    aborts = _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="abort"')
     parts = urlsplit(served["base"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     body = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": True,
@@ -357,6 +358,7 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
         time.sleep(0.1)
     assert _metric(served, "lora_book:kv_blocks_in_use") == 0
     assert _metric(served, "lora_book:num_requests_running") == 0
+    assert _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="abort"') == aborts + 1
 
 
 def test_load_unload_reload_while_requests_run(served):
@@ -389,3 +391,83 @@ def test_load_unload_reload_while_requests_run(served):
     assert _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql"])},
                       timeout=60).status_code == 200
     assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "extra"}, timeout=60).status_code == 200
+
+
+# ---- what a first vLLM user found (stop strings, metrics, vLLM's defaults) -------------------------
+def _metric_labeled(s, name: str, label: str) -> float:
+    for line in _get(s["base"] + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stop_string_counts_the_tokens_up_to_it_and_is_a_stop_in_metrics(served):
+    client, tok = served["client"], served["tokenizer"]
+    ids = [40, 41, 42]
+    full = want(served, ids, "sql", 12)
+    text = text_of(served, full)
+    assert len(text) >= 4
+    stop = text[2:4]
+    reach = next(n for n in range(1, len(full) + 1) if stop in tok.decode(full[:n], skip_special_tokens=True))
+    before = _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="stop"')
+    got = client.completions.create(model="sql", prompt=ids, max_tokens=12, temperature=0, stop=[stop], logprobs=0)
+    assert got.choices[0].text == text[:text.index(stop)] and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens == reach  # not the tokens sampled before the abort landed
+    assert len(got.choices[0].logprobs.token_logprobs) == reach
+    chunks = list(client.completions.create(model="sql", prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:text.index(stop)]
+    assert chunks[-1].usage.completion_tokens == reach
+    kept = client.completions.create(model="sql", prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _metric_labeled(
+            served, "lora_book:request_success_total", 'finished_reason="stop"') < before + 3:
+        time.sleep(0.05)
+    assert _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="stop"') >= before + 3
+
+
+def test_min_tokens_holds_back_stop_strings_too(served):
+    client = served["client"]
+    ids = [40, 41, 42]
+    full = want(served, ids, "sql", 12)
+    text = text_of(served, full)
+    stop = text[0]  # found at once without min_tokens
+    early = client.completions.create(model="sql", prompt=ids, max_tokens=12, temperature=0, stop=[stop])
+    assert early.choices[0].text == ""
+    held = client.completions.create(model="sql", prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": 6})
+    assert held.usage.completion_tokens >= 6 and held.choices[0].text.startswith(text_of(served, full[:1]))
+
+
+def test_refusals_come_before_the_stream_and_name_their_parameter(served):
+    base = served["base"]
+    for body, param in ((dict(prompt=[1, 300], stream=True), "prompt"),
+                        (dict(prompt=[1, 300]), "prompt"),
+                        (dict(seed=1.5, temperature=0.5), "seed"),
+                        (dict(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options")):
+        r = _post(base + "/v1/completions", {"model": "sql", "prompt": "x", "max_tokens": 2, "temperature": 0, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = _request("PUT", base + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    assert _get(base + "/v1/no-such-path").json()["error"]["code"] == 404
+
+
+def test_vllm_defaults_a_client_relies_on(served):
+    client, base = served["client"], served["base"]
+    r = _post(base + "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["model"] == "tiny-llama"  # no model: the served one
+    assert r.json()["choices"][0]["text"] == text_of(served, want(served, [7, 8, 9], None, 3))
+    assert _get(base + "/v1/models/chat").json()["id"] == "chat"
+    assert _get(base + "/v1/models/nope").status_code == 404
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": None}]
+    plain = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": ""}]
+    a = client.chat.completions.create(model="chat", messages=parts, max_tokens=4, temperature=0,
+                                       response_format={"type": "text"})
+    b = client.chat.completions.create(model="chat", messages=plain, max_tokens=4, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = _post(base + "/v1/chat/completions", {"model": "chat", "messages": plain, "max_tokens": 2, "temperature": 0,
+                                             "chat_template_kwargs": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"

@@ -64,10 +64,11 @@ _REFUSED = {"echo": False, "suffix": None, "best_of": None, "presence_penalty": 
             "repetition_penalty": 1.0, "min_p": 0.0, "prompt_logprobs": None, "n": 1, "guided_json": None,
             "audio": None, "modalities": None, "prediction": None, "reasoning_effort": None}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "stream", "stream_options",
-           "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", *_REFUSED}
+           "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+           "skip_special_tokens", *_REFUSED}
 _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs",
-                        "store", "metadata"}
+                        "continue_final_message", "store", "metadata"}
 
 
 class Refused(Exception):
@@ -90,6 +91,7 @@ class _Stream:
     failure: Optional[Refused] = None  # a server fault that ended it (500)
     arrived: float = field(default_factory=time.perf_counter)
     reported: int = 0  # tokens the metrics counted
+    by_stop_string: bool = False  # its handler ended it at a stop string (finish reason "stop")
 
 
 class EngineLoop:
@@ -123,9 +125,11 @@ class EngineLoop:
         stream.wake()
 
     def abort(self, stream: _Stream) -> None:
-        """(engine thread) Abort a request whose client went away."""
+        """(engine thread) Abort a request whose client went away, or that a stop string ended."""
         if stream.out is not None and self.streams.pop(stream.out.request_id, None) is not None:
             self.llm.abort_request(stream.out.request_id)
+            if self.metrics is not None:
+                self.metrics.observe(stream, "stop" if stream.by_stop_string else "abort")
             stream.wake()  # a handler that stopped it (a stop string) waits for its end
 
     def stop(self) -> None:
@@ -161,8 +165,11 @@ class EngineLoop:
                     self.llm.abort_request(rid)
                     stream.failure = failure
             for rid, stream in list(self.streams.items()):
-                if stream.out.finished or stream.failure is not None:
+                over = stream.out.finished or stream.failure is not None
+                if over:
                     del self.streams[rid]
+                if self.metrics is not None:
+                    self.metrics.observe(stream, (stream.out.finish_reason or "error") if over else None)
                 stream.wake()
             if self.metrics is not None:
                 self.metrics.after_step(self.llm)
@@ -203,16 +210,32 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _chat_prompt(messages: Any, tokenizer, add_generation_prompt: bool) -> list[int]:
+def _content(content: Any) -> Optional[str]:
+    """A message's content as text: a string, a list of text parts (OpenAI's content parts), or
+    None (an assistant turn with no text); None when it is something else."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _chat_prompt(messages: Any, tokenizer, add_generation_prompt: bool, continue_final: bool = False,
+                 template_kwargs: Optional[dict] = None) -> list[int]:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise Refused(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages)):
-        raise Refused(400, "messages must be a non-empty list of {role, content} objects with string content",
-                      param="messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and _content(m.get("content")) is not None
+            for m in messages):
+        raise Refused(400, "messages must be a non-empty list of {role, content} objects whose content is a string "
+                           "or a list of text parts (images and audio are not supported)", param="messages")
+    messages = [{**m, "content": _content(m.get("content"))} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 (a template error is about this request's messages)
         raise Refused(400, f"the chat template could not render these messages: {exc}", param="messages") from None
     return _encode(tokenizer, text)
@@ -228,6 +251,8 @@ class _Request:
     stream: bool
     include_usage: bool
     chat: bool
+    include_stop: bool = False
+    skip_special: bool = True
 
 
 def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
@@ -241,8 +266,12 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
         value = body.get(key)
         if value is None or value == default or (key != "n" and value in ({}, [])):
             continue
+        if key == "response_format" and value == {"type": "text"}:  # plain text is what the server returns
+            continue
         raise Refused(400, f"{key} is not supported by this server (only its default, {default!r}, is)", param=key)
     model = body.get("model")
+    if model is None:
+        model = served  # vLLM's fallback: a request that names no model goes to the served model
     if model != served and model not in llm.registry.names():
         raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if chat:
@@ -251,7 +280,15 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
             raise Refused(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
         if "messages" not in body:
             raise Refused(400, "messages is required", param="messages")
-        prompts = [_chat_prompt(body["messages"], tokenizer, agp)]
+        kwargs = body.get("chat_template_kwargs") or {}
+        final = body.get("continue_final_message", False)
+        if not isinstance(kwargs, dict) or not isinstance(final, bool):
+            raise Refused(400, "chat_template_kwargs must be an object and continue_final_message a boolean",
+                          param="chat_template_kwargs" if not isinstance(kwargs, dict) else "continue_final_message")
+        if final and agp and "add_generation_prompt" in body:
+            raise Refused(400, "continue_final_message and add_generation_prompt cannot both be true",
+                          param="continue_final_message")
+        prompts = [_chat_prompt(body["messages"], tokenizer, agp and not final, final, kwargs)]
     else:
         if "prompt" not in body:
             raise Refused(400, "prompt is required", param="prompt")
@@ -291,8 +328,12 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
     if not isinstance(stream, bool):
         raise Refused(400, "stream must be a boolean", param="stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise Refused(400, "stream_options supports include_usage only", param="stream_options")
+    flags = {k: body.get(k, d) for k, d in (("include_stop_str_in_output", False), ("skip_special_tokens", True))}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise Refused(400, f"{k} must be a boolean", param=k)
     top_k, top_p, min_tokens = body.get("top_k"), body.get("top_p"), body.get("min_tokens")
     params = dict(max_new_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=tuple(stop_ids),
                   top_k=0 if top_k in (None, -1) else top_k, top_p=1.0 if top_p is None else top_p,
@@ -303,17 +344,25 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
         sp.check()
     except (ValueError, TypeError) as exc:
         text = str(exc).replace("max_new_tokens", max_key)
-        param = next((k for k in ("seed", "temperature", "top_k", "top_p", "min_tokens", "stop_token_ids")
-                      if text.startswith(k)), max_key)
+        # the parameter the message is about; a message may name two ("sampling (temperature > 0)
+        # needs an int seed" is about the seed, "min_tokens must be ... [0, max_tokens]" about min_tokens)
+        param = next((k for k in ("seed", "stop_token_ids", "top_k", "top_p", "min_tokens", "logprobs", "temperature")
+                      if k in text), max_key)
         raise Refused(400, text, param=param) from None
+    vocab = llm.model.config.vocab_size
     for p in prompts:
         if not p:
             raise Refused(400, "the prompt is empty", param="prompt")
+        if min(p) < 0 or max(p) >= vocab:
+            raise Refused(400, f"token ids must lie in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab for t in sp.stop_token_ids):
+            raise Refused(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         if len(p) + sp.max_new_tokens > llm.max_context:
             raise Refused(400, f"This model's maximum context length is {llm.max_context} tokens; the prompt "
                                f"({len(p)} tokens) plus {max_key} ({sp.max_new_tokens}) exceeds it", param=max_key)
     return _Request(prompts, sp, None if model == served else model, model, stop, stream,
-                    bool(options.get("include_usage", False)), chat)
+                    bool(options.get("include_usage", False)), chat, flags["include_stop_str_in_output"],
+                    flags["skip_special_tokens"])
 
 
 class _Metrics:
@@ -361,8 +410,9 @@ class _Metrics:
         self.waiting.set(len(sched.waiting))
         self.kv_used.set(sum(1 for c in llm.blocks.ref_count if c > 0))
 
-    def observe(self, stream: _Stream) -> None:
-        """(engine thread or handler) Count a request's new tokens and, once over, its latencies."""
+    def observe(self, stream: _Stream, finished: Optional[str] = None) -> None:
+        """(engine thread) Count a request's new tokens and, when it ended (``finished``: its reason),
+        the end and its latency. A request refused when it was added is not counted."""
         out = stream.out
         if out is None:
             return
@@ -376,8 +426,8 @@ class _Metrics:
                 self.tpot.observe(b - a)
             self.generation_tokens.inc(new)
             stream.reported = len(times)
-        if out.finished:
-            self.finished.labels(out.finish_reason or "error").inc()
+        if finished is not None:
+            self.finished.labels(finished).inc()
             if times:
                 self.e2e.observe(times[-1])
 
@@ -386,21 +436,44 @@ class _Detok:
     """Incremental text of one request: what is safe to send now (no half UTF-8 character, nothing
     that could still become a stop string), and where a stop string ends it."""
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0, include_stop: bool = False,
+                 skip_special: bool = True) -> None:
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, stop, min_tokens
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
         self.stopped = False
+        self.stop_tokens: Optional[int] = None  # tokens up to the one that completed the stop string
+
+    def decode(self, token_ids: list[int]) -> str:
+        # special tokens (eos) are not text by default, as vLLM's skip_special_tokens default has it
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special) if self.tokenizer else ""
+
+    def _find(self, token_ids: list[int]) -> Optional[tuple[int, int]]:
+        """(start, end) of the first stop string that ends after the min_tokens-th token (vLLM checks
+        stop strings only from there on), or None."""
+        text = self.decode(token_ids)
+        floor = len(self.decode(token_ids[:self.min_tokens])) if self.min_tokens else 0
+        found = None
+        for s in self.stop:
+            at = text.find(s, max(0, floor - len(s) + 1))
+            while at >= 0 and at + len(s) <= floor:
+                at = text.find(s, at + 1)
+            if at >= 0 and (found is None or at < found[0]):
+                found = (at, at + len(s))
+        return found
 
     def text(self, token_ids: list[int]) -> str:
-        # special tokens (eos) are not text, as vLLM's skip_special_tokens default has it
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                text = text[:at]
-        return text
+        text = self.decode(token_ids)
+        if not self.stop or len(token_ids) < self.min_tokens:
+            return text
+        found = self._find(token_ids)
+        if found is None:
+            return text
+        if not self.stopped:
+            self.stopped = True
+            self.stop_tokens = next(n for n in range(1, len(token_ids) + 1) if self._find(token_ids[:n]) is not None)
+        return text[:found[1] if self.include_stop else found[0]]
 
     def delta(self, token_ids: list[int], final: bool) -> str:
         text = self.text(token_ids)
@@ -461,6 +534,20 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         data += [{"id": name, "object": "model", "created": created, "owned_by": "lora-book", "root": name,
                   "parent": served_model_name, "max_model_len": llm.max_context} for name in sorted(llm.registry.names())]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id}")
+    def model(model_id: str):
+        found = [m for m in models()["data"] if m["id"] == model_id]
+        if not found:
+            return error(Refused(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model"))
+        return found[0]
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc):  # an unknown path or method, in OpenAI's shape too
+        return error(Refused(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else
+                             "BadRequestError"))
 
     async def json_body(request: Request):
         try:
@@ -524,7 +611,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         for prompt, stream in zip(req.prompts, streams):
             engine.call(lambda p=prompt, s=stream: engine.add(p, req.params, req.adapter, s))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        detoks = [_Detok(tokenizer, req.stop) for _ in streams]
+        detoks = [_Detok(tokenizer, req.stop, req.params.min_tokens, req.include_stop, req.skip_special)
+                  for _ in streams]
 
         async def updates():
             """Yields after every change until every request is over; aborts them all if cancelled."""
@@ -535,6 +623,7 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
                     for i, s in enumerate(streams):
                         if s.out is not None and s.out.error is None and s.failure is None and detoks[i].stopped \
                                 and not s.out.finished:
+                            s.by_stop_string = True
                             engine.call(lambda s=s: engine.abort(s))  # a stop string ended it
                     yield
                     if all(_over(s, d) for s, d in zip(streams, detoks)):
@@ -548,29 +637,31 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
             return StreamingResponse(_sse(req, rid, streams, detoks, updates(), metrics, chat),
                                      media_type="text/event-stream")
         watcher = asyncio.ensure_future(_watch_disconnect(request))
+        gone = False
         try:
             async for _ in updates():
                 for s, d in zip(streams, detoks):
                     if s.out is not None:
                         d.text(s.out.token_ids)  # notices stop strings as tokens arrive
                 if watcher.done():
-                    raise asyncio.CancelledError
+                    gone = True
+                    break  # leaving the loop closes updates(), which aborts what still runs
         finally:
             watcher.cancel()
-        for s in streams:
-            metrics.observe(s)
+        if gone:  # nobody reads this answer (nginx's 499: client closed request)
+            return JSONResponse(status_code=499, content=Refused(499, "the client closed the request").body())
         failed = next((_failure(s) for s in streams if _failure(s) is not None), None)
         if failed is not None:
             return error(failed)
         choices = []
         for i, (s, d) in enumerate(zip(streams, detoks)):
             text = d.text(s.out.token_ids)
-            n = _kept_tokens(tokenizer, s.out.token_ids, d) if d.stopped else len(s.out.token_ids)
+            n = _generated(s, d)
             choice = {"index": i, "finish_reason": _reason(s, d), "logprobs": _logprobs(s.out, 0, n, tokenizer, chat)}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
         prompt_tokens = sum(len(p) for p in req.prompts)
-        completion = sum(len(s.out.token_ids) for s in streams)
+        completion = sum(_generated(s, d) for s, d in zip(streams, detoks))
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -612,13 +703,12 @@ def _reason(s: _Stream, d: _Detok) -> str:
     return "length" if s.out.finish_reason == "length" else s.out.finish_reason or "stop"
 
 
-def _kept_tokens(tokenizer, ids: list[int], d: _Detok) -> int:
-    """How many tokens the text up to the stop string takes (for usage and logprobs)."""
-    text = d.text(ids)
-    for n in range(len(ids) + 1):
-        if len(tokenizer.decode(ids[:n], skip_special_tokens=True)) >= len(text):
-            return n
-    return len(ids)
+def _generated(s: _Stream, d: _Detok) -> int:
+    """The tokens a request generated as its caller sees them (usage, logprobs): up to the one that
+    completed its stop string, though the engine may have sampled one or two more before the abort
+    reached it (vLLM counts the same)."""
+    n = len(s.out.token_ids)
+    return min(n, d.stop_tokens) if d.stopped and d.stop_tokens is not None else n
 
 
 def _logprobs(out: RequestOutput, start: int, end: int, tokenizer, chat: bool):
@@ -666,17 +756,16 @@ async def _sse(req: _Request, rid: str, streams: list[_Stream], detoks: list[_De
             piece = d.delta(s.out.token_ids, final)
             lps = None
             if s.out.logprobs and len(s.out.token_ids) > logged[i]:
-                upto = _kept_tokens(d.tokenizer, s.out.token_ids, d) if d.stopped else len(s.out.token_ids)
-                lps = _logprobs(s.out, logged[i], upto, d.tokenizer, chat)
+                upto = _generated(s, d)
+                lps = _logprobs(s.out, logged[i], upto, d.tokenizer, chat) if upto > logged[i] else None
                 logged[i] = upto
             if piece or final or lps:
                 yield chunk(i, piece, _reason(s, d) if final else None, lps)
             if final:
                 done[i] = True
-                metrics.observe(s)
     if req.include_usage:
         prompt_tokens = sum(len(p) for p in req.prompts)
-        completion = sum(len(s.out.token_ids) for s in streams if s.out is not None)
+        completion = sum(_generated(s, d) for s, d in zip(streams, detoks) if s.out is not None)
         yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [],
                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                                "total_tokens": prompt_tokens + completion}}) + "\n\n"
@@ -694,7 +783,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--tokenizer", default=None, help="a tokenizer folder, when the model folder has none")
     ap.add_argument("--skip-tokenizer-init", action="store_true",
                     help="serve without a tokenizer: token-id prompts only (no chat, no stop strings)")
-    ap.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (GPU slots, the base model's included)")
+    ap.add_argument("--max-loras", type=int, default=3,
+                    help="adapters in one batch, as vLLM counts them: the GPU slots are these plus one for the base model")
     ap.add_argument("--max-cpu-loras", type=int, default=None, help="host copies kept (the CPU tier)")
     ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -712,7 +802,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     import transformers
     import uvicorn
 
-    cfg = EngineConfig(max_loras_per_batch=args.max_loras, max_lora_rank=args.max_lora_rank,
+    cfg = EngineConfig(max_loras_per_batch=args.max_loras + 1, max_lora_rank=args.max_lora_rank,
                        max_loaded_loras=args.max_cpu_loras, num_kv_blocks=args.num_kv_blocks,
                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
