@@ -109,29 +109,33 @@ def _make(parents: dict[str, Path], name: str) -> Optional[dict[str, Path]]:
             _write(made["memory"] / "memory.limit_in_bytes", str(limit))
         return made
     except OSError:
-        for folder in made.values():
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass
+        _remove(made)
         return None
+
+
+def _remove(made: dict) -> None:
+    for folder in made.values():
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
+
+
+def _new_cgroup(name: str) -> Optional[dict]:
+    """A bounded cgroup called ``name`` under every controller's parent, or None where cgroups
+    cannot be used here."""
+    parents = _parents()
+    return None if parents is None else _make(parents, name)
 
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether sandboxes started from this process get cgroup bounds (tried once: a cgroup is made,
     bounded and removed)."""
-    parents = _parents()
-    if parents is None:
-        return False
-    made = _make(parents, f"{_PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    made = _new_cgroup(f"{_PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     if made is None:
         return False
-    for folder in made.values():
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+    _remove(made)
     return True
 
 
@@ -139,10 +143,7 @@ def enter() -> bool:
     """Move this process (about to exec bwrap, or a child about to) into a new cgroup of
     :data:`PIDS_MAX` processes and :func:`memory_limit_mb` MiB. Returns whether it did; False where
     cgroups cannot be used here (nothing changed)."""
-    parents = _parents()
-    if parents is None:
-        return False
-    made = _make(parents, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    made = _new_cgroup(f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     if made is None:
         return False
     try:
