@@ -387,9 +387,11 @@ def test_load_unload_reload_while_requests_run(served):
     bad = _post(base + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/folder"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "nope"}, timeout=60).status_code == 404
-    # put "sql" back as the other tests know it
-    assert _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql"])},
-                      timeout=60).status_code == 200
+    # put "sql" back as the other tests know it: replacing a loaded name is asked for explicitly (vLLM)
+    again = _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql"])}, timeout=60)
+    assert again.status_code == 400 and "load_inplace" in again.json()["error"]["message"]
+    assert _post(base + "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(paths["sql"]),
+                                                  "load_inplace": True}, timeout=60).status_code == 200
     assert _post(base + "/v1/unload_lora_adapter", {"lora_name": "extra"}, timeout=60).status_code == 200
 
 

@@ -564,6 +564,14 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
                 raise Refused(400, "lora_name and lora_path (strings) are required", param="lora_name")
             if name == served_model_name:
                 raise Refused(400, f"{name!r} is the base model's name", param="lora_name")
+            inplace = body.get("load_inplace", False)
+            if not isinstance(inplace, bool):
+                raise Refused(400, "load_inplace must be a boolean", param="load_inplace")
+            if name in llm.registry.names() and not inplace:
+                # vLLM's rule: replacing a loaded adapter is asked for explicitly
+                raise Refused(400, f"an adapter named {name!r} is already loaded: pass \"load_inplace\": true to "
+                                   "replace it (requests already running finish on the old weights)",
+                              param="lora_name")
             if max_loras is not None and name not in llm.registry.names() and len(llm.registry.names()) >= max_loras:
                 raise Refused(400, f"{max_loras} adapters are loaded (--max-loras): unload one first", param="lora_name")
             from reference.adapters import load_peft_adapter
