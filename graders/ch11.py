@@ -340,9 +340,20 @@ _ADMIT_MISTAKES = [
 ]
 
 
-def _several(matches: list[str]) -> str:
-    """One hint naming every known mistake that returns exactly what the answer returned (the
-    output cannot tell them apart; naming one would guess)."""
+def _symptom_hint(mistakes: list, variant, args, expected, got) -> Optional[str]:
+    """The hint follows what the answer returned: every known mistake (flags, message) whose
+    ``variant(*args, **flags)`` returns exactly ``got`` (and not the expected value). One is named
+    alone; several are all named (the output cannot tell them apart; naming one would guess)."""
+    matches = []
+    for flags, msg in mistakes:
+        try:
+            value = variant(*args, **flags)
+        except (ValueError, StopIteration):
+            continue
+        if got == value and value != expected and msg not in matches:
+            matches.append(msg)
+    if len(matches) <= 1:
+        return matches[0] if matches else None
     return (f"{len(matches)} different mistakes return exactly this; it is one of: "
             + "; ".join(f"({k}) {m}" for k, m in enumerate(matches[:3], 1)))
 
@@ -354,17 +365,9 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     ids = [r[0] for r in case.args[0]]
     if any(g not in ids for g in got):
         return "return the seq_ids of the admitted candidates (ints from the waiting list), not candidates or uids"
-    # the hint follows what the answer returned: every known mistake that returns exactly this; two
-    # that do are both named (the output cannot tell them apart), rather than one of them guessed
-    matches = []
-    for flags, msg in _ADMIT_MISTAKES:
-        value = _admit_variant(*case.args, **flags)
-        if got == value and value != expected and msg not in matches:
-            matches.append(msg)
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        return _several(matches)
+    hint = _symptom_hint(_ADMIT_MISTAKES, _admit_variant, case.args, expected, got)
+    if hint:
+        return hint
     if sorted(got) == sorted(expected):
         return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
                 "resident uids first, each part in arrival order)")
@@ -785,19 +788,7 @@ _ROUTE_MISTAKES = [
 def _route_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
         return None
-    matches = []  # every known mistake that returns exactly this (see _admit_hint)
-    for flags, msg in _ROUTE_MISTAKES:
-        try:
-            value = _route_variant(*case.args, **flags)
-        except (ValueError, StopIteration):
-            continue
-        if got == value and value != expected and msg not in matches:
-            matches.append(msg)
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        return _several(matches)
-    return None
+    return _symptom_hint(_ROUTE_MISTAKES, _route_variant, case.args, expected, got)
 
 
 EXERCISES = [

@@ -58,11 +58,12 @@ def tiny_llama(seed: int = 0, **overrides):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_CONFIG, **overrides})).eval()
 
 
-def save_tiny(folder, adapters: dict = {}, seed: int = 0, chat_template: Optional[str] = CHAT_TEMPLATE) -> dict:
+def save_tiny(folder, adapters: Optional[dict] = None, seed: int = 0,
+              chat_template: Optional[str] = CHAT_TEMPLATE) -> dict:
     """Save ``folder/model`` (model + tokenizer) and one PEFT folder ``folder/NAME`` per adapter.
 
     ``adapters``: name -> ``peft.LoraConfig`` keyword arguments (``init_lora_weights`` defaults to
-    False: random B, so the adapter changes the output). Returns {"model": path, NAME: path, ...}.
+    False: random B, so the adapter changes the output); None: no adapter. Returns {"model": path, NAME: path, ...}.
     """
     import peft
     import torch
@@ -74,7 +75,7 @@ def save_tiny(folder, adapters: dict = {}, seed: int = 0, chat_template: Optiona
     byte_tokenizer(chat_template).save_pretrained(paths["model"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for k, (name, kw) in enumerate(adapters.items()):
+        for k, (name, kw) in enumerate((adapters or {}).items()):
             torch.manual_seed(1000 * (seed + 1) + k)
             cfg = peft.LoraConfig(**{"init_lora_weights": False, **kw})
             peft.get_peft_model(copy.deepcopy(base), cfg).save_pretrained(folder / name)
