@@ -11,7 +11,7 @@ c.CourseDirectory.autograded_directory = "autograded"
 c.CourseDirectory.feedback_directory = "feedback"
 
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
-# A test cell runs the learner's answer in a child process with its own budget (graders.core,
+# A test cell runs the learner's answer in a child process with its own budget (graders.machine.core,
 # 40 s on the CPU and 90 s on a GPU, where learner kernels compile; tests/test_graders.py checks
 # that grading the reference takes under half of it); this cell limit sits
 # well above it so a correct answer never times out on 2 CPU cores.

@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchmark_decode_step import FULL, SMOKE, random_adapter  # noqa: E402  (the same model shapes and adapters)
 from reference.engine import LLM, EngineConfig, EnginePolicies, SamplingParams  # noqa: E402
 from reference.engine.policies import block_hashes  # noqa: E402
-from reference.tp_model import llama_checkpoint, llama_pool_modules  # noqa: E402
+from reference.tp.model import llama_checkpoint, llama_pool_modules  # noqa: E402
 
 
 def build_model(cfg: dict, layers: int, max_pos: int, device: torch.device, dtype: torch.dtype):

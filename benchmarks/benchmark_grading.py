@@ -2,9 +2,9 @@
 
     python benchmarks/benchmark_grading.py [--out benchmarks/results/grading_<machine>.json] [--quick]
 
-1. Per-check cost: the median wall time of ``graders.core.grade_source`` on exercise ch01.2 (a few
+1. Per-check cost: the median wall time of ``graders.machine.core.grade_source`` on exercise ch01.2 (a few
    tiny cases, so the time is the fixed cost: process, sandbox, transfer), with the fork server
-   (``graders.forkserver``) and with a fresh process per check (``LORA_BOOK_FORKSERVER=off``, the
+   (``graders.machine.forkserver``) and with a fresh process per check (``LORA_BOOK_FORKSERVER=off``, the
    design before it), each sandboxed (when bubblewrap works here) and not.
 2. A whole submission: one learner's answers (the solution cells) to every chapter through the
    instructor's whole grading run (``python -m graders.course grade CH01 ... CH11 --jobs N``:
@@ -47,9 +47,9 @@ def machine() -> dict:
 
 def per_check(repeats: int) -> dict:
     """Median seconds of one check of ch01.2 per (fork server on/off, sandbox on/off)."""
-    from graders import forkserver, sandbox
-    from graders.core import grade_source
-    from graders.mutation import solution_answers
+    from graders.course.mutation import solution_answers
+    from graders.machine import forkserver, sandbox
+    from graders.machine.core import grade_source
 
     source = solution_answers()["ch01.2"]
     rows = {}
@@ -75,13 +75,13 @@ def per_check(repeats: int) -> dict:
 
 
 def submission(chapters: list[str], jobs_list: tuple[int, ...]) -> dict:
-    """Seconds of the instructor's whole grading run (``graders.instructor.grade_assignments``:
+    """Seconds of the instructor's whole grading run (``graders.course.instructor.grade_assignments``:
     fingerprint, sandboxed autograde, trusted re-grade, feedback, export) of one learner's
     submission of ``chapters``, with each number of workers in ``jobs_list`` (a fresh course each)."""
-    from graders import course as jobs_mod
-    from graders import sandbox
-    from graders.instructor import grade_assignments
-    from graders.mutation import sample_learner
+    from graders.course.instructor import grade_assignments
+    from graders.course.jobs import jobs as jobs_mod
+    from graders.course.mutation import sample_learner
+    from graders.machine import sandbox
 
     answers = sample_learner("all_correct")
     rows = {}
@@ -110,9 +110,9 @@ def submission(chapters: list[str], jobs_list: tuple[int, ...]) -> dict:
 
 def throughput(chapter: str, students: int, jobs_list: tuple[int, ...]) -> dict:
     """Seconds to autograde ``students`` submissions of ``chapter`` with each number of workers."""
-    from graders import course as jobs
-    from graders.autograde import autograde
-    from graders.mutation import sample_learner
+    from graders.course.autograde import autograde
+    from graders.course.jobs import jobs as jobs
+    from graders.course.mutation import sample_learner
 
     answers = {e: s for e, s in sample_learner("all_correct").items() if e[2:4] == chapter[:2]}
     rows = {}
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="per-check costs and chapter 01 only")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    from graders.course import chapters
+    from graders.course.jobs import chapters
 
     info = machine()
     print(f"machine: {info}")

@@ -9,7 +9,7 @@ prefill (4 x 2048 tokens). Adapters: 1, 8, 32 of rank 16 on every expert; token 
 1 + (i mod D); slot 0 holds the base model (rank 0). bf16. Routing: top-k of random router logits,
 softmax weights.
 
-Ops per case (``reference.ops.fused_moe_lora``):
+Ops per case (``reference.moe.fused_moe_lora``):
 - ``gate_up``: token rows, two slices (gate | up, ``slice_offsets`` (0, I, 2I)), no routing weights;
 - ``down``: pair rows (the activation of each (token, expert) pair), one slice, routing weights
   applied in the epilogue (as vLLM's second GEMM does);
@@ -19,7 +19,7 @@ Ops per case (``reference.ops.fused_moe_lora``):
 
 Method (as benchmarks/benchmark_lora_ops.py, whose helpers this imports): each op is captured in a
 CUDA graph and timed as ``triton.testing.do_bench(graph.replay, return_mode="median")``; the torch
-reference (``reference.moe_lora.fused_moe_lora_torch``, host loops and syncs) eagerly. The copy
+reference (``reference.moe.lora.fused_moe_lora_torch``, host loops and syncs) eagerly. The copy
 bandwidth of the same run (fastest 1 GiB device-to-device copy) is the ceiling for ``%copy``.
 
 Bytes (the minimum traffic): shrink = the distinct x rows read + A of each (slot, expert) group in
@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmark_lora_ops import copy_bandwidths, eager_time, graph_time  # noqa: E402
-from reference.moe_lora import fused_moe_lora_torch, virtual_expert_ids  # noqa: E402
-from reference.ops import fused_moe_lora  # noqa: E402
-from reference.ops.fused_moe_lora import align_moe_lora  # noqa: E402
+from reference.moe.lora import fused_moe_lora_torch, virtual_expert_ids  # noqa: E402
+from reference.moe.fused_moe_lora import fused_moe_lora  # noqa: E402
+from reference.moe.fused_moe_lora import align_moe_lora  # noqa: E402
 
 RANK = 16
 MODELS = {  # hidden, expert intermediate, experts, top_k (the published config.json values)

@@ -5,9 +5,9 @@
 
 Model: Llama-3-8B's layer shapes (hidden 4096, intermediate 14336, 32 query heads and 8 kv heads of
 128, vocab 32000), ``--layers`` layers (default 4), random weights from a fixed seed (the same
-tensors in every rank's process), bf16, run by :class:`reference.tp_model.TPLlama` (qkv_proj and
+tensors in every rank's process), bf16, run by :class:`reference.tp.model.TPLlama` (qkv_proj and
 gate_up_proj column-parallel, o_proj and down_proj row-parallel: two all-reduces per layer) over a
-:class:`reference.tp_pool.TPLoRAMemoryPool` of max rank ``--rank`` holding ``--adapters`` adapters of
+:class:`reference.tp.pool.TPLoRAMemoryPool` of max rank ``--rank`` holding ``--adapters`` adapters of
 that rank, with the Triton backend on CUDA (the torch references on the CPU).
 
 For each variant pair of chapter 10 (``replicated_A`` + ``reduce_with_base``: LoRA adds no
@@ -22,7 +22,7 @@ step (request i on adapter i mod D), eagerly (no CUDA graph: the collectives are
 Python), as the median over ``--reps`` repetitions of the slowest rank (every repetition starts
 after a barrier and ends after a synchronization). LoRA overhead = lora_ms / base_ms - 1.
 
-Collectives: one base step and one LoRA step run under :class:`reference.tp_lora.CollectiveLog`,
+Collectives: one base step and one LoRA step run under :class:`reference.tp.lora.CollectiveLog`,
 which logs (op, bytes) per call; each distinct (op, bytes) is then timed alone on the same group
 (median of ``--reps``), so each row lists every collective with its count and time, and the step's
 collective time (base and LoRA).
@@ -53,9 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchmark_decode_step import random_adapter  # noqa: E402
 from reference.batch_info import batch_info_from_requests  # noqa: E402
 from reference.mem_pool import LoRAAdapter  # noqa: E402
-from reference.tp_lora import CollectiveLog, spawn_ranks, tp_device, tp_unavailable_reason  # noqa: E402
-from reference.tp_model import LlamaCheckpoint, TPLlama, llama_pool_modules, llama_tp_layouts  # noqa: E402
-from reference.tp_pool import TPLoRAMemoryPool  # noqa: E402
+from reference.tp.lora import CollectiveLog, spawn_ranks, tp_device, tp_unavailable_reason  # noqa: E402
+from reference.tp.model import LlamaCheckpoint, TPLlama, llama_pool_modules, llama_tp_layouts  # noqa: E402
+from reference.tp.pool import TPLoRAMemoryPool  # noqa: E402
 
 FULL = dict(hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8, head_dim=128, vocab=32000)
 SMOKE = dict(hidden=64, intermediate=128, num_heads=8, num_kv_heads=2, head_dim=8, vocab=128)

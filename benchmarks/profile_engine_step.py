@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchmark_decode_step import FULL, SMOKE, random_adapter  # noqa: E402
 from benchmark_engine import build_model, workload, zipf_choice  # noqa: E402
 from reference.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
-from reference.tp_model import llama_checkpoint, llama_pool_modules  # noqa: E402
+from reference.tp.model import llama_checkpoint, llama_pool_modules  # noqa: E402
 
 
 def main() -> None:

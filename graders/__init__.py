@@ -20,7 +20,7 @@ The case design rule (every chapter's grader follows it; tests/test_mutants.py e
 - ``hidden``: the same families drawn from the instructor's secret, so a mistake costs the same
   under any secret; only the numbers change.
 - Every exercise keeps a catalogue of realistic wrong answers (tests/mutants/chNN.py, edits of its
-  solution cell: graders.mutation); each must lose the same points under three secrets, in a visible
+  solution cell: graders.course.mutation); each must lose the same points under three secrets, in a visible
   group, with a report that names the mistake. Design cases from the contract, not from the
   catalogue, so that mistakes nobody listed fail too.
 - Checks every result's dtype and device, that inputs are unchanged, that a "new tensor" shares no
@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 
 import reference  # noqa: F401  (device choice before anything imports triton)
 
-from graders.core import GradeResult, grade_source
-from graders.points import POINTS, total_points
+from graders.machine.core import GradeResult, grade_source
+from graders.machine.points import POINTS, total_points
 
 __all__ = ["check", "show_reference", "grade_source", "answer_source", "GradeResult", "POINTS", "total_points"]
 
@@ -49,11 +49,11 @@ _PASSED: set[str] = set()
 
 def _prestart_in_a_notebook() -> None:
     """In a Jupyter kernel, start the grader's fork server now, in the background, so the first
-    ``check`` does not wait for it to import torch (graders.forkserver)."""
+    ``check`` does not wait for it to import torch (graders.machine.forkserver)."""
     import sys
 
     if "ipykernel" in sys.modules and not os.environ.get("LORA_BOOK_GRADER_CHILD"):
-        from graders import forkserver
+        from graders.machine import forkserver
 
         if forkserver.usable():
             forkserver.prestart()
@@ -103,7 +103,7 @@ def check(exercise_id: str, fn: Callable, uses: Sequence[Callable] = ()) -> floa
     ``uses``: for an exercise that runs your answers of other exercises too (chapter 11's capstone,
     ``graders.check("ch11.5", engine_step, uses=(block_hashes, admit_requests, choose_drain))``),
     those functions, in the order the exercise names them; the grader re-runs the answer cell of
-    each (``graders.needs``). Works in the answer cell itself too (the grader re-runs the cell, where
+    each (``graders.machine.needs``). Works in the answer cell itself too (the grader re-runs the cell, where
     ``check`` does nothing). Never raises for a learner's mistake: a broken function costs only its
     own exercise.
     """
@@ -122,7 +122,7 @@ def check(exercise_id: str, fn: Callable, uses: Sequence[Callable] = ()) -> floa
         return 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anything on stderr would zero the cell in nbgrader
-        from graders.exercises import EXERCISES
+        from graders.machine.registry import EXERCISES
 
         name = _bound_name(fn, caller_globals, EXERCISES[exercise_id].func_name)
         result = grade_source(exercise_id, source, func_name=name)
@@ -134,7 +134,7 @@ def check(exercise_id: str, fn: Callable, uses: Sequence[Callable] = ()) -> floa
 
 def _with_uses(exercise_id: str, source: str, uses: Sequence[Callable], caller_globals: dict) -> str:
     """``source`` as the grader takes it: for an exercise with needs, the answer bundle of ``source``
-    and the answer cells of ``uses`` (graders.needs); else ``source`` itself.
+    and the answer cells of ``uses`` (graders.machine.needs); else ``source`` itself.
 
     A function of ``uses`` bound under another name than its exercise's gets an alias line, so the
     grader finds it under the exercise's name.
@@ -143,8 +143,8 @@ def _with_uses(exercise_id: str, source: str, uses: Sequence[Callable], caller_g
             something that is not a function.
         OSError: the source of a function of ``uses`` cannot be found.
     """
-    from graders.exercises import EXERCISES
-    from graders.needs import bundle
+    from graders.machine.needs import bundle
+    from graders.machine.registry import EXERCISES
 
     needs = EXERCISES[exercise_id].needs
     if not needs:
@@ -165,11 +165,11 @@ def _with_uses(exercise_id: str, source: str, uses: Sequence[Callable], caller_g
 
 
 def show_reference(exercise_id: str, reveal: bool = False) -> None:
-    """Print the book's reference for ``exercise_id`` (the objects named in ``graders.shown``), but
+    """Print the book's reference for ``exercise_id`` (the objects named in ``graders.chapters.shown``), but
     only once your own answer passed ``check(exercise_id, ...)`` with full marks in this kernel, or
     when you ask for it with ``reveal=True``: "Run All" on an unsolved notebook spoils nothing.
     """
-    from graders.shown import SHOWN
+    from graders.chapters.shown import SHOWN
 
     if exercise_id not in SHOWN:
         print(f"graders.show_reference: unknown exercise id {exercise_id!r}")

@@ -88,7 +88,7 @@ _REFUSED = {  # config field -> why the book's kernels cannot serve it
     "use_dora": "DoRA adds a magnitude vector and a per-row norm that the shrink/expand kernels lack",
     "lora_bias": "a bias on lora_B is not part of the shrink/expand contract",
     "target_parameters": "LoRA on raw parameters (MoE experts) needs chapter 09's loader "
-                         "(reference.moe_adapters.load_moe_peft_adapter)",
+                         "(reference.moe.adapters.load_moe_peft_adapter)",
     "layer_replication": "layer replication changes the layer indices",
     "modules_to_save": "full copies of modules (modules_to_save) are not low-rank weights",
 }

@@ -18,53 +18,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from reference.batch_info import LoRABatchInfo, build_batch_info, stable_sort_by_slot
+# merge and cut live beside the other segment helpers in batch_info (batch_info_from_requests uses
+# them too); they are this module's API as well
+from reference.batch_info import (LoRABatchInfo, build_batch_info, cut_into_chunks, merge_adjacent_segments,
+                                  stable_sort_by_slot)
 
 __all__ = ["merge_adjacent_segments", "cut_into_chunks", "build_chunked_batch_info"]
-
-
-def merge_adjacent_segments(seg_lens: Sequence[int], slots: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Merge neighbouring segments that use the same slot; zero-length segments disappear.
-
-    Host lists in, host lists out: [3, 2, 6, 1] / [1, 1, 2, 0] -> [5, 6, 1] / [1, 2, 0].
-
-    Raises:
-        ValueError: the lists differ in length, or a length is negative.
-    """
-    if len(seg_lens) != len(slots):
-        raise ValueError(f"{len(seg_lens)} seg_lens but {len(slots)} slots")
-    if any(n < 0 for n in seg_lens):
-        raise ValueError(f"negative segment length in {list(seg_lens)}")
-    lens: list[int] = []
-    out_slots: list[int] = []
-    for n, s in zip(seg_lens, slots):
-        if n == 0:
-            continue
-        if out_slots and out_slots[-1] == s:
-            lens[-1] += n
-        else:
-            lens.append(n)
-            out_slots.append(s)
-    return lens, out_slots
-
-
-def cut_into_chunks(seg_lens: Sequence[int], slots: Sequence[int], chunk_size: int) -> tuple[list[int], list[int]]:
-    """Cut every segment into pieces of ``chunk_size`` tokens (the last piece may be shorter).
-
-    [5, 6, 1] / [1, 2, 0] with chunk_size 4 -> [4, 1, 4, 2, 1] / [1, 1, 2, 2, 0].
-
-    Raises:
-        ValueError: chunk_size < 1.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    lens: list[int] = []
-    out_slots: list[int] = []
-    for n, s in zip(seg_lens, slots):
-        full, rest = divmod(n, chunk_size)
-        lens += [chunk_size] * full + ([rest] if rest else [])
-        out_slots += [s] * (full + (1 if rest else 0))
-    return lens, out_slots
 
 
 def build_chunked_batch_info(

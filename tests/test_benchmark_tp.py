@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reference.tp_lora import tp_unavailable_reason
+from reference.tp.lora import tp_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,8 +1,8 @@
-"""Chapter 11's capstone grader (ch11.5, graders/ch11_capstone.py): its expected runs are PEFT's own
+"""Chapter 11's capstone grader (ch11.5, graders/chapters/ch11_capstone.py): its expected runs are PEFT's own
 greedy generate of each request alone, its cases exercise every mechanism they are named for, a
 broken or missing needed answer (ch11.1-ch11.3) costs only what the judge finds and is named in the
 report, and both ways of grading (the learner's kernel with ``uses=``, the trusted re-grade through
-``graders.needs.with_needed``) assemble the same answer bundle and give the same score.
+``graders.machine.needs.with_needed``) assemble the same answer bundle and give the same score.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import graders
-from graders import ch11_capstone as cap
-from graders.core import _build_cases, grade_many_under_secrets, grade_source
-from graders.exercises import EXERCISES
-from graders.mutation import graded_source, solution_answers
-from graders.needs import bundle, split_bundle, with_needed
+from graders.chapters import ch11_capstone as cap
+from graders.course.mutation import graded_source, solution_answers
+from graders.machine.core import _build_cases, grade_many_under_secrets, grade_source
+from graders.machine.needs import bundle, split_bundle, with_needed
+from graders.machine.registry import EXERCISES
 
 peft = pytest.importorskip("peft")
 
@@ -277,7 +277,7 @@ def test_a_bundle_round_trips_and_text_without_markers_is_the_own_cell():
 
 
 def test_drive_engine_reports_a_missing_piece_before_running_anything():
-    from graders.needs import PieceUnavailable
+    from graders.machine.needs import PieceUnavailable
 
     case = _cases()[0]
     pieces = dict(cap._REFERENCE_POLICIES, **{"ch11.2": PieceUnavailable("ch11.2", "no answer cell")})

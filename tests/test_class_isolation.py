@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-import graders.course as course_mod
-from graders import forkserver, sandbox
-from graders.core import grade_source
-from graders.mutation import solution_answers
+import graders.course.jobs as course_mod
+from graders.course.mutation import solution_answers
+from graders.machine import forkserver, sandbox
+from graders.machine.core import grade_source
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) cannot run here")
@@ -25,18 +25,18 @@ needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bw
 
 #: Answers to ch01.1 that replace a piece of the graders in their own child (at the cell's top
 #: level, as a chapter-11 cell replaced the capstone's driver), so the files the comparer reads are
-#: not what graders.runner writes.
+#: not what graders.machine.runner writes.
 MALFORMED_RESULTS = {
-    "results are a JSON list": "import graders.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('[1, 2]')\n",
-    "results are not JSON": "import graders.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('{')\n",
-    "a tensor that is not there": "import graders.runner as r\nr.encode = lambda *a: {'tensor': 'nowhere', 'device': 'cpu'}\n",
+    "results are a JSON list": "import graders.machine.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('[1, 2]')\n",
+    "results are not JSON": "import graders.machine.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('{')\n",
+    "a tensor that is not there": "import graders.machine.runner as r\nr.encode = lambda *a: {'tensor': 'nowhere', 'device': 'cpu'}\n",
     "a returned value of the wrong type": (
-        "import graders.runner as r\nwrite = r.write_json\n"
+        "import graders.machine.runner as r\nwrite = r.write_json\n"
         "r.write_json = lambda obj, path: write({**obj, 'returned': {'tensor': ['x']}} if isinstance(obj, dict) else obj, path)\n"),
     "tensors that are not safetensors": (
-        "import graders.runner as r\nr.save_tensors = lambda t, path: open(path, 'wb').write(b'not safetensors at all')\n"),
+        "import graders.machine.runner as r\nr.save_tensors = lambda t, path: open(path, 'wb').write(b'not safetensors at all')\n"),
     "a load error that is not text": (
-        "import graders.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('{\"error\": 5}')\n"
+        "import graders.machine.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('{\"error\": 5}')\n"
         "raise ValueError('so that load.json is written')\n"),
 }
 
@@ -150,7 +150,7 @@ def test_nothing_passes_between_two_students_checks(tmp_path, monkeypatch, stude
     check, through the same server (scope unchanged) or another student's, finds none of them."""
     import re
 
-    from graders.core import triton_cache_scope
+    from graders.machine.core import triton_cache_scope
 
     monkeypatch.setenv(sandbox.MODE_ENV, "required")
     forkserver.kill_all()
@@ -278,7 +278,7 @@ def test_a_kernel_sees_only_its_own_files_of_the_run_whatever_tmpdir_is(tmp_path
     from nbclient import NotebookClient
     from traitlets.config import Config
 
-    from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
+    from graders.machine.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
     paths, accepted, cleanup = _listen_everywhere(tmp_path, monkeypatch)
     try:
@@ -319,7 +319,7 @@ def test_a_kernel_sees_only_its_own_files_of_the_run_whatever_tmpdir_is(tmp_path
 # Hole 7: output bytes per cell, every output type
 
 def test_every_output_type_counts_toward_a_cells_cap_and_the_cut_is_visible():
-    from graders.output_cap import CUT_NOTE, cap_cell, cap_notebook
+    from graders.course.output_cap import CUT_NOTE, cap_cell, cap_notebook
 
     limit = 1000
     big_line = {"output_type": "stream", "name": "stdout", "text": "x" * 5000}  # one line: nbgrader's limit misses it
@@ -372,8 +372,8 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     import sys
     import uuid
 
-    from graders.core import SECRET_ENV
-    from graders.output_cap import CUT_NOTE, MAX_CELL_OUTPUT_BYTES
+    from graders.course.output_cap import CUT_NOTE, MAX_CELL_OUTPUT_BYTES
+    from graders.machine.core import SECRET_ENV
 
     course = tmp_path / "course"
     course_mod._new_course(course)
@@ -486,7 +486,7 @@ def test_a_sandbox_has_its_own_bounds_on_processes_memory_and_shared_memory(monk
     small tmpfs everywhere."""
     import re
 
-    from graders import cgroups
+    from graders.machine import cgroups
 
     if not cgroups.available():
         pytest.skip("no writable cgroup here: processes and memory are bounded by rlimits only (README)")

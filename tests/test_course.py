@@ -19,8 +19,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from graders.course import DEMO_SECRET, chapters, run_demo
-from graders.points import POINTS
+from graders.course.jobs import DEMO_SECRET, chapters, run_demo
+from graders.machine.points import POINTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,8 +137,8 @@ class _Course:
     def test_tampering_is_reported_and_never_raises_a_recorded_score(self, demo):
         summary, course = demo
         findings = {(f["kind"], f["student"], f["exercise"]): f for f in summary["findings"]}
-        # answer cells pointed at by what their code does (graders.tamper): ch02.6 assigns torch.allclose,
-        # ch02.7 imports graders.core and patches it, ch02.8 assigns graders.check at top level; only
+        # answer cells pointed at by what their code does (graders.course.tamper): ch02.6 assigns torch.allclose,
+        # ch02.7 imports graders.machine.core and patches it, ch02.8 assigns graders.check at top level; only
         # ch02.8's patch reaches the kernel's later test cells, forging ch02.8-ch02.9 there
         expected = {("LookAtThis", "broken_code", "ch02.6"), ("LookAtThis", "broken_code", "ch02.7"),
                     ("LookAtThis", "broken_code", "ch02.8"),
@@ -202,7 +202,7 @@ def test_learner_notebooks_carry_the_local_kernels_metadata(tmp_path):
     from ipykernel.ipkernel import IPythonKernel
     from ipykernel.kernelspec import get_kernel_dict
 
-    from graders.course import _match_local_kernel
+    from graders.course.jobs import _match_local_kernel
 
     source = next((ROOT / "notebooks").glob("01_*/01_*.ipynb"))
     path = tmp_path / source.name

@@ -1,6 +1,6 @@
 """The engine's graph decode (reference/engine/cuda_graph_runner.py) against its eager path.
 
-Two runners get the same work: one eager, one with ``enable_graph_decode`` (CUDA graphs captured
+Two runners get the same work: one eager, one with ``cuda_graph_runner.enable_graph_decode`` (CUDA graphs captured
 and replayed on a GPU; on the CPU the same static-shape step is called, so CI checks it). Every
 cache entry starts NaN, scratch block included, so a read of a padding block, of a table's padding
 or of the tail of a sequence's last block would show. The trace mixes adapters and base rows, runs
@@ -11,16 +11,16 @@ decode steps. Then: the static inputs' running example, the steps sent back to t
 missed slot-change flag (the stale-table bug, reproduced), and GPU-only checks of the replay (no
 device read, no allocation but the returned copy, one graph pool).
 
-Tolerances: ``graders.tolerances`` (fp32 matmul rows; the Triton row for the Triton backend on a GPU).
+Tolerances: ``graders.machine.tolerances`` (fp32 matmul rows; the Triton row for the Triton backend on a GPU).
 """
 import copy
 
 import pytest
 import torch
 
-from graders.tolerances import tolerance
+from graders.machine.tolerances import tolerance
 from reference.cuda_graph import bucket_for
-from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner, StaticDecodeInputs
+from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner, StaticDecodeInputs, enable_graph_decode
 from reference.engine.model_runner import ModelRunner, SeqWork, sample
 from reference.layers import LoRAContext
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
@@ -85,7 +85,7 @@ def _runner(base, pool, backend="torch", graph=False, buckets=BUCKETS):
     runner.kv_cache.k.fill_(float("nan"))  # every entry not written by the runner is NaN, scratch block too
     runner.kv_cache.v.fill_(float("nan"))
     if graph:
-        runner.enable_graph_decode(max(buckets), buckets)
+        enable_graph_decode(runner, max(buckets), buckets)
     return runner
 
 
@@ -220,7 +220,7 @@ def test_steps_sent_back_to_the_eager_path_say_why_and_stay_correct(base, adapte
         full.graph_runner.capture()
     # max_blocks is bounded by the cache: a table that reads a block twice reaches past it
     tiny = ModelRunner(copy.deepcopy(base), None, None, 2, BLOCK_SIZE)
-    tg = tiny.enable_graph_decode(2)
+    tg = enable_graph_decode(tiny, 2)
     assert tg.max_blocks == 2
     tiny.forward([SeqWork([1] * 8, 0, [0, 1])])
     tiny.forward([SeqWork([2], 8, [0, 1, 0])])

@@ -12,22 +12,22 @@ from pathlib import Path
 import pytest
 
 import graders
-from graders.core import default_timeout
-from graders.course import parse_answers
-from graders.exercises import EXERCISES
-from graders.mutation import SAMPLE_LEARNERS, sample_learner
+from graders.course.jobs import parse_answers
+from graders.course.mutation import SAMPLE_LEARNERS, sample_learner
+from graders.machine.core import default_timeout
+from graders.machine.registry import EXERCISES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _submission(learner: str, exercise_id: str) -> str:
-    if learner in SAMPLE_LEARNERS:  # built from the solution cells (graders.mutation)
+    if learner in SAMPLE_LEARNERS:  # built from the solution cells (graders.course.mutation)
         return sample_learner(learner)[exercise_id]
     chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
                "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters",
                "ch07": "07_batch_info", "ch08": "08_cuda_graphs", "ch11": "11_serving_engine"}[exercise_id[:4]]
     text = (ROOT / "submissions" / learner / f"{chapter}.py").read_text()
-    if EXERCISES[exercise_id].needs:  # a submission file is an answer bundle already (graders.needs)
+    if EXERCISES[exercise_id].needs:  # a submission file is an answer bundle already (graders.machine.needs)
         return text
     return parse_answers(text)[exercise_id]
 
@@ -40,22 +40,22 @@ TRITON_MODULES = {"ch03.1": ("reference.ops.sgmv_shrink", "sgmv_shrink"),
                   # classes graded through a driver: the reference class under the learner's name
                   "ch05.1": ("reference.eviction", "LRUEvictionPolicy"),
                   "ch05.2": ("reference.eviction", "FIFOEvictionPolicy"),
-                  "ch05.3": ("graders.ch05", "load_slot"),
-                  "ch05.5": ("graders.ch05", "reference_slot_manager"),
+                  "ch05.3": ("graders.chapters.ch05", "load_slot"),
+                  "ch05.5": ("graders.chapters.ch05", "reference_slot_manager"),
                   # a LoRABatchInfo must be the reference's class: import the builder, do not re-define the module
                   "ch07.1": "from reference.batch_info import batch_info_from_requests\n",
-                  "ch07.3": ("graders.ch07", "ReferenceLoRALinear"),
+                  "ch07.3": ("graders.chapters.ch07", "ReferenceLoRALinear"),
                   "ch08.2": ("reference.cuda_graph", "StaticLoRABatch"),
                   "ch08.3": ("reference.cuda_graph", "SlotChangeTracker"),
-                  "ch08.4": ("graders.ch08", "write_decode_inputs"),
-                  "ch09.3": ("reference.moe_lora", "fused_moe_lora_torch"),
+                  "ch08.4": ("graders.chapters.ch08", "write_decode_inputs"),
+                  "ch09.3": ("reference.moe.lora", "fused_moe_lora_torch"),
                   # graded in real ranks; the Exercise's reference is the graders' one-process simulation
-                  "ch10.3": ("reference.tp_lora", "row_parallel_lora"),
-                  "ch10.4": ("reference.tp_lora", "fully_sharded_column_lora"),
+                  "ch10.3": ("reference.tp.lora", "row_parallel_lora"),
+                  "ch10.4": ("reference.tp.lora", "fully_sharded_column_lora"),
                   # Candidates built by a driver: the reference function under its own name
                   "ch11.2": ("reference.engine.policies", "admit_requests"),
                   "ch11.3": ("reference.engine.policies", "choose_drain")}
-# Exercises that run other exercises' answers too (graders.needs): (the module defining the exercise's
+# Exercises that run other exercises' answers too (graders.machine.needs): (the module defining the exercise's
 # function, the module defining every needed function), graded as an answer bundle.
 BUNDLED = {"ch11.5": ("reference.engine.llm", "reference.engine.policies")}
 
@@ -64,7 +64,7 @@ BUNDLED = {"ch11.5": ("reference.engine.llm", "reference.engine.policies")}
 def test_reference_gets_full_marks_well_within_budget(exercise_id):
     ex = EXERCISES[exercise_id]
     if exercise_id in BUNDLED:
-        from graders.needs import bundle
+        from graders.machine.needs import bundle
 
         own, needed = (inspect.getsource(importlib.import_module(m)) for m in BUNDLED[exercise_id])
         source = bundle(exercise_id, own, {n: needed for n in ex.needs})
@@ -280,7 +280,7 @@ def test_grading_runs_on_cuda_when_present():
 
 
 def test_hidden_cases_depend_on_the_secret(monkeypatch):
-    from graders.core import hidden_seed
+    from graders.machine.core import hidden_seed
     monkeypatch.setenv("LORA_BOOK_SECRET", "a")
     a = hidden_seed("ch02.3")
     monkeypatch.setenv("LORA_BOOK_SECRET", "b")
@@ -300,11 +300,11 @@ def test_a_lambda_and_a_check_inside_the_answer_cell_are_graded(tmp_path, capsys
 
 def test_answer_cell_kernels_compile_once_per_dtype(monkeypatch):
     """In the grader's child an answer cell's @triton.jit kernels do not specialize on int values or
-    pointer alignment (graders.runner.compiled_once_per_dtype); constexprs stay; triton.jit is restored."""
+    pointer alignment (graders.machine.runner.compiled_once_per_dtype); constexprs stay; triton.jit is restored."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
-    from graders.runner import compiled_once_per_dtype
+    from graders.machine.runner import compiled_once_per_dtype
 
     original = triton.jit
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU: a compiled JITFunction

@@ -1,5 +1,5 @@
-"""MoE LoRA (chapter 09): the contract's helpers in ``reference.moe_lora``, the Triton op
-``reference.ops.fused_moe_lora`` against the torch reference, expert parallelism, adapter sizes.
+"""MoE LoRA (chapter 09): the contract's helpers in ``reference.moe.lora``, the Triton op
+``reference.moe.fused_moe_lora`` against the torch reference, expert parallelism, adapter sizes.
 
 Triton runs where the rest of the suite runs it (CUDA when present, else the CPU interpreter). CPU
 shapes are small but cross every tile and loop with small blocks (block_m 16: a group of 36 pairs
@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-import reference.moe_lora as moe_lora_module
-from reference.moe_lora import (GATE_UP_HALVES, fused_moe_lora_torch, gate_up_half, moe_align_block_size,
+from reference.moe import lora as moe_lora_module
+from reference.moe.lora import (GATE_UP_HALVES, fused_moe_lora_torch, gate_up_half, moe_align_block_size,
                                 to_local_expert_ids, virtual_expert_ids)
-from reference.moe_sizes import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B, lora_bytes, moe_adapter_bytes
-from reference.ops import fused_moe_lora, torch_ref
-from reference.ops.fused_moe_lora import align_moe_lora
+from reference.moe.sizes import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B, lora_bytes, moe_adapter_bytes
+from reference.moe.fused_moe_lora import fused_moe_lora
+from reference.moe.fused_moe_lora import align_moe_lora
 
 NAN = float("nan")
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,7 +26,7 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
 SMALL_BLOCKS = dict(block_m=16, block_n=16, block_k=16)
 
 
-# ---- reference.moe_lora: virtual expert ids ------------------------------------------------------
+# ---- reference.moe.lora: virtual expert ids ------------------------------------------------------
 def test_virtual_expert_ids_are_slot_times_experts_plus_expert_and_keep_minus_one():
     ids = torch.tensor([[0, 3], [2, -1], [-1, 1]])
     slots = torch.tensor([1, 0, 2], dtype=torch.int32)
@@ -45,7 +45,7 @@ def test_virtual_expert_ids_reject_out_of_range_and_bad_shapes():
     assert virtual_expert_ids(torch.zeros(0, 2, dtype=torch.long), torch.zeros(0), 4).shape == (0, 2)
 
 
-# ---- reference.moe_lora: moe_align_block_size -----------------------------------------------------
+# ---- reference.moe.lora: moe_align_block_size -----------------------------------------------------
 def _check_aligned(ids: torch.Tensor, block_size: int, num_ids: int, skip=None) -> None:
     """Every clause of AlignedBlocks' docstring, checked against a plain Python recount."""
     aligned = moe_align_block_size(ids, block_size, num_ids, skip)
@@ -113,7 +113,7 @@ def test_moe_align_block_size_empty_and_errors():
         moe_align_block_size(torch.tensor([[0, 3]]), 2, 3)
 
 
-# ---- reference.moe_lora: expert parallelism and the gate_up halves --------------------------------
+# ---- reference.moe.lora: expert parallelism and the gate_up halves --------------------------------
 def test_to_local_expert_ids():
     ids = torch.tensor([[0, 5], [3, 4], [7, -1]])
     assert to_local_expert_ids(ids, 0, 2, 8).tolist() == [[0, -1], [3, -1], [-1, -1]]
@@ -261,8 +261,10 @@ def test_align_moe_lora_running_example():
     assert aligned.sorted_pair_ids.tolist() == [0, 2] and aligned.block_ids.tolist() == [3]
 
 
-def test_torch_ref_namespace_has_the_moe_reference():
-    assert torch_ref.fused_moe_lora is fused_moe_lora_torch
+def test_moe_backends_are_the_torch_reference_and_the_triton_op():
+    from reference.moe.layers import MOE_LORA_OPS
+
+    assert dict(MOE_LORA_OPS) == {"torch": fused_moe_lora_torch, "triton": fused_moe_lora}
 
 
 def test_fused_moe_lora_distinct_ranks_per_slice_layout():

@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reference import moe_lora
+from reference.moe import lora as moe_lora
 from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRAContext, LoRALinear
 from reference.mem_pool import snapshot_diff
-from reference.moe_adapters import load_moe_peft_adapter, split_expert_lora
-from reference.moe_layers import (MOE_LORA_OPS, LoRAExperts, get_moe_op, moe_module_specs, unwrap_moe_model,
+from reference.moe.adapters import load_moe_peft_adapter, split_expert_lora
+from reference.moe.layers import (MOE_LORA_OPS, LoRAExperts, get_moe_op, moe_module_specs, unwrap_moe_model,
                                   wrap_moe_model)
-from reference.moe_pool import MoELoRAAdapter, MoELoRAMemoryPool
+from reference.moe.pool import MoELoRAAdapter, MoELoRAMemoryPool
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

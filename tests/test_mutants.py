@@ -1,4 +1,4 @@
-"""Mutation testing of the graders (graders.mutation): every exercise's solution cell gets full marks,
+"""Mutation testing of the graders (graders.course.mutation): every exercise's solution cell gets full marks,
 and every mutant of its catalogue (tests/mutants/chNN.py) loses points, the same points under any
 instructor's secret, with a visible report that names the mistake.
 
@@ -11,10 +11,10 @@ import collections
 
 import pytest
 
-from graders.core import grade_many_under_secrets
-from graders.exercises import EXERCISES
-from graders.mutation import graded_source, load_catalogue, solution_answers
-from graders.points import total_points
+from graders.course.mutation import graded_source, load_catalogue, solution_answers
+from graders.machine.core import grade_many_under_secrets
+from graders.machine.points import total_points
+from graders.machine.registry import EXERCISES
 from reference.device import default_device
 
 CATALOGUE = load_catalogue()
@@ -54,7 +54,7 @@ def _grade(exercise_id: str, source: str) -> dict:
     """Results for ``source`` under every secret.
 
     On the CPU the first call for an exercise grades its solution and every mutant in one child
-    process that forks one grandchild per source (graders.core.grade_many_under_secrets), and the
+    process that forks one grandchild per source (graders.machine.core.grade_many_under_secrets), and the
     rest read the cache. On CUDA each source needs its own child anyway (a CUDA context does not
     survive a fork) and compiles its own kernels, so each test grades only its own source: batching
     there would put a whole exercise's mutants (minutes of compilation on an H200) into whichever

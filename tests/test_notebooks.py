@@ -13,8 +13,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from graders.course import chapters, exercise_of
-from graders.points import POINTS, total_points
+from graders.course.jobs import chapters, exercise_of
+from graders.machine.points import POINTS, total_points
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = chapters(ROOT / "notebooks")
@@ -73,7 +73,7 @@ def test_no_chapter_prints_a_solution_itself():
     passing check (or an explicit reveal=True): "Run All" on an unsolved notebook spoils nothing."""
     import importlib
 
-    from graders.shown import SHOWN
+    from graders.chapters.shown import SHOWN
 
     for exercise_id, names in SHOWN.items():
         for name in names:

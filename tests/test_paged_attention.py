@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graders.tolerances import tolerance
+from graders.machine.tolerances import tolerance
 from reference.engine.model_runner import SeqWork, build_attention_metadata, paged_attention
 from reference.ops.paged_attention import attention_blocks, choose_num_splits, triton_paged_attention
 

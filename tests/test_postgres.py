@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from graders import sandbox
-from graders.core import SECRET_ENV
-from graders.mutation import sample_learner, solution_answers
+from graders.course.mutation import sample_learner, solution_answers
+from graders.machine import sandbox
+from graders.machine.core import SECRET_ENV
 
 PG_BIN = Path(os.environ.get("LORA_BOOK_PG_BIN", "/usr/local/bin"))
 
@@ -100,7 +100,7 @@ def _spy(socket_path: Path) -> str:
 def test_grade_verify_feedback_and_export_against_a_postgresql_gradebook(tmp_path, postgres):
     from nbgrader.api import Gradebook
 
-    from graders import course as course_jobs
+    from graders.course import jobs as course_jobs
 
     db_url, socket_path = postgres
     assert socket_path.exists() and not str(socket_path).startswith("/tmp/")

@@ -1,5 +1,5 @@
-"""The sandbox (graders.sandbox), the fork server (graders.forkserver), the sandboxed nbgrader kernel
-(graders.kernel_sandbox) and the parallel autograde (graders.autograde), tried as a malicious
+"""The sandbox (graders.machine.sandbox), the fork server (graders.machine.forkserver), the sandboxed nbgrader kernel
+(graders.machine.kernel_sandbox) and the parallel autograde (graders.course.autograde), tried as a malicious
 learner would: every attack is bounded (background processes sleep, files of a few tens of MB)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from graders import forkserver, sandbox
-from graders.core import SECRET_ENV, grade_source
-from graders.mutation import solution_answers
+from graders.course.mutation import solution_answers
+from graders.machine import forkserver, sandbox
+from graders.machine.core import SECRET_ENV, grade_source
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) cannot run here")
@@ -104,9 +104,9 @@ def test_the_secret_never_reaches_a_child_even_unsandboxed(monkeypatch):
 
 _HANGING_CHECK = textwrap.dedent('''
     import sys
-    from graders import forkserver
+    from graders.machine import forkserver
     import torch
-    from graders.core import grade_source
+    from graders.machine.core import grade_source
     # the kind of server the check below uses (a GPU machine grades ch01.1 on CUDA)
     cuda = torch.cuda.is_available() and forkserver.usable("cuda")
     srv = forkserver.server("cuda" if cuda else "cpu")
@@ -183,7 +183,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
     from traitlets.config import Config
     import nbformat
 
-    from graders.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
+    from graders.machine.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
     course = tmp_path / "course"
     own = course / "autograded" / "student-a" / "01_lora_basics"
@@ -241,7 +241,7 @@ def test_the_sandboxed_kernel_hides_the_course_and_the_secret(tmp_path):
 def test_the_kernel_wrapper_refuses_an_ipc_folder_not_made_for_it(tmp_path):
     conn = tmp_path / "kernel-1.json"
     conn.write_text('{"transport": "ipc", "ip": "%s", "shell_port": 1}' % (tmp_path / "kernel"))
-    proc = subprocess.run([sys.executable, "-m", "graders.kernel_sandbox", "-f", str(conn)],
+    proc = subprocess.run([sys.executable, "-m", "graders.machine.kernel_sandbox", "-f", str(conn)],
                           capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, **{sandbox.MODE_ENV: "required"}))
     assert proc.returncode != 0 and "was not made for it" in proc.stderr
@@ -249,8 +249,8 @@ def test_the_kernel_wrapper_refuses_an_ipc_folder_not_made_for_it(tmp_path):
 
 def _small_course(tmp_path: Path, config_lines: str = "") -> tuple[Path, str]:
     """A chapter-01 course with two students: one right, one with ch01's plausible mistakes."""
-    from graders import course as course_jobs
-    from graders.mutation import sample_learner
+    from graders.course import jobs as course_jobs
+    from graders.course.mutation import sample_learner
 
     course = tmp_path / "course"
     course_jobs._new_course(course)
@@ -271,7 +271,7 @@ def _small_course(tmp_path: Path, config_lines: str = "") -> tuple[Path, str]:
 def test_the_grade_command_runs_the_whole_sequence(tmp_path):
     """Two assignments in one run (every (assignment, student) notebook one job over 2 workers);
     one student submitted only the first."""
-    from graders import course as course_jobs
+    from graders.course import jobs as course_jobs
 
     course, chapter = _small_course(tmp_path)
     second = "02_batching_adapters"
@@ -337,7 +337,7 @@ def test_parallel_autograde_honours_the_database_url(tmp_path):
     (``c.CourseDirectory.db_url``: a large course gives a PostgreSQL URL the same way)."""
     from nbgrader.api import Gradebook
 
-    from graders.autograde import autograde
+    from graders.course.autograde import autograde
 
     db_url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
     course, chapter = _small_course(tmp_path, f"\nc.CourseDirectory.db_url = {db_url!r}\n")
@@ -355,10 +355,10 @@ def test_a_students_checks_share_one_triton_cache_on_a_gpu(tmp_path, monkeypatch
     """On a GPU (a fresh child per check, as here with CUDA faked in this process) the trusted
     re-grade's checks of one student share a Triton cache folder, writable in the sandbox; the
     checks of another student see another folder."""
-    from graders.core import triton_cache_scope
+    from graders.machine.core import triton_cache_scope
 
     monkeypatch.setenv(sandbox.MODE_ENV, policy)
-    monkeypatch.setattr("graders.core._cuda_here", lambda: True)
+    monkeypatch.setattr("graders.machine.core._cuda_here", lambda: True)
     monkeypatch.setattr(forkserver, "usable", lambda *a, **k: False)
     answer = textwrap.dedent('''
         import os
@@ -441,7 +441,7 @@ def test_on_a_gpu_cuda_checks_go_through_a_cuda_server_with_the_students_cache(t
     """On a GPU machine a check graded on CUDA runs in a child of a cuda fork server (no fresh
     process importing torch per check) that sees the device and the student's Triton cache; a
     check graded on the CPU (ch08's) runs in a cpu server's child, which sees no GPU."""
-    from graders.core import triton_cache_scope
+    from graders.machine.core import triton_cache_scope
 
     monkeypatch.setenv(sandbox.MODE_ENV, policy)
     forkserver.kill_all()

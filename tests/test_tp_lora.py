@@ -23,7 +23,7 @@ import torch.distributed as dist
 from reference.batch_info import batch_info_from_requests
 from reference.mem_pool import AdapterRegistry, LoRAMemoryPool, ModuleSpec
 from reference.ops import torch_ref
-from reference.tp_lora import (VARIANTS, CollectiveLog, TPLayout, TPModelConfig, column_part_ranges, garbled_column_rule,
+from reference.tp.lora import (VARIANTS, CollectiveLog, TPLayout, TPModelConfig, column_part_ranges, garbled_column_rule,
                                interleave_packed, lora_comm_bytes, ring_bytes_per_rank, shard_base_weight,
                                shard_lora_weights, shard_pool_buffers, spawn_ranks, take_rows, tp_lora_linear,
                                tp_unavailable_reason)

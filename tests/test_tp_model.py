@@ -10,7 +10,7 @@ generated tokens with ``adapter_names``), both within the tolerance table's fp32
 ONE ``spawn_ranks`` call runs every scenario (process start-up costs seconds on 2 cores) and
 returns tensors and strings; the tests assert on them. The children import this module to find
 ``_worker``, so transformers and peft (~10 s to import) are imported only in fixtures: the children
-get the base weights as a :class:`~reference.tp_model.LlamaCheckpoint` and read the PEFT
+get the base weights as a :class:`~reference.tp.model.LlamaCheckpoint` and read the PEFT
 directories themselves, each its own view, as ranks on separate machines would.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graders.tolerances import tolerance
+from graders.machine.tolerances import tolerance
 from reference.adapters import load_peft_adapter
 from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import LoRAMemoryPool, events_to_json, snapshot_diff
-from reference.tp_lora import VARIANTS, shard_pool_buffers, spawn_ranks, tp_device, tp_unavailable_reason
-from reference.tp_model import (TPLlama, greedy_generate, llama_checkpoint, llama_pool_modules, llama_tp_layouts,
+from reference.tp.lora import VARIANTS, shard_pool_buffers, spawn_ranks, tp_device, tp_unavailable_reason
+from reference.tp.model import (TPLlama, greedy_generate, llama_checkpoint, llama_pool_modules, llama_tp_layouts,
                                 prepare_batch)
-from reference.tp_pool import TPLoRAMemoryPool, demonstrate_disagreement
+from reference.tp.pool import TPLoRAMemoryPool, demonstrate_disagreement
 
 TP = 2  # the failure scenarios run here
 # TP=4 (one q head per rank, each kv head replicated on two ranks, fully sharded A at R/4 = 4 rows)

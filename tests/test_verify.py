@@ -1,7 +1,7 @@
 """``python -m graders.course verify`` on a small real course (chapter 01, two students): it refuses
 input it cannot verify without changing anything, finds and corrects grade fields written into
 gradebook.db behind the graders' back, compares the graders' files with a recorded fingerprint,
-and points at answer cells by what their code does (graders.tamper), never by what they say."""
+and points at answer cells by what their code does (graders.course.tamper), never by what they say."""
 from __future__ import annotations
 
 import hashlib
@@ -18,19 +18,19 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-import graders.course as course_mod
-from graders.course import (FINGERPRINT_FILE, CourseError, GradebookFix, GradersChanged, LookAtThis, Mismatch,
-                            _nbgrader, _new_course, build_submission, exercise_of, main, parse_answers,
-                            trusted_regrade)
-from graders.core import SECRET_ENV
-from graders.integrity import check_fingerprint, fingerprint
-from graders.mutation import apply_edits, load_catalogue, sample_learner, solution_answers
-from graders.tamper import suspicious_code
+import graders.course.jobs as course_mod
+from graders.course.__main__ import main
+from graders.course.jobs import (FINGERPRINT_FILE, CourseError, GradebookFix, GradersChanged, LookAtThis, Mismatch,
+                                 _nbgrader, _new_course, build_submission, exercise_of, parse_answers, trusted_regrade)
+from graders.course.integrity import check_fingerprint, fingerprint
+from graders.course.mutation import apply_edits, load_catalogue, sample_learner, solution_answers
+from graders.course.tamper import suspicious_code
+from graders.machine.core import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 A = "01_lora_basics"
 SECRET = "tests-fixed-secret"
-HONEST_COMMENT = "# the tolerances are the ones in graders/tolerances.py, as the exercise says\n"
+HONEST_COMMENT = "# the tolerances are the ones in graders/machine/tolerances.py, as the exercise says\n"
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +130,12 @@ def test_refuses_what_it_cannot_verify_and_changes_nothing(course, tmp_path, cap
 def test_honest_course_verifies_cleanly_against_its_fingerprint(course, capsys):
     assert main(["fingerprint", "--course-dir", str(course)]) == 0
     recorded = json.loads((course / FINGERPRINT_FILE).read_text())["files"]
-    assert "graders/core.py" in recorded and "reference/lora_math.py" in recorded
+    assert "graders/machine/core.py" in recorded and "reference/lora_math.py" in recorded
     assert main(["verify", A, "--course-dir", str(course)]) == 0  # conftest: LORA_BOOK_SECRET=SECRET
     out = capsys.readouterr().out
     assert "matched the fingerprint" in out
     assert "Every notebook test cell agreed with the trusted re-grade." in out
-    assert "Answer cells to look at" not in out  # the comment citing graders/tolerances.py is no finding
+    assert "Answer cells to look at" not in out  # the comment citing graders/machine/tolerances.py is no finding
     assert "Gradebook fields" not in out
     scores = _scores(course)
     for ex in range(1, 7):
@@ -171,7 +171,7 @@ def test_forged_gradebook_fields_are_found_and_corrected(course, tmp_path):
                       "mistaken": {f"ch01.{i}": 0.0 for i in range(1, 7)}}
     fixes = sorted(str(f) for f in findings if isinstance(f, GradebookFix))
     assert fixes == sorted([
-        "every student ch01.4: max_score 30 in the gradebook, graders/points.py gives 3; corrected",
+        "every student ch01.4: max_score 30 in the gradebook, graders/machine/points.py gives 3; corrected",
         "student honest ch01.5: extra_credit -2 in the gradebook, not given by the graders; reset to 0",
         "student mistaken ch01.3: extra_credit 5 in the gradebook, not given by the graders; reset to 0",
         "student mistaken ch01.1: manual_score 3 in the gradebook, not given by the graders; recorded 0",
@@ -221,13 +221,13 @@ def test_a_changed_grader_file_before_the_regrade_is_refused(course, tmp_path, c
     root = _copy(course, tmp_path / "course")
     assert main(["fingerprint", "--course-dir", str(root)]) == 0
     data = json.loads((root / FINGERPRINT_FILE).read_text())
-    data["files"]["graders/core.py"] = "0" * 64  # as if core.py was rewritten after the fingerprint
+    data["files"]["graders/machine/core.py"] = "0" * 64  # as if core.py was rewritten after the fingerprint
     (root / FINGERPRINT_FILE).write_text(json.dumps(data))
     before = _sha(root / "gradebook.db")
     assert main(["verify", A, "--course-dir", str(root)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("verify: the graders' files changed during grading (found before verify's re-grade): "
-                          "graders/core.py changed (sha256 000000000000... recorded")
+                          "graders/machine/core.py changed (sha256 000000000000... recorded")
     assert len(err.splitlines()) == 1
     assert _sha(root / "gradebook.db") == before
 
@@ -240,12 +240,12 @@ def test_a_grader_file_changed_during_the_regrade_is_refused(course, tmp_path, m
 
     def changed_on_second_call(recorded):  # a detached learner process rewrote a file mid-grade
         calls.append(1)
-        return [] if len(calls) == 1 else ["graders/tolerances.py changed"]
+        return [] if len(calls) == 1 else ["graders/machine/tolerances.py changed"]
 
     monkeypatch.setattr(course_mod, "check_fingerprint", changed_on_second_call)
     monkeypatch.setattr(course_mod, "grade_source", lambda ex, source: SimpleNamespace(score=3.0))
     before = _sha(root / "gradebook.db")
-    with pytest.raises(GradersChanged, match=r"found after verify's re-grade\): graders/tolerances.py changed"):
+    with pytest.raises(GradersChanged, match=r"found after verify's re-grade\): graders/machine/tolerances.py changed"):
         trusted_regrade(root, A, SECRET)
     assert _sha(root / "gradebook.db") == before
 
@@ -268,18 +268,18 @@ def test_answer_cells_are_pointed_at_by_what_their_code_does(course, tmp_path, m
 
 
 # ---------------------------------------------------------------------------------------------
-# graders.integrity and graders.tamper on their own
+# graders.course.integrity and graders.course.tamper on their own
 
 
 def test_check_fingerprint_names_every_difference():
     recorded = fingerprint()
     assert check_fingerprint(recorded) == []
-    recorded["graders/core.py"] = "f" * 64
-    recorded["graders/gone.py"] = "e" * 64
+    recorded["graders/machine/core.py"] = "f" * 64
+    recorded["graders/chapters/gone.py"] = "e" * 64
     del recorded["reference/lora_math.py"]
     lines = check_fingerprint(recorded)
-    assert [line.split(" ")[0] for line in lines] == ["graders/core.py", "graders/gone.py", "reference/lora_math.py"]
-    assert "changed" in lines[0] and "missing" in lines[1] and "new" in lines[2]
+    assert [line.split(" ")[0] for line in lines] == ["graders/chapters/gone.py", "graders/machine/core.py", "reference/lora_math.py"]
+    assert "missing" in lines[0] and "changed" in lines[1] and "new" in lines[2]
 
 
 def test_no_solution_cell_and_no_mutant_is_flagged():
@@ -302,11 +302,11 @@ def test_the_bundled_tampering_answers_are_found():
         ("broken_code", "ch02.6")]
     assert "line 4: assigns graders.check on the imported module graders (a patch) (look at this)" in found[
         ("broken_code", "ch02.8")]
-    assert any("imports graders.core" in line for line in found[("broken_code", "ch02.7")])
+    assert any("imports graders.machine.core" in line for line in found[("broken_code", "ch02.7")])
 
 
 HONEST = [
-    HONEST_COMMENT + "import graders\n\ndef f(x):\n    return x  # not graders.core._compare\n\n"
+    HONEST_COMMENT + "import graders\n\ndef f(x):\n    return x  # not graders.machine.core._compare\n\n"
     's = "graders.check is a string"\ngraders.check("ch01.1", f)\n',
     "import torch\nfrom torch import nn\nfrom reference.batch_info import LoRABatchInfo\n\n"
     "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = torch.zeros(2)\n",
@@ -326,9 +326,9 @@ SUSPICIOUS = {
     "import sys\ngetattr(sys, 'mod' + 'ules')\n": "line 2: getattr() on sys with a name computed at run time",
     "g = __import__('grad' + 'ers')\n": "line 1: uses __import__",
     "import importlib\n": "line 1: imports importlib",
-    "from graders import core\n": "line 1: imports graders.core",
-    "import graders.core\n": "line 1: imports graders.core",
-    "from graders.core import _compare\n": "line 1: imports graders.core._compare",
+    "from graders import machine\n": "line 1: imports graders.machine",
+    "import graders.machine.core\n": "line 1: imports graders.machine.core",
+    "from graders.machine.core import _compare\n": "line 1: imports graders.machine.core._compare",
     "from graders import check\n": "line 1: imports graders.check",
     "\ng = graders\ng.check = print\n": "line 3: assigns g.check on the imported module graders",
     "setattr(graders, 'check', print)\n": "line 1: calls setattr() on the imported module graders",

@@ -5,7 +5,7 @@
 
 Sources live in tools/chapters/NN_topic.py, outside notebooks/ because nbgrader ships every file of
 an assignment folder to learners. A code cell marked ``# %% exercise="chNN.M" role="answer"`` (or
-``role="test"``) gets its nbgrader metadata here, with the points from ``graders.points``: the one
+``role="test"``) gets its nbgrader metadata here, with the points from ``graders.machine.points``: the one
 place points are written. Notebooks are written without outputs.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ SOURCES = ROOT / "tools" / "chapters"
 NOTEBOOKS = ROOT / "notebooks"
 sys.path.insert(0, str(ROOT))
 
-from graders.points import total_points  # noqa: E402
+from graders.machine.points import total_points  # noqa: E402
 
 KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
 

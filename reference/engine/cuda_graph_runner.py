@@ -55,7 +55,7 @@ from reference.batch_info import LoRABatchInfo
 from reference.cuda_graph import SlotChangeTracker, StaticLoRABatch, bucket_for, default_buckets
 from reference.engine.model_runner import AttentionMetadata, ModelRunner, SeqWork
 
-__all__ = ["StaticDecodeInputs", "PagedDecodeGraphRunner"]
+__all__ = ["StaticDecodeInputs", "PagedDecodeGraphRunner", "enable_graph_decode"]
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 
@@ -310,3 +310,17 @@ class PagedDecodeGraphRunner:
         self.replays[(bucket, lora)] += 1
         self.padding_rows += bucket - n
         return out[:n].clone()
+
+
+def enable_graph_decode(runner: ModelRunner, max_seqs: int, buckets: Optional[Sequence[int]] = None,
+                        use_graphs: Optional[bool] = None) -> PagedDecodeGraphRunner:
+    """Serve ``runner``'s decode steps of up to ``max_seqs`` sequences through a
+    :class:`PagedDecodeGraphRunner` (returned, and kept as ``runner.graph_runner``); every other step
+    stays eager. ``use_graphs`` (default: on CUDA) captures CUDA graphs; without them the static
+    path is called as it is. The graphs are captured by the returned runner's ``capture()``.
+
+    Raises:
+        ValueError: see :class:`PagedDecodeGraphRunner`.
+    """
+    runner.graph_runner = PagedDecodeGraphRunner(runner, max_seqs, buckets, use_graphs)
+    return runner.graph_runner

@@ -28,13 +28,14 @@ import torch
 
 from reference.adapters import load_peft_adapter
 from reference.engine.block_manager import BlockManager
+from reference.engine.cuda_graph_runner import enable_graph_decode
 from reference.engine.policies import admit_requests, block_hashes, choose_drain
 from reference.engine.model_runner import ModelRunner, SeqWork, sample_batch
 from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
 from reference.engine.sequence import SamplingParams, Sequence, SeqStatus
 from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import AdapterRegistry, LoRAAdapter, LoRAMemoryPool
-from reference.tp_model import llama_checkpoint, llama_pool_modules
+from reference.tp.model import llama_checkpoint, llama_pool_modules
 
 __all__ = ["EngineConfig", "EnginePolicies", "RequestOutput", "LLM", "engine_step", "StepFn"]
 
@@ -180,7 +181,7 @@ class LLM:
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
                                   config.backend, config.attention_backend)
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
-            self.runner.enable_graph_decode(config.max_num_seqs, use_graphs=device.type == "cuda").capture()
+            enable_graph_decode(self.runner, config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,
                                     config.drain_threshold, config.mixed_steps)
         # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,

@@ -40,7 +40,7 @@ the PagedAttention paper; nano-vllm ``nanovllm/engine/model_runner.py``, ``block
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, NamedTuple, Optional, Sequence, Union
+from typing import Hashable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -53,11 +53,8 @@ from reference.mem_pool import LoRAMemoryPool
 from reference.ops.paged_attention import choose_num_splits, triton_paged_attention
 from reference.static_llama import apply_rope
 
-if TYPE_CHECKING:
-    from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner
-
 __all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
-           "paged_attention", "ATTENTION_BACKENDS", "default_attention_backend", "ModelRunner", "sample",
+           "paged_attention", "ATTENTION_BACKENDS", "default_attention_backend", "DecodeGraph", "ModelRunner", "sample",
            "sample_batch"]
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -305,6 +302,17 @@ def _is_wrapped(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
+class DecodeGraph(Protocol):
+    """What :meth:`ModelRunner.forward` asks of a static decode path
+    (:class:`~reference.engine.cuda_graph_runner.PagedDecodeGraphRunner`)."""
+
+    def eager_reason(self, work: Sequence["SeqWork"], uid_to_slot: dict) -> Optional[str]:
+        """Why this step must run eagerly, or None when the static path takes it."""
+
+    def run(self, work: Sequence["SeqWork"], uid_to_slot: dict) -> torch.Tensor:
+        """The step's logits, [len(work), vocab] float32."""
+
+
 class ModelRunner:
     """Runs engine steps of a Hugging Face ``LlamaForCausalLM`` over a :class:`PagedKVCache`.
 
@@ -314,7 +322,7 @@ class ModelRunner:
     positions written by earlier calls, as an engine does).
 
     Two paths compute a step: the eager one (any work: prefill, chunks, decode, mixed) and, after
-    :meth:`enable_graph_decode`, the static-shape decode path of
+    :func:`reference.engine.cuda_graph_runner.enable_graph_decode`, the static-shape decode path of
     :class:`~reference.engine.cuda_graph_runner.PagedDecodeGraphRunner` (a CUDA graph replayed on a
     GPU, the same code called on the CPU) for steps whose every SeqWork computes one token. Both
     give the same logits (tested in fp32 with NaN in every unwritten cache entry).
@@ -326,7 +334,7 @@ class ModelRunner:
         pool, context: the LoRA memory pool and the context the layers read (None, None: base only).
         num_blocks, block_size: the blocks a SeqWork may use (ids 0..num_blocks-1) and their size.
             ``self.kv_cache`` has one block more, ``scratch_block`` (= num_blocks), which only the
-            padding rows of graph decode write (:meth:`enable_graph_decode`).
+            padding rows of graph decode write (``cuda_graph_runner.enable_graph_decode``).
         backend: the LoRA ops, when the runner wraps the model (see ``reference.layers.get_backend``).
         attention_backend: "torch" or "triton" (see :func:`paged_attention`); None: "triton" on
             CUDA, "torch" elsewhere (:func:`default_attention_backend`).
@@ -357,7 +365,9 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = self.kv_cache.k.shape[3], self.kv_cache.k.shape[4]
         self.max_positions, self.vocab_size = cfg.max_position_embeddings, cfg.vocab_size
         self.device = model.get_input_embeddings().weight.device
-        self.graph_runner: Optional["PagedDecodeGraphRunner"] = None  # set by enable_graph_decode
+        # set by cuda_graph_runner.enable_graph_decode: the graph runner builds on this class, so this
+        # one knows it only as the two calls forward makes
+        self.graph_runner: Optional[DecodeGraph] = None
 
     @staticmethod
     def _check_lora_setup(model: nn.Module, pool, context, backend: LoRABackend) -> None:
@@ -407,20 +417,6 @@ class ModelRunner:
             return meta
         splits = choose_num_splits(len(meta.context_lens), self.num_kv_heads, max_context, self.num_sms)
         return meta._replace(num_splits=splits)
-
-    def enable_graph_decode(self, max_seqs: int, buckets: Optional[Sequence[int]] = None,
-                            use_graphs: Optional[bool] = None) -> "PagedDecodeGraphRunner":
-        """Serve decode steps of up to ``max_seqs`` sequences through a
-        :class:`~reference.engine.cuda_graph_runner.PagedDecodeGraphRunner` (returned, and kept as
-        ``self.graph_runner``); every other step stays eager. ``use_graphs`` (default: on CUDA)
-        captures CUDA graphs; without them the static path is called as it is.
-        Raises:
-            ValueError: see ``PagedDecodeGraphRunner``.
-        """
-        from reference.engine.cuda_graph_runner import PagedDecodeGraphRunner  # it imports this module
-
-        self.graph_runner = PagedDecodeGraphRunner(self, max_seqs, buckets, use_graphs)
-        return self.graph_runner
 
     def _prepare_adapters(self, work: list[SeqWork], running: Sequence[Hashable]) -> dict:
         """Make the batch's adapters resident (``running``'s kept too): {uid: slot}; {} without a pool."""

@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 import torch
 
 from reference.batch_info import LoRABatchInfo
-from reference.moe_lora import fused_moe_lora_torch
 
 __all__ = [
     "lora_loop",
@@ -28,7 +27,6 @@ __all__ = [
     "shrink",
     "expand",
     "fused_decode",
-    "fused_moe_lora",
     "lora_gemm",
 ]
 
@@ -208,8 +206,6 @@ def sgmv_expand(
 #: The contract names of the book's ops; the torch references use the SGMV form.
 shrink = sgmv_shrink
 expand = sgmv_expand
-#: The MoE LoRA op (chapter 09): its contract and reference live in ``reference.moe_lora``.
-fused_moe_lora = fused_moe_lora_torch
 
 
 def fused_decode(

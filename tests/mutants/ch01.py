@@ -1,4 +1,4 @@
-"""Wrong answers for chapter 01 (graders.mutation.Mutant): each is the solution cell with one edit.
+"""Wrong answers for chapter 01 (graders.course.mutation.Mutant): each is the solution cell with one edit.
 
 Designed from the contracts: the scaling applied once, to the low-rank path only; the result's
 dtype (bf16 cases); a new tensor, never the input itself (scaling 0, a fresh adapter with B = 0) and
@@ -6,7 +6,7 @@ never an in-place update of W; both sides of r <= 0 and a Python float; projecti
 its own (in/out order, GQA, an explicit head_dim), bytes not parameters, an int; a fraction of the
 same targeted projections, not a percentage.
 """
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _SHAPES_Q = '"o_proj": (q_width, hidden),'
 

@@ -1,4 +1,4 @@
-"""Wrong answers for chapter 02 (graders.mutation.Mutant): each is the solution cell with one edit.
+"""Wrong answers for chapter 02 (graders.course.mutation.Mutant): each is the solution cell with one edit.
 
 Designed from the contracts: the int32 result and the leading 0 of seg_indptr; one slot per token;
 every layout the batched ops allow (a BGMV op that rebuilds token slots from the segments, an SGMV op
@@ -7,7 +7,7 @@ rank clip against NaN and against finite junk; in-place updates of ``out``; the 
 a stable sort and its inverse; a Python float, both sides of the length ValueError and rank-0
 requests as padding in padded_flop_waste.
 """
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _LOOP_ROWS = "rows = torch.arange(indptr[seg], indptr[seg + 1], device=x.device)"
 _LOOP_ROWS_T = "rows = torch.arange(indptr[seg], indptr[seg + 1], device=t.device)"

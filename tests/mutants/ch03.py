@@ -1,4 +1,4 @@
-"""Wrong answers for chapter 03 (graders.mutation.Mutant): each is the solution cell of a Triton
+"""Wrong answers for chapter 03 (graders.course.mutation.Mutant): each is the solution cell of a Triton
 exercise (kernel + wrapper) with one realistic change.
 
 Tiling mistakes (a loop or a grid axis that only its first tile exercises) are the heart of the
@@ -7,7 +7,7 @@ reference blocks, in the edge group and in every random and hidden draw. The pla
 the old plausible_mistakes learner's (3ab8fdb:submissions/plausible_mistakes/03_triton_sgmv.py):
 the permutation ignored, the base output overwritten, the fused kernel without scaling.
 """
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _SHRINK_EXIT = "    if (rank == 0) | (pid_m * BLOCK_M >= seg_len) | (pid_n * BLOCK_N >= rank):\n"
 _EXPAND_EXIT = "    if (rank == 0) | (pid_m * BLOCK_M >= seg_len):\n"

@@ -1,8 +1,8 @@
-"""Wrong answers for chapter 05, the adapter memory pool (graders.mutation.Mutant): each is the
-solution cell with one realistic change. The classes are graded through the drivers of graders/ch05.py
+"""Wrong answers for chapter 05, the adapter memory pool (graders.course.mutation.Mutant): each is the
+solution cell with one realistic change. The classes are graded through the drivers of graders/chapters/ch05.py
 (replayed traces), so these are edits of the class bodies: state (an order, a protected set, a
 count), error clauses (both sides), and for load_slot the layout of the zero-fill and its poison."""
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _BASE_RULE = "        allowed = set(candidates) - {None} or set(candidates)\n"
 _UNTRACKED = ("        if any(uid not in self._order for uid in candidates):\n"

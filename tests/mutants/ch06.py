@@ -1,8 +1,8 @@
 """Wrong answers for chapter 06 (loading PEFT adapters), each the solution cell with one realistic
-edit (graders.mutation.Mutant). The old plausible mistakes (an in-memory key accepted, re.search for
+edit (graders.course.mutation.Mutant). The old plausible mistakes (an in-memory key accepted, re.search for
 target_modules, alpha / r for rsLoRA, a missing part dropped) are the plausible ones; the old
 whole-cell faults (a substring list match, the last pattern key winning, up before gate) are here too."""
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _KEY = r'm = re.match(r"^(?:base_model\.model\.)?(?P<path>\w+(?:\.\w+)*)\.lora_(?P<matrix>[AB])\.weight$", key)'
 

@@ -1,9 +1,9 @@
 """Wrong answers for chapter 07 (batch info from requests, the slot-sorted view, the LoRA layer),
-each the solution cell with one realistic edit (graders.mutation.Mutant). The old plausible mistakes
+each the solution cell with one realistic edit (graders.course.mutation.Mutant). The old plausible mistakes
 (a zero-token request counted active, sequences counted instead of tokens, the base forward copied)
 are the plausible ones. ch07.1 and ch07.3 must read no tensor value on the host: their "device-read"
 mutants compute the right numbers through such a read."""
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 MUTANTS = [
     # ch07.1 batch_info_from_requests

@@ -1,6 +1,6 @@
 """Wrong answers for chapter 08 (buckets, the static LoRA batch, the change flag), each the solution
-cell with one realistic edit (graders.mutation.Mutant). ch08.2 and ch08.3 are classes graded through
-the replay drivers of graders/ch08.py, so these are edits of the method bodies: the in-place
+cell with one realistic edit (graders.course.mutation.Mutant). ch08.2 and ch08.3 are classes graded through
+the replay drivers of graders/chapters/ch08.py, so these are edits of the method bodies: the in-place
 discipline, padding, the flag, the slot-sorted view, validation order; which events count, how far
 the log was read.
 
@@ -8,7 +8,7 @@ Not in the catalogue, because no trace of the book's pool tells it apart from th
 tracker that counts only "load" events (the pool logs every "evict" in the same miss as the load
 into that slot). "cpu_evict" is also logged only next to a load by the pool itself, so the graders'
 traces drop host copies on their own too (memory pressure), where counting it fails."""
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _PAD_CHECK = ("        if lora_ranks[pad_slot] != 0:\n"
               "            raise ValueError(f\"pad slot {pad_slot} has rank {lora_ranks[pad_slot]}, not 0\")\n")

@@ -1,10 +1,10 @@
 """Wrong answers for chapter 09 (virtual experts, the aligned block layout, the MoE LoRA op, EP ids),
-each the solution cell with one realistic edit (graders.mutation.Mutant).
+each the solution cell with one realistic edit (graders.course.mutation.Mutant).
 
 Not in the catalogue, because the contract's tolerance cannot tell it apart from the solution: a
 MoE LoRA op that keeps the shrink in fp32 instead of rounding it to x.dtype (the difference is one
 bf16 rounding of an intermediate, well inside the bf16 tolerance row)."""
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _VIRTUAL = "    virtual = token_slots.long().view(-1, 1) * num_experts + ids\n"
 _PAD = "            sorted_ids += chunk + [num_pairs] * (block_size - len(chunk))\n"

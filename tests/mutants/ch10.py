@@ -1,6 +1,6 @@
 """Wrong answers for chapter 10 (which rows a rank owns, the fully sharded A, the row-parallel and the
 fully sharded column forwards), each the solution cell with one realistic edit
-(graders.mutation.Mutant).
+(graders.course.mutation.Mutant).
 
 The collective mistakes the issue names: "A split where it must be replicated" (ch10.4 reading only
 its own slice of the gathered shrink, i.e. B's matching columns: the garbled rule's repair),
@@ -8,7 +8,7 @@ its own slice of the gathered shrink, i.e. B's matching columns: the garbled rul
 past the replication point" (ch10.1). A collective called on one branch only is the ch10.3
 hang mutant: the driver must name it, not time out the whole exercise.
 """
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _PER = ("        if n >= tp_size and n % tp_size == 0:\n"
         "            per, first = n // tp_size, tp_rank * (n // tp_size)\n"

@@ -1,5 +1,5 @@
 """Wrong answers for chapter 11 (block keys, admission, the drain, routing), each the solution cell with
-one realistic edit (graders.mutation.Mutant).
+one realistic edit (graders.course.mutation.Mutant).
 
 ch11.1: no chaining, the adapter left out of the key (the chapter's unsafe key), the partial last
 block hashed, the last full block dropped, Python's hash() instead of stable_hash, the block as a
@@ -20,7 +20,7 @@ out of the block key, unchained keys, the cap ignored, the base not counted, no 
 KV shortfall skipped, the most-loaded adapter drained, a drain never started, a drain that never
 returns (an endless loop), an admission that raises during a drain.
 """
-from graders.mutation import Mutant
+from graders.course.mutation import Mutant
 
 _HASH = "        parent = stable_hash((parent, adapter_id, block))\n"
 _CAP = ("        if len(chosen | {c.uid}) > max_loras_per_batch:\n"

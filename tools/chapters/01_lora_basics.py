@@ -114,7 +114,7 @@ print("B = 0 gives the base output exactly:", torch.equal(lora_math.lora_forward
 # - Compute the low-rank path as two products (shrink, then expand). Forming `B @ A` gives the
 #   same numbers (the grader cannot tell), but costs a full `[out, in]` matrix per step: the cell
 #   above counts it. Do not modify any input. Results are compared within the rounding tolerance of the
-#   dtype (`graders/tolerances.py`).
+#   dtype (`graders/machine/tolerances.py`).
 
 # %% exercise="ch01.1" role="answer"
 def lora_forward(x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -49,7 +49,7 @@ import reference  # first: with no CUDA device it sets TRITON_INTERPRET=1, which
 import torch
 
 import graders
-from graders.tolerances import tolerance
+from graders.machine.tolerances import tolerance
 from reference import lora_math
 from reference.batch_info import build_batch_info, stable_sort_by_slot
 from reference.device import default_device, interpreting

@@ -34,7 +34,8 @@ import reference  # first: device choice
 import torch
 
 import graders
-from reference import moe_lora, moe_sizes
+from reference.moe import lora as moe_lora
+from reference.moe import sizes as moe_sizes
 from reference.device import default_device
 
 device = default_device()
@@ -57,7 +58,7 @@ print("device:", device)
 # would otherwise read weights that were never written (garbage in a reused slot, or a null pointer in
 # a server that allocates per adapter); with rank 0 it never schedules them at all.
 #
-# How big that gets: an adapter's bytes for three published MoE configs (`reference.moe_sizes` holds
+# How big that gets: an adapter's bytes for three published MoE configs (`reference.moe.sizes` holds
 # the fields of their config.json files), at rank 16 in bf16, on attention only and on attention plus
 # every MLP (routed experts, shared experts, dense layers). Each expert's gate, up and down count as
 # separate LoRA targets, as PEFT's `target_modules` names them:
@@ -395,7 +396,7 @@ print("local ids, global buffers == one rank:", torch.allclose(wrong, full, atol
 # `[E, 2I, H]` and `experts.down_proj` `[E, H, I]`. For each targeted parameter the saved file holds one
 # pair for all experts: `lora_A [E * r, in]` and `lora_B [out, E * r]`. The two `E * r` axes are **not**
 # ordered the same way (found by experiment against PEFT's own `get_delta_weight`, transformers 5.24 /
-# peft 0.21; `reference/moe_adapters.py` records how):
+# peft 0.21; `reference/moe/adapters.py` records how):
 #
 #     A_e = lora_A[e*r:(e+1)*r]      expert-major: one block of r rows per expert
 #     B_e = lora_B[:, e::E]          rank-major: column k*E + e is expert e's k-th column
@@ -411,7 +412,7 @@ import warnings
 import peft
 import transformers
 
-from reference.moe_adapters import split_expert_lora
+from reference.moe.adapters import split_expert_lora
 
 torch.manual_seed(0)
 MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -476,10 +477,10 @@ graders.show_reference("ch09.5")
 #
 # ## 6. A whole MoE model against PEFT
 #
-# `reference.moe_pool.MoELoRAMemoryPool` is chapter 05's pool with expert buffers: the same slots,
+# `reference.moe.pool.MoELoRAMemoryPool` is chapter 05's pool with expert buffers: the same slots,
 # eviction, pinning and `prepare_lora_batch`, and for every MoE layer the 4-D buffers and the
 # `[slots, experts]` ranks, written by the same `load_to_slot` (validated before any write).
-# `reference.moe_layers.wrap_moe_model` wraps attention with chapter 07's LoRA layers and replaces each
+# `reference.moe.layers.wrap_moe_model` wraps attention with chapter 07's LoRA layers and replaces each
 # routed experts module with `LoRAExperts`, which runs the base experts per pair and adds the op of
 # section 3 twice (gate_up on token rows, down on pair rows) before the routing weight.
 #
@@ -493,9 +494,9 @@ from safetensors.torch import load_file, save_file
 
 from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRAContext
-from reference.moe_adapters import load_moe_peft_adapter
-from reference.moe_layers import moe_module_specs, wrap_moe_model
-from reference.moe_pool import MoELoRAMemoryPool
+from reference.moe.adapters import load_moe_peft_adapter
+from reference.moe.layers import moe_module_specs, wrap_moe_model
+from reference.moe.pool import MoELoRAMemoryPool
 
 work = Path(tempfile.mkdtemp(prefix="ch09-"))
 experts_targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -576,7 +577,7 @@ for name in ("r8", "r4"):
 # %% [markdown]
 # ## 7. The Triton kernel
 #
-# `reference.ops.fused_moe_lora` implements the op of section 3 with the layout of section 2:
+# `reference.moe.fused_moe_lora` implements the op of section 3 with the layout of section 2:
 # virtual expert ids, `moe_align_block_size` with the rank-0 groups skipped, then two launches over
 # the sorted blocks. The shrink runs one program per (block of `BLOCK_M` pairs, slice): it gathers the
 # block's rows (`x[pair]` or `x[pair // top_k]`, padding entries masked), loads the one A of the
@@ -585,7 +586,7 @@ for name in ("r8", "r4"):
 # interpreter (on a GPU, compiled) and agrees with the torch reference:
 
 # %%
-from reference.ops import fused_moe_lora as fused_moe_lora_triton
+from reference.moe.fused_moe_lora import fused_moe_lora as fused_moe_lora_triton
 
 g = torch.Generator().manual_seed(7)
 T, E, k, S, r, H, I = 12, 4, 2, 3, 8, 32, 24
@@ -606,7 +607,7 @@ print("Triton vs torch reference: max abs difference", f"{(got.cpu() - want).abs
 # %% [markdown]
 # Two details matter for serving. The alignment reads the device (`nonzero`, a block count), so it
 # cannot run inside a CUDA graph (chapter 08); the op accepts a precomputed alignment (`aligned=`, from
-# `reference.ops.fused_moe_lora.align_moe_lora`), computed once per layer for both of its calls
+# `reference.moe.fused_moe_lora.align_moe_lora`), computed once per layer for both of its calls
 # (gate_up and down route the same pairs), leaving two capturable launches. And the grid follows the
 # number of blocks, which changes with the batch's routing; a captured version sizes it for the
 # largest possible block count, as vLLM's kernel does.

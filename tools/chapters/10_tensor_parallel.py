@@ -34,7 +34,7 @@ import reference  # first: device choice
 import torch
 
 import graders
-from reference import tp_lora
+from reference.tp import lora as tp_lora
 from reference.mem_pool import ModuleSpec
 
 torch.manual_seed(0)
@@ -405,7 +405,7 @@ for tokens, what in ((64, "decode, 64 sequences"), (8192, "prefill, 8192 tokens"
 # memory (A on every rank) and in placement (the delta inside the base layer's forward).
 #
 # The same layer at a small size on two real processes (gloo on this CPU, through a script:
-# `python -m reference.tp_demo layer`), each variant's collectives logged by wrapping
+# `python -m reference.tp.demo layer`), each variant's collectives logged by wrapping
 # `torch.distributed`, beside the prediction, the largest difference from the unsharded layer, and the
 # median forward time. CPU timings through gloo say nothing about GPUs, and on a shared CPU they vary
 # from run to run by more than the variants differ: they are printed for completeness and compared
@@ -414,7 +414,7 @@ for tokens, what in ((64, "decode, 64 sequences"), (8192, "prefill, 8192 tokens"
 # every variant computes the unsharded layer's output:
 
 # %%
-run = subprocess.run([sys.executable, "-m", "reference.tp_demo", "layer", "--tp", "2", "--tokens", "16"],
+run = subprocess.run([sys.executable, "-m", "reference.tp.demo", "layer", "--tp", "2", "--tokens", "16"],
                      capture_output=True, text=True, check=True)
 layer_run = json.loads(run.stdout)
 print(f"tp {layer_run['tp']}, {layer_run['tokens']} decode tokens, max rank {layer_run['max_rank']}, "
@@ -428,7 +428,7 @@ for key, row in layer_run["rows"].items():
 # %% [markdown]
 # ## 8. A sharded pool, and the whole model at TP=2
 #
-# `reference.tp_pool.TPLoRAMemoryPool` is chapter 05's pool whose buffers hold only this rank's shard
+# `reference.tp.pool.TPLoRAMemoryPool` is chapter 05's pool whose buffers hold only this rank's shard
 # of every slot (the shapes of sections 2-6, per module and variant). Three rules keep the ranks in
 # step:
 #
@@ -445,7 +445,7 @@ for key, row in layer_run["rows"].items():
 #   each rank's slot map, policy order and caches and raises, naming the field, when they differ.
 # - **The batch info is the same on every rank**, built from host data as in chapter 07.
 #
-# `reference.tp_model.TPLlama` is one rank's forward of a Llama: q/k/v and gate/up
+# `reference.tp.model.TPLlama` is one rank's forward of a Llama: q/k/v and gate/up
 # column-parallel, o and down row-parallel (two all-reduces per layer), attention over the rank's own
 # heads with a KV cache of its own kv heads, embeddings, norms and lm_head replicated, and every
 # projection's LoRA through the variants above. The script runs it on two processes for a tiny Llama
@@ -453,7 +453,7 @@ for key, row in layer_run["rows"].items():
 # and greedy decode, against TP=1 (chapter 07's layers) and against PEFT:
 
 # %%
-run = subprocess.run([sys.executable, "-m", "reference.tp_demo", "model", "--tp", "2", "--steps", "3"],
+run = subprocess.run([sys.executable, "-m", "reference.tp.demo", "model", "--tp", "2", "--steps", "3"],
                      capture_output=True, text=True, check=True)
 model_run = json.loads(run.stdout)
 print(f"tp {model_run['tp']}, batch {model_run['batch']} (prompt lengths {model_run['prompt_lens']}), "

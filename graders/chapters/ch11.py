@@ -1,0 +1,806 @@
+"""Cases for chapter 11 (the serving engine's control plane: block keys, admission, the drain, routing).
+
+All four exercises are pure functions of host values (reference/engine/policies.py). ch11.1
+``block_hashes`` and ch11.4 ``route`` take only lists, ints and uids, which cross to the child as
+they are. ch11.2 ``admit_requests`` and ch11.3 ``choose_drain`` take ``Candidate`` objects: the
+case holds each candidate as a row ``(seq_id, uid, blocks_needed, waited)`` and a driver in this
+module (``drive_admit`` / ``drive_drain``) builds the ``Candidate`` list in the child, next to the
+learner's function, and calls it as the scheduler does (running uids as a list, which may repeat a
+uid; resident uids as a set; running_remaining as a dict in the given insertion order).
+
+Case design (graders' rule): every clause of each ``Semantics:`` block, both sides of every rule,
+and each error. ch11.1: the docstring example, full blocks only (an exact multiple and a trailing
+partial block, fewer tokens than a block, no tokens), chaining (repeated identical blocks), the
+base model (None) and an int uid 0 as adapter ids, a tuple uid, block size 1 and a large block,
+tokens given as a tuple, each error. ch11.2: the docstring example, both parts of the order
+(running counts as warm as well as resident), the cap's skip-and-go-on, a later request of an
+adapter already in the set, the base taking a slot, the cap checked before KV, KV stopping in
+arrival order with an exact fit and a zero-block request, free blocks decremented, max_new_seqs
+counting admissions only, a drained adapter (and the base drained as None; None not drained when
+the flag is off), a uid running twice, each error. ch11.3: the docstring example, waited equal to
+the threshold and one past it, a free slot, more running than the cap, a starving uid that runs,
+a starving base request, ties broken by uid_sort_key (base first, ints by value, int before str)
+against the dict's insertion order, each error. ch11.4: idle instances, the bound's "+1" (the first
+instance of the walk exactly one below the bound), capacity factors 1, 1.25, 1.5, 2 and large, a
+key past every ring point (the walk wraps), replicas 2 and 3 with the lighter one second in the
+walk, ties to the earlier one in the walk where that is the higher index, replicas taken after the
+bound filter, replicas past the instance count, one instance, each error. The random and hidden
+groups draw the same families with seeded names, sizes and loads, plus free draws.
+Capacity factors and instance counts are drawn so that every order of the bound's float arithmetic
+gives the same bound (a correct answer never fails by rounding).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+from fractions import Fraction
+from typing import Optional
+
+from graders.machine.exercise import Case, Exercise
+from reference.engine.policies import (Candidate, admit_requests, block_hashes, choose_drain, ring_walk, route,
+                                       stable_hash)
+from reference.mem_pool import uid_sort_key
+
+__all__ = ["EXERCISES", "drive_admit", "drive_drain"]
+
+_UIDS = (None, 0, 1, 9, 10, "a", "b", "c", "sql@1", "chat@2", ("lora", 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# ch11.1 block_hashes
+
+
+def _hash_case(name, tokens, adapter_id, block_size) -> Case:
+    shown = tokens if len(tokens) <= 24 else f"{list(tokens[:24])[:-1]} ... ({len(tokens)} tokens)"
+    return Case(name, [tokens, adapter_id, block_size],
+                f"token_ids {shown!s}, adapter_id {adapter_id!r}, block_size {block_size}", op="exact")
+
+
+def _hash_edge() -> list[Case]:
+    return [
+        _hash_case("docstring_example", [5, 6, 7], "a@0", 2),
+        _hash_case("two_full_blocks_and_a_partial_one", [5, 6, 7, 8, 9], "a@0", 2),
+        _hash_case("exact_multiple_of_the_block", [5, 6, 7, 8], "a@0", 2),
+        _hash_case("repeated_identical_blocks_are_chained", [7, 7, 7, 7, 7, 7], "a@0", 2),
+        _hash_case("fewer_tokens_than_one_block", [1, 2, 3], "a@0", 4),
+        _hash_case("no_tokens", [], "a@0", 4),
+        _hash_case("base_model_uid_none", [1, 2, 3, 4, 5], None, 2),
+        _hash_case("int_uid_0_is_not_the_base", [1, 2, 3, 4, 5], 0, 2),
+        _hash_case("tuple_uid", [3, 1, 4, 1, 5, 9], ("lora", 3), 3),
+        _hash_case("block_size_1", [3, 1, 4, 1, 5], "b@1", 1),
+        _hash_case("block_of_16_over_40_tokens", list(range(100, 140)), "sql@1", 16),
+        _hash_case("tokens_as_a_tuple", (5, 6, 7, 8, 9), "a@0", 2),
+        _hash_case("block_size_0_raises_value_error", [1, 2], "a@0", 0),
+        _hash_case("negative_block_size_raises_value_error", [1, 2], "a@0", -2),
+        _hash_case("block_size_0_no_tokens_raises", [], None, 0),
+    ]
+
+
+def _hash_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    """Every draw: one adapter's prompts that share a prefix (an exact multiple of the block, a
+    trailing partial block, repeated blocks), the same tokens under another uid and under the base."""
+    cases = []
+    for i in range(4):
+        bs = rng.choice([1, 2, 3, 4, 5, 8]) if i else rng.choice([2, 3, 4])
+        uid, other = rng.sample([u for u in _UIDS if u is not None], 2)
+        prefix = [rng.randrange(32000) for _ in range(bs * rng.randint(1, 3))]
+        exact = prefix + [rng.randrange(32000) for _ in range(bs * rng.randint(1, 2))]
+        partial = exact + [rng.randrange(32000) for _ in range(rng.randint(1, bs) if bs > 1 else 0)]
+        repeated = [rng.randrange(50)] * (bs * rng.randint(2, 4) + rng.randrange(bs))
+        cases += [_hash_case(f"random_{i}_exact_multiple", exact, uid, bs),
+                  _hash_case(f"random_{i}_partial_block", partial, uid, bs),
+                  _hash_case(f"random_{i}_same_tokens_other_uid", partial, other, bs),
+                  _hash_case(f"random_{i}_same_tokens_base", exact, None, bs),
+                  _hash_case(f"random_{i}_repeated_blocks", repeated, uid, bs),
+                  _hash_case(f"random_{i}_short", prefix[:rng.randrange(bs)] if bs > 1 else [], uid, bs)]
+    cases.append(_hash_case("random_block_size_0", [1, 2, 3], rng.choice(_UIDS), 0))
+    cases.append(_hash_case("random_negative_block_size", [1, 2, 3], rng.choice(_UIDS), -rng.randint(1, 3)))
+    return cases
+
+
+def _chained(tokens, adapter_id, bs, key, partial=False, chain=True) -> list:
+    out, parent = [], None
+    stop = len(tokens) if partial else len(tokens) - bs + 1
+    for start in range(0, max(stop, 0), bs):
+        parent = key(parent if chain else None, adapter_id, tokens[start:start + bs])
+        out.append(parent)
+    return out
+
+
+def _hash_hint(case: Case, expected, got) -> Optional[str]:
+    tokens, adapter_id, bs = case.args
+    if not isinstance(expected, list) or not isinstance(got, (tuple, list)):
+        return None
+    got = list(got)
+    if got and not all(isinstance(v, int) and not isinstance(v, bool) for v in got):
+        return "return a list of ints: the stable_hash value of each full block's key"
+    ok = lambda p, a, blk: stable_hash((p, a, tuple(blk)))  # noqa: E731
+    variants = [
+        (_chained(tokens, adapter_id, bs, ok, partial=True),
+         "a trailing partial block has no key (its KV is still being written): hash FULL blocks only"),
+        (_chained(tokens, adapter_id, bs, ok, chain=False),
+         "chain the keys: block i's key includes h[i-1], the previous block's key (a token's KV depends on its "
+         "whole prefix), so equal tokens after different prefixes get different keys"),
+        (_chained(tokens, adapter_id, bs, lambda p, a, blk: stable_hash((p, tuple(blk)))),
+         "the adapter's uid belongs in every key: stable_hash((h[i-1], adapter_id, block)); without it two "
+         "adapters share KV that LoRA on q/k/v made different"),
+        (_chained(tokens, adapter_id, bs, lambda p, a, blk: stable_hash((p, a, list(blk)))),
+         "hash the block as a tuple: stable_hash hashes repr, and a list's repr [5, 6] is not a tuple's (5, 6)"),
+        (_chained(tokens, adapter_id, bs, lambda p, a, blk: stable_hash(f"{p}{a}{tuple(blk)}")),
+         "hash the tuple (h[i-1], adapter_id, block), not a concatenated string: 'a1' + '2' == 'a' + '12'"),
+    ]
+    for value, msg in variants:
+        if got == value and value != expected:
+            return msg
+    full = len(tokens) // bs if bs >= 1 else 0
+    if len(got) == full - 1:
+        return f"{len(tokens)} tokens hold {full} full blocks of {bs}: the last full block needs its key too"
+    if got and expected and got[0] != expected[0]:
+        return ("the first key already differs: it is stable_hash((None, adapter_id, tuple(token_ids[:block_size]))) "
+                "exactly: the parent None first, then the uid as given (not str(uid), not `uid or None`), then the "
+                "block as a tuple of ints; and stable_hash, not hash() (Python's hash of a str changes with "
+                "PYTHONHASHSEED, so two engines, or the grader and your process, would disagree)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# ch11.2 admit_requests
+
+
+def drive_admit(fn, rows, running_uids, resident_uids, max_loras_per_batch, free_blocks, max_new_seqs,
+                draining, drain_active):
+    """Call ``fn`` as the scheduler does: Candidates from ``rows``, running uids as a list, resident
+    uids as a set."""
+    waiting = [Candidate(*row) for row in rows]
+    if isinstance(draining, tuple):  # equal to the rows' uid, not the same object (a scheduler may rebuild it)
+        draining = tuple(list(draining))
+    return fn(waiting, list(running_uids), set(resident_uids), max_loras_per_batch, free_blocks, max_new_seqs,
+              draining, drain_active)
+
+
+def _admit_case(name, rows, running, resident, cap, free, max_new, draining=None, active=False) -> Case:
+    rows = [tuple(r) for r in rows]
+    describe = (f"waiting (seq_id, uid, blocks_needed, waited) {rows}; running_uids {list(running)}; "
+                f"resident_uids {set(resident) or '{}'}; max_loras_per_batch {cap}; free_blocks {free}; "
+                f"max_new_seqs {max_new}; draining {draining!r}, drain_active {active}")
+    return Case(name, [rows, list(running), list(resident), cap, free, max_new, draining, active], describe, op="exact")
+
+
+def _r(i, uid, blocks=1, waited=0):
+    return (i, uid, blocks, waited)
+
+
+def _admit_edge() -> list[Case]:
+    c = _admit_case
+    return [
+        c("docstring_example", [_r(0, "b"), _r(1, "a"), _r(2, "a")], [None], ["a"], 2, 10, 8),
+        c("arrival_is_list_order_not_seq_id", [_r(7, "a", 2), _r(3, "a", 2)], [], [], 2, 2, 8),
+        # arrival order, not the longest wait: a preempted request waits less than the one behind it
+        c("arrival_order_not_the_longest_wait", [_r(4, "a", 1, 1), _r(5, "a", 1, 6)], [], [], 2, 10, 1),
+        # an admitted uid joins the set the cap counts: b then c cannot both fit a cap of 2 beside a
+        c("each_admitted_uid_joins_the_set", [_r(0, "b"), _r(1, "c")], ["a"], [], 2, 10, 8),
+        c("preempted_at_the_front_keeps_its_place", [_r(9, "b"), _r(2, "a"), _r(5, "b")], [], ["b"], 2, 10, 8),
+        c("resident_adapters_take_no_slot_until_they_run", [_r(0, "c"), _r(1, "d")], [], ["a", "b"], 2, 10, 8),
+        c("draining_a_tuple_uid_compares_by_value", [_r(0, ("lora", 3)), _r(1, "b")], [], [], 3, 10, 8,
+          ("lora", 3), True),
+        c("all_cold_arrival_order", [_r(0, "b"), _r(1, "a")], [], [], 2, 10, 8),
+        c("warm_first_each_part_in_arrival_order", [_r(0, "c"), _r(1, "a"), _r(2, "b"), _r(3, "a")], ["b"], ["a"],
+          3, 10, 8),
+        c("a_running_uid_is_warm_too", [_r(0, "a"), _r(1, "b")], ["b"], [], 2, 10, 8),
+        c("cap_skips_and_goes_on", [_r(0, "a"), _r(1, "b"), _r(2, "c"), _r(3, "a")], [], [], 2, 10, 8),
+        c("later_request_of_an_adapter_in_the_set_fits", [_r(0, "c"), _r(1, "a")], ["a", "b"], [], 2, 10, 8),
+        c("the_base_takes_a_slot", [_r(0, None), _r(1, "b")], ["a"], [], 2, 10, 8),
+        c("the_base_alone_fills_a_cap_of_1", [_r(0, None), _r(1, "a"), _r(2, None)], [], [], 1, 10, 8),
+        c("int_uid_0_is_not_the_base", [_r(0, 0), _r(1, None)], [None], [], 1, 10, 8),
+        c("cap_checked_before_kv", [_r(0, "a"), _r(1, "b"), _r(2, "c", 9), _r(3, "a")], [], [], 2, 3, 8),
+        c("kv_stops_no_overtaking", [_r(0, "a", 3), _r(1, "a", 1)], [], [], 2, 2, 8),
+        c("kv_stops_later_ones_wait_too", [_r(0, "a", 2), _r(1, "b", 1)], [], [], 4, 2, 8),
+        c("kv_exact_fit_is_admitted", [_r(0, "a", 2), _r(1, "a", 3)], [], [], 2, 5, 8),
+        c("free_blocks_go_down_with_each_admission", [_r(0, "a", 2), _r(1, "a", 2), _r(2, "a", 2)], [], [], 2, 5, 8),
+        c("zero_blocks_with_none_free", [_r(0, "a", 0), _r(1, "a", 1)], ["a"], [], 2, 0, 8),
+        c("max_new_seqs_limits_admissions", [_r(0, "a"), _r(1, "a"), _r(2, "a")], [], [], 2, 10, 2),
+        c("max_new_seqs_counts_admissions_not_skips", [_r(0, "a"), _r(1, "b"), _r(2, "c"), _r(3, "a")], [], [],
+          2, 10, 3),
+        c("max_new_seqs_0", [_r(0, "a")], [], [], 2, 10, 0),
+        c("drained_adapter_held_back", [_r(0, "a"), _r(1, "b")], [], [], 3, 10, 8, "a", True),
+        c("drained_resident_adapter_held_back", [_r(0, "b"), _r(1, "a")], ["a"], ["a"], 3, 10, 8, "a", True),
+        c("drained_skipped_before_kv", [_r(0, "a", 5), _r(1, "b", 1)], [], [], 3, 2, 8, "a", True),
+        c("draining_the_base", [_r(0, None), _r(1, "b")], [], [], 3, 10, 8, None, True),
+        c("none_is_not_drained_when_inactive", [_r(0, None), _r(1, "b")], [], [], 3, 10, 8, None, False),
+        c("draining_set_but_inactive", [_r(0, "a"), _r(1, "b")], [], [], 3, 10, 8, "a", False),
+        c("a_uid_running_twice_takes_one_slot", [_r(0, "b"), _r(1, "c")], ["a", "a"], [], 2, 10, 8),
+        c("no_waiting_requests", [], ["a"], ["a"], 2, 10, 8),
+        c("cap_0_raises_value_error", [_r(0, "a")], [], [], 0, 10, 8),
+        c("cap_0_no_waiting_raises", [], [], [], 0, 10, 8),
+        c("negative_free_blocks_raises_value_error", [_r(0, "a")], [], [], 2, -1, 8),
+        c("negative_max_new_seqs_raises_value_error", [_r(0, "a")], [], [], 2, 10, -1),
+    ]
+
+
+def _admit_families(rng: random.Random, tag: str) -> list[Case]:
+    """One case of each clause's family, with drawn names, sizes and queue lengths."""
+    u = rng.sample([x for x in _UIDS if x is not None], 5)
+    big = rng.randint(3, 6)
+    fill = [_r(100 + k, u[4], 0) for k in range(rng.randint(0, 2))]  # warm zero-block filler
+    c = _admit_case
+    return [
+        c(f"{tag}_warm_first", [_r(0, u[0]), _r(1, u[1]), _r(2, u[2]), _r(3, u[1])], [u[2]], [u[1]], 2, 10, 8),
+        c(f"{tag}_cap_skip_go_on", [_r(0, u[0]), _r(1, u[1]), _r(2, u[2]), _r(3, u[0])], [u[0]], [], 2, 10, 8),
+        c(f"{tag}_base_counted", [_r(0, None), _r(1, u[1]), _r(2, u[0])], [u[0]], [], 2, 10, 8),
+        c(f"{tag}_kv_stops", [_r(0, u[0], big), _r(1, u[0], 1), _r(2, u[1], 1)], [], [], 3, big - 1, 8),
+        c(f"{tag}_cap_before_kv", [_r(0, u[0]), _r(1, u[1], big + 4), _r(2, u[0])], [], [], 1, 2, 8),
+        c(f"{tag}_decrement", [_r(k, u[0], 2) for k in range(4)], [u[0]], [], 2, 2 * rng.randint(1, 3) + 1, 8),
+        c(f"{tag}_exact_fit", [_r(0, u[0], big), _r(1, u[0], 1)], [], [], 2, big, 8),
+        c(f"{tag}_max_new_seqs", [_r(0, u[0]), _r(1, u[1]), _r(2, u[2]), _r(3, u[0]), _r(4, u[0])], [], [], 2, 10, 3),
+        c(f"{tag}_drain_none", [_r(0, None), _r(1, u[1])] + fill, [u[4]], [], 4, 10, 8, None, True),
+        c(f"{tag}_none_inactive", [_r(0, None), _r(1, u[1])], [], [], 3, 10, 8, None, False),
+        c(f"{tag}_drained", [_r(0, u[0], big + 9), _r(1, u[1])], [u[0]], [u[0]], 3, 2, 8, u[0], True),
+        c(f"{tag}_running_twice", [_r(0, u[1]), _r(1, u[2])], [u[0], u[0]], [], 2, 10, 8),
+    ]
+
+
+def _admit_draw(rng: random.Random, name: str) -> Case:
+    pool = rng.sample(_UIDS, rng.randint(3, 6))
+    cap = rng.randint(1, 4)
+    running = [rng.choice(pool) for _ in range(rng.randint(0, 4))]
+    while len(set(running)) > cap:
+        running.pop()
+    if rng.random() < 0.5 and running:
+        running.append(rng.choice(running))  # a uid running twice
+    resident = rng.sample(pool, rng.randint(0, len(pool)))
+    n = rng.randint(3, 12)
+    ids = rng.sample(range(100), n)  # arrival order is the list's, never the ids'
+    rows = [_r(ids[i], rng.choice(pool), rng.choice([0, 1, 1, 2, 3, 5]), rng.randint(0, 9)) for i in range(n)]
+    draining, active = (rng.choice(pool), rng.random() < 0.7) if rng.random() < 0.5 else (None, rng.random() < 0.3)
+    return _admit_case(name, rows, running, resident, cap, rng.randint(0, 14), rng.randint(0, 9), draining, active)
+
+
+def _admit_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [(0, 5, 5), (2, -rng.randint(1, 9), 5), (2, 5, -rng.randint(1, 9))]
+    return _admit_families(rng, "family") + [_admit_draw(rng, f"random_{i}") for i in range(12)] + [
+        _admit_case(f"random_bad_limits_{k}", [_r(0, rng.choice(_UIDS))], [], [], *b) for k, b in enumerate(bad)]
+
+
+def _admit_variant(rows, running, resident, cap, free, max_new, draining, active, **wrong) -> list:
+    """``admit_requests`` with one named mistake switched on (for hints)."""
+    warm = set(running) | set(resident)
+    if wrong.get("resident_only"):
+        warm = set(resident)
+    if wrong.get("running_only"):
+        warm = set(running)
+    order = rows if wrong.get("no_order") else sorted(rows, key=lambda r: r[1] not in warm)
+    if wrong.get("longest_wait"):
+        order = sorted(rows, key=lambda r: (r[1] not in warm, -r[3]))
+    if wrong.get("by_seq_id"):
+        order = sorted(rows, key=lambda r: (r[1] not in warm, r[0]))
+    chosen, admitted, seen = set(running) | (set(resident) if wrong.get("resident_counted") else set()), [], 0
+    for seq_id, uid, blocks, _ in order:
+        if len(admitted) == max_new + wrong.get("off", 0) or wrong.get("count_seen") and seen == max_new:
+            break
+        seen += 1
+        if wrong.get("kv_first") and blocks > free:
+            break
+        held = (uid == draining) and (active or wrong.get("flag_ignored"))
+        if wrong.get("none_ignored"):
+            held = held and draining is not None
+        if held:
+            continue
+        distinct = {x for x in chosen | {uid} if not (wrong.get("base_free") and x is None)}
+        if len(distinct) > cap:
+            if wrong.get("break_on_cap"):
+                break
+            continue
+        if blocks > free:
+            if wrong.get("skip_on_kv"):
+                continue
+            break
+        if wrong.get("ge_kv") and blocks == free:
+            break
+        admitted.append(seq_id)
+        if not wrong.get("no_add"):
+            chosen.add(uid)
+        free -= 0 if wrong.get("no_decrement") else blocks
+    return admitted
+
+
+_ADMIT_MISTAKES = [
+    (dict(by_seq_id=True), "arrival order is the order of the waiting list, not of seq_id (a preempted request "
+                           "goes back to the FRONT of the queue): sort stably on \"not warm\" only"),
+    (dict(resident_counted=True), "only RUNNING uids (and the ones admitted now) take slots in the cap; a resident "
+                                  "adapter with no running request can be evicted, so it takes none"),
+    (dict(no_order=True), "candidates whose uid is running or resident go first (a stable sort on \"not running "
+                          "and not resident\"), then the others, each part in arrival order"),
+    (dict(resident_only=True), "a uid that is RUNNING is warm too (its weights are in a slot): order running or "
+                               "resident uids first, not only the resident ones"),
+    (dict(running_only=True), "a RESIDENT uid is warm too (its weights sit in a slot already): order running or "
+                              "resident uids first"),
+    (dict(kv_first=True), "check the drain and the adapter cap before KV: a candidate the cap skips must not stop "
+                          "admission because it would not fit"),
+    (dict(break_on_cap=True), "a candidate over the adapter cap is skipped, not a reason to stop: a later request "
+                              "of an adapter already in the set still fits"),
+    (dict(skip_on_kv=True), "when a candidate needs more blocks than are free, STOP (break): later requests wait "
+                            "too, so a big request is never overtaken forever by small ones"),
+    (dict(base_free=True), "the base model (uid None) takes a slot like any adapter: count None among the distinct "
+                           "uids"),
+    (dict(none_ignored=True), "None is a real uid (the base model): when drain_active is True and draining is None, "
+                              "hold back the base model's requests"),
+    (dict(flag_ignored=True), "hold back the drained uid only while drain_active is True (draining None with the "
+                              "flag off means no drain, not \"drain the base model\")"),
+    (dict(no_decrement=True), "subtract each admitted candidate's blocks_needed from the free blocks"),
+    (dict(longest_wait=True), "within each part, ARRIVAL order (the waiting list's order), not the longest wait: "
+                              "the drain is what helps a request that waited long"),
+    (dict(no_add=True), "add each admitted candidate's uid to the set the cap counts (running uids plus the ones "
+                        "admitted so far): otherwise two new adapters both fit the last free slot"),
+    (dict(ge_kv=True), "a candidate that needs exactly the free blocks fits: stop only when blocks_needed > free"),
+    (dict(off=1), "at most max_new_seqs admissions: one too many"),
+    (dict(off=-1), "up to max_new_seqs admissions: one too few"),
+    (dict(count_seen=True), "max_new_seqs counts ADMITTED requests, not candidates looked at (skipped ones do not "
+                            "count)"),
+]
+
+
+def _symptom_hint(mistakes: list, variant, args, expected, got) -> Optional[str]:
+    """The hint follows what the answer returned: every known mistake (flags, message) whose
+    ``variant(*args, **flags)`` returns exactly ``got`` (and not the expected value). One is named
+    alone; several are all named (the output cannot tell them apart; naming one would guess)."""
+    matches = []
+    for flags, msg in mistakes:
+        try:
+            value = variant(*args, **flags)
+        except (ValueError, StopIteration):
+            continue
+        if got == value and value != expected and msg not in matches:
+            matches.append(msg)
+    if len(matches) <= 1:
+        return matches[0] if matches else None
+    return (f"{len(matches)} different mistakes return exactly this; it is one of: "
+            + "; ".join(f"({k}) {m}" for k, m in enumerate(matches[:3], 1)))
+
+
+def _admit_hint(case: Case, expected, got) -> Optional[str]:
+    if not isinstance(expected, list) or not isinstance(got, (tuple, list)):
+        return None
+    got = list(got)
+    ids = [r[0] for r in case.args[0]]
+    if any(g not in ids for g in got):
+        return "return the seq_ids of the admitted candidates (ints from the waiting list), not candidates or uids"
+    hint = _symptom_hint(_ADMIT_MISTAKES, _admit_variant, case.args, expected, got)
+    if hint:
+        return hint
+    if sorted(got) == sorted(expected):
+        return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
+                "resident uids first, each part in arrival order)")
+    running, cap = case.args[1], case.args[3]
+    if len(running) != len(set(running)) and got != expected:
+        return "the cap counts DISTINCT uids: a uid running twice takes one slot"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# ch11.3 choose_drain
+
+
+def drive_drain(fn, rows, remaining_pairs, max_loras_per_batch, threshold):
+    """Call ``fn`` with Candidates from ``rows`` and ``running_remaining`` as a dict in the given order."""
+    return fn([Candidate(*row) for row in rows], dict(remaining_pairs), max_loras_per_batch, threshold)
+
+
+def _drain_case(name, rows, remaining, cap, threshold) -> Case:
+    rows, pairs = [tuple(r) for r in rows], [tuple(p) for p in remaining]
+    describe = (f"waiting (seq_id, uid, blocks_needed, waited) {rows}; running_remaining "
+                f"{{{', '.join(f'{k!r}: {v}' for k, v in pairs)}}}; max_loras_per_batch {cap}; threshold {threshold}")
+    return Case(name, [rows, pairs, cap, threshold], describe, op="exact")
+
+
+def _w(i, uid, waited):
+    return (i, uid, 1, waited)
+
+
+def _drain_edge() -> list[Case]:
+    c = _drain_case
+    return [
+        c("docstring_example", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, 4),
+        c("waited_equal_to_threshold_is_not_starved", [_w(9, "c", 4)], [("a", 30), ("b", 4)], 2, 4),
+        c("waited_one_past_threshold", [_w(9, "c", 5), _w(8, "d", 2)], [("b", 4), ("a", 30)], 2, 4),
+        c("a_slot_is_free", [_w(9, "c", 9)], [("a", 30), ("b", 4)], 3, 4),
+        c("more_running_than_the_cap", [_w(9, "d", 9)], [("a", 30), ("b", 12), ("c", 7)], 2, 4),
+        c("the_starving_uid_runs", [_w(9, "a", 9)], [("a", 30), ("b", 4)], 2, 4),
+        c("one_starving_among_many", [_w(1, "a", 9), _w(2, "c", 1), _w(3, "d", 7)], [("a", 3), ("b", 8)], 2, 6),
+        c("a_starving_base_request", [_w(9, None, 9)], [("a", 8), ("b", 6)], 2, 4),
+        c("the_base_runs_and_a_base_request_waits", [_w(9, None, 9)], [("a", 8), (None, 2)], 2, 4),
+        c("the_base_drained_on_a_tie", [_w(9, "c", 9)], [("a", 5), (None, 5)], 2, 4),
+        c("tie_by_uid_sort_key_not_insertion", [_w(9, "c", 9)], [("b", 5), ("a", 5), ("x", 9)], 3, 4),
+        c("tie_int_by_value_not_as_text", [_w(9, "c", 9)], [(10, 5), (9, 5)], 2, 4),
+        c("tie_int_before_str", [_w(9, "c", 9)], [("a", 5), (2, 5)], 2, 4),
+        c("smallest_remaining_wins_over_uid_order", [_w(9, "z", 9)], [(None, 7), ("a", 6), ("b", 3)], 3, 0),
+        c("threshold_0_waited_1", [_w(9, "c", 1)], [("a", 3), ("b", 4)], 2, 0),
+        c("threshold_0_waited_0", [_w(9, "c", 0)], [("a", 3), ("b", 4)], 2, 0),
+        c("cap_1_one_running", [_w(9, "b", 3)], [("a", 40)], 1, 2),
+        c("nothing_runs_cap_1", [_w(9, "b", 30)], [], 1, 2),
+        c("no_waiting_requests", [], [("a", 3), ("b", 4)], 2, 4),
+        c("negative_threshold_raises_value_error", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, -1),
+        c("cap_0_raises_value_error", [_w(9, "c", 5)], [("a", 30)], 0, 4),
+        c("cap_0_nothing_waits_raises", [], [], 0, 0),
+    ]
+
+
+def _drain_families(rng: random.Random, tag: str) -> list[Case]:
+    u = rng.sample([x for x in _UIDS if x is not None and not isinstance(x, int)], 4)
+    t = rng.randint(0, 6)
+    lo, hi = rng.randint(1, 8), rng.randint(10, 40)
+    c = _drain_case
+    return [
+        c(f"{tag}_smallest_drained", [_w(1, u[2], t + 1)], [(u[0], hi), (u[1], lo)], 2, t),
+        c(f"{tag}_at_threshold", [_w(1, u[2], t)], [(u[0], hi), (u[1], lo)], 2, t),
+        c(f"{tag}_slot_free", [_w(1, u[2], t + 5)], [(u[0], hi)], 2, t),
+        c(f"{tag}_over_cap", [_w(1, u[3], t + 5)], [(u[0], hi), (u[1], lo), (u[2], lo + 1)], 2, t),
+        c(f"{tag}_uid_runs", [_w(1, u[0], t + 5)], [(u[0], hi), (u[1], lo)], 2, t),
+        c(f"{tag}_tie_base", [_w(1, u[2], t + 3)], [(u[1], lo), (None, lo)], 2, t),
+        c(f"{tag}_tie_ints", [_w(1, u[2], t + 3)], [(10 * rng.randint(1, 9), lo), (rng.randint(2, 9), lo)], 2, t),
+        c(f"{tag}_tie_strs", [_w(1, u[3], t + 3)], sorted([(u[0], lo), (u[1], lo), (u[2], hi)],
+                                                            key=lambda p: str(p[0]), reverse=True), 3, t),
+        c(f"{tag}_base_starves", [_w(1, None, t + 2)], [(u[0], hi), (u[1], lo)], 2, t),
+    ]
+
+
+def _drain_draw(rng: random.Random, name: str) -> Case:
+    pool = rng.sample(_UIDS, rng.randint(3, 7))
+    cap = rng.randint(1, 4)
+    running = rng.sample(pool, min(len(pool), rng.choice([cap, cap, cap + 1, max(cap - 1, 0)])))
+    rem = rng.randint(1, 12)
+    remaining = [(x, rem if rng.random() < 0.4 else rng.randint(1, 40)) for x in running]  # ties
+    t = rng.randint(0, 8)
+    rows = [_w(i, rng.choice(pool), rng.choice([t, t + 1, rng.randint(0, 15)])) for i in range(rng.randint(0, 6))]
+    return _drain_case(name, rows, remaining, cap, t)
+
+
+def _drain_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [(0, rng.randint(0, 5)), (rng.randint(1, 3), -rng.randint(1, 5))]
+    return _drain_families(rng, "family") + [_drain_draw(rng, f"random_{i}") for i in range(12)] + [
+        _drain_case(f"random_bad_limits_{k}", [_w(1, "c", 9)], [("a", 3)], *b) for k, b in enumerate(bad)]
+
+
+def _drain_variant(rows, pairs, cap, threshold, **wrong):
+    remaining = dict(pairs)
+    if not wrong.get("no_cap") and len(remaining) < cap:
+        return (False, None)
+    past = (lambda w: w >= threshold) if wrong.get("ge") else (lambda w: w > threshold)
+    if not any(past(r[3]) and (wrong.get("uid_ignored") or r[1] not in remaining) for r in rows):
+        return (False, None)
+    if not remaining:
+        return (False, None)
+    if wrong.get("most"):
+        return (True, max(remaining, key=lambda x: (remaining[x], uid_sort_key(x))))
+    if wrong.get("insertion"):
+        return (True, min(remaining, key=remaining.get))
+    if wrong.get("as_text"):
+        return (True, min(remaining, key=lambda x: (remaining[x], str(x))))
+    if wrong.get("last"):
+        return (True, max(remaining, key=lambda x: (-remaining[x], uid_sort_key(x))))
+    return (True, min(remaining, key=lambda x: (remaining[x], uid_sort_key(x))))
+
+
+_DRAIN_MISTAKES = [
+    (dict(ge=True), "a request is starved once waited > threshold (strictly): waiting exactly threshold steps is "
+                    "still within it"),
+    (dict(no_cap=True), "drain only while the slots are full (len(running_remaining) >= max_loras_per_batch): with a "
+                        "free slot the starving request is admitted without a drain"),
+    (dict(uid_ignored=True), "a waiting request whose uid is already running is not starved by the cap (it can "
+                             "join its adapter's slot): only uids not in running_remaining count"),
+    (dict(as_text=True), "ties go by uid_sort_key (ints compare by value, base first), not by the uids as text"),
+    (dict(insertion=True), "ties on the remaining tokens go by uid_sort_key (base first, then type name, then "
+                           "value), not by the dict's insertion order"),
+    (dict(last=True), "ties go to the SMALLEST uid_sort_key (base first)"),
+    # last: on a tie, the most-loaded uid is also the largest uid_sort_key
+    (dict(most=True), "drain the running uid whose requests finish SOONEST (the smallest remaining), not the one "
+                      "with the most left"),
+]
+
+
+def _drain_hint(case: Case, expected, got) -> Optional[str]:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return "return a pair: (True, the uid to drain) or (False, None)"
+    got = tuple(got)
+    if not isinstance(got[0], bool):
+        return "the first element is a bool (whether to drain), the second the uid or None"
+    for flags, msg in _DRAIN_MISTAKES:
+        value = _drain_variant(*case.args, **flags)
+        if got == value and value != expected:
+            return msg
+    if got[0] is False and got[1] is not None:
+        return "no drain is (False, None)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# ch11.4 route
+
+
+def _route_case(name, key, loads, vnodes, cf, replicas=None) -> Case:
+    args = [key, list(loads), vnodes, cf] + ([] if replicas is None else [replicas])
+    walk = ring_walk(key, len(loads), vnodes) if loads and vnodes >= 1 else "-"
+    bound = f"; bound ceil({cf} * ({sum(loads)} + 1) / {len(loads)}) = {_bound(loads, cf)}" if loads else ""
+    describe = (f"adapter_key {key!r}, loads {list(loads)}, vnodes {vnodes}, capacity_factor {cf}"
+                f"{'' if replicas is None else f', replicas {replicas}'} (ring_walk of the key: {walk}{bound})")
+    return Case(name, args, describe, op="exact")
+
+
+def _bounds_agree(loads, cf) -> bool:
+    """Every order of the bound's float arithmetic gives the same ceiling (so rounding never decides)."""
+    s, n = sum(loads) + 1, len(loads)
+    forms = {math.ceil(cf * s / n), math.ceil(cf * (s / n)), math.ceil(s * cf / n), math.ceil(s / n * cf),
+             math.ceil((cf * s) / n)}
+    return len(forms) == 1
+
+
+def _bound(loads, cf) -> int:
+    return math.ceil(cf * (sum(loads) + 1) / len(loads))
+
+
+def _wrapping_key(rng: random.Random, n: int, vnodes: int):
+    """A key whose hash lies past every ring point: its walk starts over at the first point."""
+    top = max(stable_hash((i, v)) for i in range(n) for v in range(vnodes))
+    base = rng.randrange(10**6)
+    return next(f"adapter-{base + k}" for k in range(10**6) if stable_hash(f"adapter-{base + k}") > top)
+
+
+def _plus_one_loads(rng: random.Random, key, n, vnodes, cf):
+    """Loads whose first instance of the walk is one below the bound (and at least 1), where the
+    bound without the request's own +1 (even floored at 1) would call it full."""
+    walk = ring_walk(key, n, vnodes)
+    for _ in range(500):
+        loads = [rng.randint(0, 6) for _ in range(n)]
+        for v in range(0, 30):
+            loads[walk[0]] = v
+            b = _bound(loads, cf)
+            if v >= 1 and v == b - 1 and math.ceil(cf * sum(loads) / n) <= v and _bounds_agree(loads, cf):
+                return loads
+    raise RuntimeError("no loads found")  # pragma: no cover
+
+
+def _tie(n: int, vnodes: int, higher: bool, prefix: str = "tie"):
+    """A key whose walk starts with a higher (or lower) instance index than its second, and loads
+    that tie those two below everything else."""
+    key = next(f"{prefix}-{k}" for k in range(10**5)
+               if (ring_walk(f"{prefix}-{k}", n, vnodes)[0] > ring_walk(f"{prefix}-{k}", n, vnodes)[1]) == higher)
+    w = ring_walk(key, n, vnodes)
+    loads = [4] * n
+    loads[w[0]] = loads[w[1]] = 1
+    return key, loads
+
+
+def _wrap_replica_case(rng: random.Random, n: int, vnodes: int):
+    """(key, loads, vnodes, capacity_factor, replicas) for a key after which every instance but one
+    has a ring point: that one comes only from the wrap, last in the walk, and is the least loaded."""
+    points = sorted((stable_hash((i, v)), i) for i in range(n) for v in range(vnodes))
+    base = rng.randrange(10**6)
+    for k in range(10**6):
+        key = f"adapter-{base + k}"
+        at = stable_hash(key)
+        if len({i for p, i in points if p >= at}) == n - 1:
+            w = ring_walk(key, n, vnodes)
+            loads = [1] * n
+            loads[w[0]], loads[w[-1]] = 2, 0
+            return key, loads, vnodes, 2.0, n
+    raise RuntimeError("no key found")  # pragma: no cover
+
+
+def _at_bound_loads(rng: random.Random, key, n, vnodes, cf):
+    """Loads whose first instance of the walk is exactly at the bound (full), the others below it."""
+    walk = ring_walk(key, n, vnodes)
+    for _ in range(500):
+        loads = [rng.randint(0, 3) for _ in range(n)]
+        for v in range(0, 30):
+            loads[walk[0]] = v
+            if v == _bound(loads, cf) and _bounds_agree(loads, cf):
+                return loads
+    raise RuntimeError("no loads found")  # pragma: no cover
+
+
+def _factor_inside_loads(key, n, vnodes) -> list:
+    """Loads where ceil(1.25 * (S + 1) / n) = 2 but 1.25 * ceil((S + 1) / n) = 2.5: the walk's first
+    instance at load 2 is full under the contract and open under the wrong order of operations."""
+    w = ring_walk(key, n, vnodes)
+    loads = [1] * n
+    loads[w[0]], loads[w[-1]] = 2, 0  # S + 1 = n + 1
+    return loads
+
+
+def _route_edge() -> list[Case]:
+    c = _route_case
+    k4 = "a@0"
+    w = ring_walk(k4, 4, 8)  # the walk of the docstring key decides the constructed loads
+    full_first = [0] * 4
+    full_first[w[0]] = 3
+    two = [5] * 4
+    two[w[0]], two[w[1]] = 2, 1
+    tie = [4] * 4
+    tie[w[0]] = tie[w[1]] = 1
+    tie_hi_key, tie_hi = _tie(4, 8, higher=True)
+    tie_lo_key, tie_lo = _tie(4, 8, higher=False)
+    after = [1] * 4
+    after[w[0]], after[w[1]], after[w[2]] = 9, 3, 0
+    wrap = next(f"adapter-{k}" for k in range(10**5)
+                if stable_hash(f"adapter-{k}") > max(stable_hash((i, v)) for i in range(3) for v in range(2)))
+    ww = ring_walk(wrap, 3, 2)
+    wrap_loads = [2, 2, 2]
+    wrap_loads[ww[0]] = 0
+    w5 = ring_walk(k4, 5, 8)
+    floaty = [0] * 5  # 49 in flight, factor 1.1: 1.1 * 50 / 5 = 11.000000000000002, bound 12 (exact: 11)
+    for i, load in zip(w5, (11, 10, 9, 9, 10)):
+        floaty[i] = load
+    return [
+        c("bound_in_floating_point_as_written", k4, floaty, 8, 1.1, 1),
+        c("idle_instances_first_of_the_walk", k4, [0, 0, 0, 0], 8, 1.25),
+        c("replicas_default_1", k4, [1, 0, 2, 1], 8, 1.25),
+        c("first_of_the_walk_full", k4, full_first, 8, 1.0, 1),
+        c("first_of_the_walk_one_below_the_bound", k4, _plus_one_loads(random.Random(1), k4, 4, 8, 1.0), 8, 1.0, 1),
+        c("one_below_the_bound_factor_1_25", "chat@2", _plus_one_loads(random.Random(2), "chat@2", 4, 8, 1.25), 8,
+          1.25, 1),
+        c("first_of_the_walk_exactly_at_the_bound", k4, _at_bound_loads(random.Random(4), k4, 4, 8, 1.0), 8, 1.0, 1),
+        c("at_the_bound_factor_1_5", "chat@2", _at_bound_loads(random.Random(5), "chat@2", 4, 8, 1.5), 8, 1.5, 1),
+        c("bound_with_factor_2", k4, [6, 0, 0, 0], 8, 2.0, 1),
+        c("factor_inside_the_ceiling", k4, _factor_inside_loads(k4, 4, 8), 8, 1.25, 1),
+        c("a_large_factor_keeps_the_key_home", k4, [40, 0, 7, 3], 8, 64.0, 1),
+        c("the_walk_wraps_past_the_last_point", *_wrap_replica_case(random.Random(3), 3, 2)),
+        c("key_past_every_ring_point_wraps", wrap, wrap_loads, 2, 1.0, 1),
+        c("replicas_2_lighter_second", k4, two, 8, 2.0, 2),
+        c("replicas_3", k4, [3, 3, 3, 3], 8, 2.0, 3),
+        c("replicas_tie_to_earlier_in_the_walk_higher_index", tie_hi_key, tie_hi, 8, 2.0, 2),
+        c("replicas_tie_to_earlier_in_the_walk_lower_index", tie_lo_key, tie_lo, 8, 2.0, 2),
+        c("replicas_taken_after_the_bound", k4, after, 8, 1.0, 2),
+        c("replicas_past_the_instance_count", "sql@1", [4, 2, 3], 4, 2.0, 7),
+        c("one_instance", "sql@1", [12], 4, 1.0, 1),
+        c("base_model_key_none", None, [0, 1, 0, 1], 4, 1.5, 1),
+        c("tuple_key", ("lora", 3), [2, 0, 1, 5, 0], 3, 1.5, 2),
+        c("no_instances_raises_value_error", k4, [], 8, 1.25, 1),
+        c("capacity_factor_below_1_raises_value_error", k4, [0, 0], 8, 0.99, 1),
+        c("replicas_0_raises_value_error", k4, [0, 0], 8, 1.25, 0),
+        c("negative_load_raises_value_error", k4, [0, -1, 2], 8, 1.25, 1),
+        c("vnodes_0_raises_value_error", k4, [0, 0], 0, 1.25, 1),
+    ]
+
+
+def _route_families(rng: random.Random, tag: str) -> list[Case]:
+    n = rng.choice([3, 4, 5, 8])
+    vn = rng.choice([2, 4, 8, 16])
+    cf = rng.choice([1.0, 1.25, 1.5, 2.0])
+    key = rng.choice(["a@", "sql@", "chat@"]) + str(rng.randrange(1000))
+    w = ring_walk(key, n, vn)
+    two = [rng.randint(5, 8)] * n
+    two[w[0]], two[w[1]] = 3, 1
+    tie_hi_key, tie_hi = _tie(n, vn, True, key)
+    tie_lo_key, tie_lo = _tie(n, vn, False, key)
+    after = [rng.randint(1, 2)] * n
+    after[w[0]], after[w[1]], after[w[2]] = 30, 3, 0
+    wrap = _wrapping_key(rng, n, 2)
+    ww = ring_walk(wrap, n, 2)
+    wrap_loads = [3] * n
+    wrap_loads[ww[0]] = 0
+    c = _route_case
+    cases = [
+        c(f"{tag}_idle", key, [0] * n, vn, cf, 1),
+        c(f"{tag}_plus_one", key, _plus_one_loads(rng, key, n, vn, cf), vn, cf, 1),
+        c(f"{tag}_at_the_bound", key, _at_bound_loads(rng, key, n, vn, cf), vn, cf, 1),
+        c(f"{tag}_factor_inside_the_ceiling", key, _factor_inside_loads(key, n, vn), vn, 1.25, 1),
+        c(f"{tag}_replicas_lighter_second", key, two, vn, 2.0, 2),
+        c(f"{tag}_replicas_tie_higher_index_first", tie_hi_key, tie_hi, vn, 2.0, 2),
+        c(f"{tag}_replicas_tie_lower_index_first", tie_lo_key, tie_lo, vn, 2.0, 2),
+        c(f"{tag}_after_the_bound", key, after, vn, 1.0, 2),
+        c(f"{tag}_wrap_replicas", *_wrap_replica_case(rng, n, 2)),
+        c(f"{tag}_wrap", wrap, wrap_loads, 2, 1.0, 1),
+        c(f"{tag}_more_replicas_than_instances", key, [rng.randint(0, 5) for _ in range(n)], vn, 2.0, n + rng.randint(1, 3)),
+    ]
+    return [cs for cs in cases if _bounds_agree(cs.args[1], cs.args[3])]
+
+
+def _route_draw(rng: random.Random, name: str) -> Case:
+    while True:
+        n = rng.randint(1, 8)
+        loads = [rng.randint(0, 12) for _ in range(n)]
+        cf = rng.choice([1.0, 1.25, 1.5, 2.0, 3.0])
+        if _bounds_agree(loads, cf):
+            break
+    key = rng.choice([None, rng.randrange(100), f"a@{rng.randrange(100)}", ("lora", rng.randrange(9))])
+    return _route_case(name, key, loads, rng.choice([1, 2, 4, 8, 16]), cf, rng.randint(1, n + 1))
+
+
+def _route_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    bad = [([], 4, 1.5, 1), ([1, 2], 4, rng.choice([0.5, 0.99]), 1), ([1, 2], 4, 1.5, 0),
+           ([rng.randint(0, 3), -rng.randint(1, 3)], 4, 1.5, 1), ([1, 2], 0, 1.5, 1)]
+    return _route_families(rng, "family") + [_route_draw(rng, f"random_{i}") for i in range(14)] + [
+        _route_case(f"random_bad_arguments_{k}", f"k{rng.randrange(99)}", *b) for k, b in enumerate(bad)]
+
+
+def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
+    n = len(loads)
+    walk = ring_walk(key, n, vnodes)
+    if wrong.get("no_wrap"):
+        points = sorted((stable_hash((i, v)), i) for i in range(n) for v in range(vnodes))
+        walk = list(dict.fromkeys(i for p, i in points if p >= stable_hash(key)))
+    if wrong.get("by_index"):
+        walk = list(range(n))
+    s = sum(loads) + (0 if wrong.get("no_plus_one") or wrong.get("patched") else 1)
+    bound = math.inf if wrong.get("no_bound") else math.ceil(cf * s / n)
+    if wrong.get("factor_outside"):
+        bound = cf * math.ceil(s / n)
+    if wrong.get("exact"):
+        bound = math.ceil(Fraction(repr(cf)) * s / n)
+    if wrong.get("patched"):
+        bound = max(bound, 1)
+    if wrong.get("le"):
+        bound += 1
+    reps = 1 if wrong.get("no_replicas") else replicas
+    if wrong.get("slice_first"):
+        cands = [i for i in walk[:reps] if loads[i] < bound] or [i for i in walk if loads[i] < bound][:1]
+    else:
+        cands = [i for i in walk if loads[i] < bound][:reps]
+    if not cands:
+        return None
+    if wrong.get("least_loaded"):
+        return min(range(n), key=lambda i: (loads[i], i))
+    if wrong.get("all_open"):
+        opened = [i for i in walk if loads[i] < bound]
+        return min(opened, key=lambda i: (loads[i], opened.index(i)))
+    if wrong.get("tie_last"):
+        return min(cands, key=lambda i: (loads[i], -cands.index(i)))
+    if wrong.get("tie_high"):
+        return max(cands, key=lambda i: (-loads[i], i))
+    if wrong.get("tie_low"):
+        return min(cands, key=lambda i: (loads[i], i))
+    if wrong.get("first"):
+        return cands[0]
+    return min(cands, key=lambda i: (loads[i], cands.index(i)))
+
+
+_ROUTE_MISTAKES = [
+    (dict(exact=True), "the bound is the floating-point formula as written, math.ceil(capacity_factor * (sum(loads) "
+                       "+ 1) / len(loads)): exact arithmetic (Fraction, Decimal, integer tricks) can give one less, "
+                       "e.g. 1.1 * 50 / 5 is 11.000000000000002 in floats, so the bound is 12, not 11"),
+    (dict(no_plus_one=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
+                             "load AFTER it is placed"),
+    (dict(patched=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
+                         "load AFTER it is placed (then it is never 0, and no floor of 1 is needed)"),
+    (dict(factor_outside=True), "the factor goes inside the ceiling: ceil(capacity_factor * (sum(loads) + 1) / n), "
+                                "not capacity_factor * ceil((sum(loads) + 1) / n)"),
+    (dict(le=True), "an instance is open while loads[i] < bound (strictly): at the bound it is full"),
+    (dict(no_bound=True), "skip the instances at or over the bound: without it a hot adapter overloads its home"),
+    (dict(least_loaded=True), "follow the key's walk round the ring (consistent hashing), not the least loaded "
+                              "instance overall: a key must keep its instance while it has room"),
+    (dict(no_replicas=True), "with replicas > 1 the candidates are the first `replicas` open instances of the walk; "
+                             "return the least loaded of them"),
+    (dict(first=True), "among the candidates (open[:replicas]) return the one with the SMALLEST load"),
+    (dict(slice_first=True), "filter by the bound first, then take [:replicas]: a full instance does not use up a "
+                             "replica"),
+    (dict(no_wrap=True), "the walk wraps round the ring: use ring_walk (a key past the last point starts at the "
+                         "first)"),
+    (dict(by_index=True), "walk the instances in ring_walk(adapter_key, ...) order, not 0, 1, 2, ..."),
+    (dict(tie_high=True), "ties go to the earliest candidate in the walk, not the highest instance index"),
+    (dict(tie_low=True), "ties go to the earliest candidate in the WALK, not the lowest instance index"),
+    (dict(all_open=True), "the candidates are only the first `replicas` open instances of the walk "
+                          "(open[:replicas]), not every open instance"),
+    (dict(tie_last=True), "on equal loads take the candidate EARLIEST in the walk (a strict <, or min over "
+                          "(load, position in the walk))"),
+]
+
+
+def _route_hint(case: Case, expected, got) -> Optional[str]:
+    if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
+        return None
+    return _symptom_hint(_ROUTE_MISTAKES, _route_variant, case.args, expected, got)
+
+
+EXERCISES = [
+    Exercise("ch11.1", "block_hashes", ("token_ids", "adapter_id", "block_size"), block_hashes, _hash_edge,
+             _hash_random, _hash_hint, grade_on="cpu"),
+    Exercise("ch11.2", "admit_requests", ("waiting", "running_uids", "resident_uids", "max_loras_per_batch",
+                                          "free_blocks", "max_new_seqs", "draining", "drain_active"),
+             functools.partial(drive_admit, admit_requests), _admit_edge, _admit_random, _admit_hint,
+             driver=drive_admit, grade_on="cpu"),
+    Exercise("ch11.3", "choose_drain", ("waiting", "running_remaining", "max_loras_per_batch", "threshold"),
+             functools.partial(drive_drain, choose_drain), _drain_edge, _drain_random, _drain_hint,
+             driver=drive_drain, grade_on="cpu", result_names=("drain", "uid")),
+    Exercise("ch11.4", "route", ("adapter_key", "loads", "vnodes", "capacity_factor", "replicas"), route, _route_edge,
+             _route_random, _route_hint, grade_on="cpu"),
+]

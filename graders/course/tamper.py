@@ -1,0 +1,299 @@
+"""What an answer cell's code does that an exercise never needs: a list of lines to look at.
+
+``suspicious_code(source)`` parses an answer cell with :mod:`ast` and reports code that reaches
+into the graders or the reference, the interpreter's module table or builtins, patches an imported
+module, writes files, starts processes or talks to the gradebook. Comments and strings never count
+(an honest comment citing ``graders/machine/tolerances.py`` is not a finding), and neither do
+``import graders`` and ``graders.check("chNN.M", fn)``, nor imports from ``reference`` (solutions
+use ``LoRABatchInfo``, ``torch_ref``; patching the reference is a finding), nor the torch / triton /
+math code of any chapter's solution (tests/test_verify.py checks every solution cell and every mutant).
+
+A finding is a pointer for the instructor ("line N: ... (look at this)"), never proof of tampering:
+the trusted re-grade's scores are what count. The check sees what the code says, not what it
+computes at run time, so it complements the sandbox rather than replacing it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+__all__ = ["suspicious_code"]
+
+#: Modules an exercise never needs: the gradebook (sqlite3), processes, signals, raw memory, network.
+FORBIDDEN_MODULES = frozenset({"sqlite3", "subprocess", "multiprocessing", "ctypes", "signal", "socket",
+                               "importlib", "builtins", "_thread", "gc"})
+#: ``os`` functions that start or signal processes or change files.
+OS_CALLS = frozenset({"system", "fork", "forkpty", "kill", "killpg", "setsid", "popen", "utime", "remove",
+                      "unlink", "rename", "renames", "replace", "rmdir", "removedirs", "truncate", "chmod",
+                      "chown", "link", "symlink", "posix_spawn", "posix_spawnp"})
+OS_PREFIXES = ("spawn", "exec")
+#: Names whose attributes an answer cell has no business assigning (besides any module it imported).
+PROTECTED_ROOTS = frozenset({"graders", "reference", "torch", "triton", "math", "sys", "os", "builtins"})
+#: Attributes that lead from an object to a module's or a frame's namespace.
+NAMESPACE_ATTRS = frozenset({"__globals__", "__builtins__", "f_globals", "f_locals", "f_builtins", "f_back",
+                             "_getframe", "__subclasses__", "tb_frame", "gi_frame", "cr_frame"})
+_WRITE_MODE_CHARS = set("wax+")
+_GRADERS_DIR = Path(__file__).resolve().parents[1]
+#: The graders' subpackages and modules (``graders.machine``, ``graders.course``, ...): reaching them
+#: from an answer cell is never needed (``graders.check`` and ``graders.show_reference`` live in the
+#: package itself).
+GRADERS_SUBMODULES = frozenset({p.stem for p in _GRADERS_DIR.glob("*.py") if p.stem != "__init__"}
+                               | {p.parent.name for p in _GRADERS_DIR.glob("*/__init__.py")})
+
+
+def suspicious_code(source: str) -> list[str]:
+    """Lines of an answer cell whose code does something an exercise never needs.
+
+    Args:
+        source: the answer cell's source (Python; IPython magics and ``!`` lines count as unparsable).
+
+    Returns:
+        One line per finding, in source order, each ``"line N: <what> (look at this)"``; empty
+        when nothing was found. A cell that does not parse gives one finding. Never raises for any
+        string input.
+    """
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError) as e:  # ValueError: null bytes
+        line = getattr(e, "lineno", None) or 1
+        return [f"line {line}: the cell does not parse as Python ({type(e).__name__}: "
+                f"{getattr(e, 'msg', e)}), so it was not checked (look at this)"]
+    visitor = _Visitor(_bound_names(tree))
+    visitor.visit(tree)
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for line, what in sorted(visitor.findings, key=lambda f: f[0]):
+        if (line, what) not in seen:
+            seen.add((line, what))
+            out.append(f"line {line}: {what} (look at this)")
+    return out
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"] for a chain of names and attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def _bound_names(tree: ast.AST) -> set[str]:
+    """Names the cell binds to its own values (variables, parameters, functions, classes): a
+    variable called ``reference`` or ``os`` is not the module of that name."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+    return names
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, bound: set[str]) -> None:
+        self.findings: list[tuple[int, str]] = []
+        #: names the cell binds to values of its own (not modules), unless aliased below
+        self.bound = bound
+        #: local name -> the dotted module path (or module attribute) it is bound to by an import
+        #: (``import numpy as np`` binds np -> numpy) or by a plain alias (``g = graders``).
+        self.aliases: dict[str, str] = {}
+        #: top-level modules the cell imported
+        self.imported: set[str] = set()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def flag(self, node: ast.AST, what: str) -> None:
+        self.findings.append((getattr(node, "lineno", 1), what))
+
+    def name_path(self, name: str) -> str | None:
+        """What a bare name refers to: its import alias, None for the cell's own variables, else
+        the name itself (``sys``, ``graders``: the modules of that name)."""
+        if name in self.aliases:
+            return self.aliases[name]
+        return None if name in self.bound else name
+
+    def resolve(self, node: ast.AST) -> str | None:
+        """The dotted path a name/attribute chain refers to, through import aliases."""
+        parts = _dotted(node)
+        if parts is None:
+            return None
+        head = self.name_path(parts[0])
+        return None if head is None else ".".join([head, *parts[1:]])
+
+    def module_rooted(self, path: str | None) -> bool:
+        """``path`` hangs from a module the cell imported, or from one of the protected names."""
+        return path is not None and path.split(".")[0] in (self.imported | PROTECTED_ROOTS)
+
+    def root(self, node: ast.AST) -> str | None:
+        """The name an expression's object hangs from: ``a`` for ``a.b[0].c``, ``getattr(a, ..)``,
+        ``vars(a)``, ``a.__dict__``; resolved through aliases to its module path."""
+        while True:
+            if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+                node = node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in {"getattr", "vars"} and node.args):
+                node = node.args[0]
+            else:
+                break
+        if isinstance(node, ast.Name):
+            return self.name_path(node.id)
+        return None
+
+    def check_path(self, node: ast.AST, path: str) -> None:
+        """Findings for a use of the dotted ``path`` (after alias resolution)."""
+        parts = path.split(".")
+        if parts[:2] == ["sys", "modules"]:
+            self.flag(node, "reads or changes sys.modules, the interpreter's table of loaded modules")
+        elif parts[0] in ("importlib", "builtins"):
+            self.flag(node, f"uses {parts[0]}")
+        elif parts[0] == "os" and len(parts) >= 2 and (parts[1] in OS_CALLS or parts[1].startswith(OS_PREFIXES)):
+            self.flag(node, f"uses os.{parts[1]} (processes or files)")
+        elif parts[0] == "shutil" and len(parts) >= 2:
+            self.flag(node, f"uses shutil.{parts[1]} (files)")
+        elif parts[0] == "graders" and len(parts) >= 2 and parts[1] in GRADERS_SUBMODULES:
+            self.flag(node, f"reaches into graders.{parts[1]}")
+
+    # -- imports ---------------------------------------------------------------------------------
+    def check_import(self, node: ast.AST, module: str) -> None:
+        top = module.split(".")[0]
+        if top == "graders" and module != "graders":
+            self.flag(node, f"imports {module} (an answer needs only `import graders`)")
+        elif top in FORBIDDEN_MODULES:
+            self.flag(node, f"imports {module}")
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for a in node.names:
+            self.check_import(node, a.name)
+            self.imported.add(a.name.split(".")[0])
+            if a.asname:
+                self.aliases[a.asname] = a.name
+            else:
+                top = a.name.split(".")[0]
+                self.aliases[top] = top
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = "." * node.level + (node.module or "")
+        if node.level:
+            self.flag(node, f"a relative import (from {module} import ...)")
+        for a in node.names:
+            full = f"{module}.{a.name}" if module else a.name
+            if module == "graders" or module.startswith("graders."):
+                self.check_import(node, full)
+            elif module.split(".")[0] in FORBIDDEN_MODULES:
+                self.check_import(node, module)
+            else:
+                if a.name == "*":
+                    if module in ("os", "shutil", "sys"):
+                        self.flag(node, f"imports everything from {module}")
+                    continue
+                self.check_path(node, full)
+            self.imported.add(full.split(".")[0])
+            self.aliases[a.asname or a.name] = full
+
+    # -- names and attributes --------------------------------------------------------------------
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id == "__builtins__":
+            self.flag(node, "uses __builtins__")
+        elif node.id == "__import__":
+            self.flag(node, "uses __import__ (an import the statement form would show)")
+        elif node.id in ("exec", "eval", "compile") and isinstance(node.ctx, ast.Load):
+            self.flag(node, f"uses {node.id}() (code built at run time is not checked here)")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in NAMESPACE_ATTRS:
+            self.flag(node, f"uses .{node.attr} (a way to another module's or frame's namespace)")
+        elif node.attr == "__dict__" and self.module_rooted(self.root(node.value)):
+            self.flag(node, "uses a module's __dict__")
+        path = self.resolve(node)
+        if path is not None:
+            self.check_path(node, path)
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self.check_write_target(node)
+        # visit the chain's inner attributes only for their own findings, not their store context
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self.check_write_target(node)
+        self.generic_visit(node)
+
+    def check_write_target(self, target: ast.AST) -> None:
+        """An assignment or ``del`` of an attribute or item: flag writes into a module's namespace."""
+        base = target.value if isinstance(target, (ast.Attribute, ast.Subscript)) else target
+        if isinstance(target, ast.Subscript) and _namespace_call(base):
+            self.flag(target, f"writes into {base.func.id}() (module globals)")
+            return
+        root = self.root(base)
+        if self.module_rooted(root):
+            what = ast.unparse(target) if hasattr(ast, "unparse") else "an attribute"
+            verb = "deletes" if isinstance(target.ctx, ast.Del) else "assigns"
+            self.flag(target, f"{verb} {what} on the imported module {root} (a patch)")
+
+    # -- assignments (aliases) and calls ---------------------------------------------------------
+    def visit_Assign(self, node: ast.Assign) -> None:
+        path = self.resolve(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
+        for t in node.targets:
+            if isinstance(t, ast.Name):
+                if self.module_rooted(path):
+                    self.aliases[t.id] = path
+                else:
+                    self.aliases.pop(t.id, None)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name):
+            if func.id in ("setattr", "delattr") and node.args:
+                root = self.root(node.args[0])
+                if self.module_rooted(root):
+                    self.flag(node, f"calls {func.id}() on the imported module {root} (a patch)")
+            elif func.id == "getattr" and len(node.args) >= 2:
+                root = self.root(node.args[0])
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str) and root is not None:
+                    self.check_path(node, f"{root}.{name.value}")
+                elif root is not None and root.split(".")[0] in {"sys", "os", "builtins", "graders", "reference",
+                                                                  "importlib", "shutil"}:
+                    self.flag(node, f"getattr() on {root} with a name computed at run time")
+            elif func.id == "open":
+                self.check_open(node, mode_index=1)
+        elif isinstance(func, ast.Attribute):
+            if _namespace_call(func.value) and func.attr in {"update", "setdefault", "pop", "__setitem__",
+                                                              "__delitem__", "clear", "popitem"}:
+                self.flag(node, f"changes {func.value.func.id}() (module globals)")
+            elif func.attr in ("write_text", "write_bytes"):
+                self.flag(node, f"writes a file (.{func.attr})")
+            elif func.attr == "open" and self.resolve(func) in ("io.open", "codecs.open"):
+                self.check_open(node, mode_index=1)
+            elif func.attr == "open" and self.resolve(func) != "os.open" and not isinstance(func.value, ast.Call):
+                # pathlib.Path.open(mode)
+                self.check_open(node, mode_index=0)
+            elif self.resolve(func) == "os.open":
+                self.flag(node, "uses os.open (files)")
+        self.generic_visit(node)
+
+    def check_open(self, node: ast.Call, mode_index: int) -> None:
+        mode = node.args[mode_index] if len(node.args) > mode_index else None
+        for kw in node.keywords:
+            if kw.arg == "mode":
+                mode = kw.value
+        if mode is None:
+            return
+        if isinstance(mode, ast.Constant) and isinstance(mode.value, str):
+            if _WRITE_MODE_CHARS & set(mode.value):
+                self.flag(node, f"opens a file for writing (mode {mode.value!r})")
+        else:
+            self.flag(node, "opens a file with a mode computed at run time")
+
+
+def _namespace_call(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in {"globals", "locals", "vars"} and not node.args)

@@ -1,0 +1,385 @@
+"""The learner's child process: ``python -m graders.machine.runner WORKDIR``.
+
+Runs the answer cell's source in a fresh namespace, then calls the exercise's function on every
+case in ``WORKDIR/job.json`` (inputs in ``inputs.safetensors``), writing one result per case as soon
+as it is computed. Whatever the learner's code does here (raise, hang, exit, patch torch or the
+graders) stays in this process: the comparer only reads the files, and kills the process when its
+time is up.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import io
+import inspect
+import linecache
+import os
+import signal
+import sys
+import time
+import traceback
+import types
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import reference  # noqa: F401  (fixes the device choice before anything imports triton)
+import torch
+from torch.overrides import TorchFunctionMode
+
+from graders.machine.wire import decode, encode, load_tensors, read_json, save_tensors, write_json
+
+#: Executed before the answer cell, as the notebooks' set-up cell does. ``graders`` is there so an
+#: answer cell that ends with its own ``graders.check(...)`` runs (check does nothing in the child).
+PREAMBLE = "import math\nimport torch\nimport graders\n"
+
+#: Tensor methods that bring a tensor's value to the host: on a GPU each waits for the device.
+HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                        "__format__", "equal", "allclose", "is_nonzero"})
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class HostReadRecorder(TorchFunctionMode):
+    """Records every host read of a tensor value made directly by the answer cell's code.
+
+    The CPU has no device to wait for, so ``torch.cuda.set_sync_debug_mode`` sees nothing there; a
+    TorchFunctionMode sees the Tensor methods that would synchronize on a GPU. A read is the answer
+    cell's when the first frame outside torch is an answer-cell frame (a grader's driver, and the
+    reference the learner may call, read what they like). Recorded, not raised: a bare ``except``
+    in learner code cannot hide it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and len(self.reads) < 5:
+            where = _answer_frame()
+            if where:
+                self.reads.append(f"`{_spelled(name)}` at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def _spelled(name: str) -> str:
+    return {"__bool__": "bool(tensor) / if tensor", "__int__": "int(tensor)", "__float__": "float(tensor)",
+            "__index__": "a tensor used as a Python index", "__format__": "a tensor in an f-string"}.get(name, "." + name + "()")
+
+
+def _answer_frame() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith("<answer cell"):
+        return None
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"answer cell line {frame.f_lineno}: {line}"
+
+
+@contextlib.contextmanager
+def watching_host_reads(device: torch.device, enabled: bool):
+    """Yield a list that fills with the answer cell's host reads during the block."""
+    if not enabled:
+        yield []
+        return
+    # Every tensor, on both devices: the contract is "from host data", and a score must not depend on
+    # the grading device (on a GPU a read of a CUDA tensor also stalls; of a CPU one it is still a read).
+    recorder = HostReadRecorder()
+    with warnings.catch_warnings(record=True) as caught, recorder:
+        warnings.simplefilter("always")
+        previous = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else None
+        if previous is not None:  # the device also reports synchronizations the mode cannot see
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield recorder.reads
+        finally:
+            if previous is not None:
+                torch.cuda.set_sync_debug_mode(previous)
+            if not recorder.reads:
+                recorder.reads += [f"a synchronizing CUDA call at {w.filename} line {w.lineno}" for w in caught
+                                   if "synchroniz" in str(w.message) and w.filename.startswith("<answer cell")]
+
+
+def _alias_of(returned, args) -> int | None:
+    """Index of the input argument whose memory a returned tensor shares, if any."""
+    outs = [returned] if isinstance(returned, torch.Tensor) else [
+        v for v in (returned if isinstance(returned, (tuple, list)) else []) if isinstance(v, torch.Tensor)]
+    for j, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or a.numel() == 0:
+            continue
+        ptr = a.untyped_storage().data_ptr()
+        if any(o.numel() and o.untyped_storage().data_ptr() == ptr for o in outs):
+            return j
+    return None
+
+
+@contextlib.contextmanager
+def compiled_once_per_dtype():
+    """While the answer cell is defined, ``@triton.jit`` kernels do not specialize on their integer
+    arguments' values (== 1, divisible by 16) nor on pointer alignment.
+
+    Why: on a GPU Triton compiles a kernel once per such specialization, and the graders' cases
+    (every layout, stride and size a contract allows) give about 40 distinct ones per kernel
+    exercise: 1-3 s of compilation each made a single check take minutes on an H200 and overrun
+    its budget. Specialization changes only speed, never results, so the kernel is compiled once
+    per dtype and constexpr combination. Constexpr parameters are left alone. The learner's own
+    kernel in the notebook is untouched. In the interpreter (CPU) nothing compiles: no change.
+    """
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # no Triton (macOS): no kernel to compile
+        triton = None
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+        yield
+        return
+
+    original = triton.jit
+
+    def jit(fn=None, **kwargs):
+        def wrap(f):
+            params = inspect.signature(f).parameters.values()
+            runtime = [p.name for p in params if not _is_constexpr(p.annotation, tl)]
+            kwargs.setdefault("do_not_specialize", runtime)
+            kwargs.setdefault("do_not_specialize_on_alignment", runtime)
+            return original(f, **kwargs)
+        return wrap(fn) if fn is not None else wrap
+
+    triton.jit = jit
+    try:
+        yield
+    finally:
+        triton.jit = original
+
+
+def _is_constexpr(annotation, tl) -> bool:
+    return annotation is tl.constexpr or isinstance(annotation, str) and "constexpr" in annotation
+
+
+def _load_function(source: str, func_name: str, exercise_id: str, module_name: str = "__learner__"):
+    filename = f"<answer cell {exercise_id}>"
+    # @triton.jit and inspect read a function's source through linecache.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    module = types.ModuleType(module_name)  # dataclasses and pickle look classes up in sys.modules
+    sys.modules[module_name] = module
+    namespace = module.__dict__
+    exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
+    with compiled_once_per_dtype():
+        exec(compile(source, filename, "exec"), namespace)
+    if func_name not in namespace:
+        raise NameError(f"the answer cell defines nothing named {func_name!r}")
+    return namespace[func_name]
+
+
+def _driven(target, driver: str | None, pieces: dict | None = None):
+    """The callable to grade: the learner's function, or a grader's driver bound to their class (and,
+    for an exercise with needs, to the needed answers' functions: ``pieces``)."""
+    if not driver:
+        return target
+    module, _, name = driver.partition(":")
+    bound = (target,) if pieces is None else (target, pieces)
+    return functools.partial(getattr(importlib.import_module(module), name), *bound)
+
+
+def _load_needed(job: dict) -> dict | None:
+    """For an exercise with needs (graders.machine.needs): {id: the function of that needed answer cell, run
+    on its own like any answer, or a PieceUnavailable saying why there is none}; else None."""
+    if not job.get("needs"):
+        return None
+    from graders.machine.needs import PieceUnavailable
+
+    given = {piece["id"]: piece for piece in job.get("needed") or []}
+    pieces: dict = {}
+    for exercise_id in job["needs"]:
+        piece = given.get(exercise_id)
+        if piece is None:
+            pieces[exercise_id] = PieceUnavailable(exercise_id, f"no answer cell of {exercise_id} was given to the grader")
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), _cell_alarm(NEEDED_CELL_SECONDS):
+                pieces[exercise_id] = _load_function(piece["source"], piece["func_name"], exercise_id,
+                                                     "__learner_" + exercise_id.replace(".", "_") + "__")
+        except _CellHung:
+            pieces[exercise_id] = PieceUnavailable(
+                exercise_id, f"running your {exercise_id} answer cell did not finish within "
+                             f"{NEEDED_CELL_SECONDS:g} s (an endless loop at the cell's top level?)")
+        except BaseException as exc:  # that cell failed: the driver says so under its id
+            pieces[exercise_id] = PieceUnavailable(
+                exercise_id, f"running your {exercise_id} answer cell failed: "
+                             + _error_text(exc, f"your {exercise_id} answer cell"))
+    return pieces
+
+
+#: Seconds a needed answer cell may take to run (define its function): a cell does no work at its top
+#: level, so a hang there is named under its own id instead of using up the whole check's budget.
+NEEDED_CELL_SECONDS = 10.0
+
+
+class _CellHung(BaseException):
+    """A needed cell's top level ran past NEEDED_CELL_SECONDS."""
+
+
+@contextlib.contextmanager
+def main_thread_alarm(seconds: float, error: Callable[[], BaseException]):
+    """Raise ``error()`` in whatever runs after ``seconds`` (SIGALRM, so in the process's main thread
+    only; in another thread, or without ``setitimer``, nothing is armed and the caller's own budget
+    still applies). The previous SIGALRM handler is restored on the way out."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def ring(signum, frame):
+        raise error()
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _cell_alarm(seconds: float):
+    """Raise :class:`_CellHung` after ``seconds`` (see :func:`main_thread_alarm`)."""
+    return main_thread_alarm(seconds, _CellHung)
+
+
+def _error_text(exc: BaseException, cell: str = "answer cell") -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    learner = [f for f in frames if f.filename.startswith("<answer cell")]
+    where = f" ({cell} line {learner[-1].lineno}: {learner[-1].line})" if learner else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+#: Set in the child: graders.check does nothing there, so an answer "cell" that is a whole script
+#: (graded from a .py file, where the cell is the file) cannot start graders recursively.
+CHILD_ENV = "LORA_BOOK_GRADER_CHILD"
+
+
+def main(workdir: Path) -> None:
+    os.environ[CHILD_ENV] = "1"
+    from graders.machine.sandbox import set_parent_death_signal
+
+    set_parent_death_signal()  # a child never outlives the process that waits for it
+    job = read_json(workdir / "job.json")
+    inputs = load_tensors(workdir / "inputs.safetensors")
+    for module in job.get("child_imports") or []:  # heavy imports of a driver, once (before any fork)
+        with contextlib.suppress(ImportError):  # missing: the driver's own import says so, per case
+            importlib.import_module(module)
+    if "sources" in job:
+        run_many(job, inputs, workdir)
+    else:
+        run_one(job, inputs, workdir)
+
+
+def run_many(job: dict, inputs: dict, workdir: Path) -> None:
+    """Grade several answer cells on the same cases (mutation tests), each in a forked process.
+
+    The fork saves each answer the import of torch; CPU only (a CUDA context does not survive a
+    fork, and this process never creates one). Each child gets ``job["timeout"]`` seconds, its
+    own process group (killed whole when its time is up) and its own folder ``s<k>/``, where
+    ``status.json`` records how it ended.
+    """
+    for k, source in enumerate(job["sources"]):
+        out = workdir / f"s{k}"
+        out.mkdir()
+        pid = os.fork()
+        if pid == 0:  # the child: grade one source, never return into this loop
+            code = 0
+            try:
+                os.setpgid(0, 0)
+                err = os.open(out / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+                os.dup2(err, 2)
+                needed = job["needed_per_source"][k] if "needed_per_source" in job else []
+                run_one({**job, "source": source, "needed": needed}, inputs, out)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        code, timed_out, _ = wait_for_group(pid, job["timeout"])
+        write_json({"code": code, "timed_out": timed_out}, out / "status.json")
+
+
+def wait_for_group(pid: int, timeout: float, stop=None) -> tuple[Optional[int], bool, bool]:
+    """Wait for the forked child ``pid`` (the leader of its own process group) for at most
+    ``timeout`` seconds, or until ``stop(poll_seconds)`` says so; then kill its whole group
+    (whatever the answer left running in it) and reap it.
+
+    Returns:
+        (exit code, or None when it did not end by itself; timed out; stopped by ``stop``).
+    """
+    deadline = time.monotonic() + timeout
+    code, timed_out, stopped = None, False, False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        if stop is not None:
+            if stop(0.005):
+                stopped = True
+                break
+        else:
+            time.sleep(0.005)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    if code is None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return code, timed_out, stopped
+
+
+def run_one(job: dict, inputs: dict, workdir: Path) -> None:
+    device = torch.device(job["device"])
+    try:
+        pieces = _load_needed(job)  # the needed cells first, as the notebook runs them
+        with contextlib.redirect_stdout(io.StringIO()):
+            fn = _driven(_load_function(job["source"], job["func_name"], job["exercise_id"]), job.get("driver"),
+                         pieces)
+    except BaseException as exc:  # the cell itself failed: every case fails with this message
+        write_json({"error": "running the answer cell failed: " + _error_text(exc)}, workdir / "load.json")
+        return
+    for i, case in enumerate(job["cases"]):
+        args = [decode(a, inputs, device) for a in case["args"]]
+        printed = io.StringIO()
+        start = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        returned, reads = None, []
+        try:
+            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads:
+                returned = fn(*args)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            result = {"returned": encode(returned, "returned", tensors)}
+            if case.get("out_index") is not None:  # the contract returns out itself (its in-place result)
+                out = args[case["out_index"]]
+                result["returned_out"] = bool(returned is out or (
+                    isinstance(returned, torch.Tensor) and isinstance(out, torch.Tensor) and returned.shape == out.shape
+                    and returned.numel() > 0 and returned.data_ptr() == out.data_ptr()) or (
+                    isinstance(returned, torch.Tensor) and isinstance(out, torch.Tensor) and out.numel() == 0
+                    and returned.shape == out.shape))
+        except Exception as exc:
+            result = {"error": _error_text(exc)}
+        if reads:
+            result["device_reads"] = reads
+        if job.get("fresh_result") and "error" not in result:
+            result["aliases"] = _alias_of(returned, args)
+        result["args_after"] = [encode(a, f"arg{j}", tensors) for j, a in enumerate(args)]
+        result["seconds"] = time.perf_counter() - start
+        result["printed"] = printed.getvalue()[-500:]
+        save_tensors(tensors, workdir / f"result_{i}.safetensors")
+        write_json(result, workdir / f"result_{i}.json")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
