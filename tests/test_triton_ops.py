@@ -19,7 +19,8 @@ import triton
 import reference
 
 from reference.batch_info import build_batch_info, stable_sort_by_slot
-from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, fused_moe_lora, sgmv_expand, sgmv_shrink, torch_ref
+from reference.moe.fused_moe_lora import fused_moe_lora
+from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
 from reference.ops.sgmv_expand import slice_bounds
 
 NAN = float("nan")
