@@ -23,6 +23,9 @@ The case design rule (every chapter's grader follows it; tests/test_mutants.py e
   solution cell: graders.course.mutation); each must lose the same points under three secrets, in a visible
   group, with a report that names the mistake. Design cases from the contract, not from the
   catalogue, so that mistakes nobody listed fail too.
+- Where a contract's tensors all live on the inputs' device, one edge case runs the answer with
+  torch's default device set to "meta" (``Exercise.default_device_probe``): a tensor made without
+  ``device=`` lands there and the report names the line, so a CPU-only learner learns it too.
 - Checks every result's dtype and device, that inputs are unchanged, that a "new tensor" shares no
   memory with an input (``Exercise.fresh_result``), and, where the contract forbids them, host reads
   of tensor values (``Exercise.no_device_reads``).

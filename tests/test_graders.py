@@ -145,11 +145,24 @@ FAULTS = [
             for seg, slot in enumerate(batch_info.weight_indices.tolist()):
                 lo, hi = batch_info.seg_indptr[seg].item(), batch_info.seg_indptr[seg + 1].item()
                 r = int(batch_info.lora_ranks[slot])
-                rows = batch_info.permutation[lo:hi] if batch_info.permutation is not None else torch.arange(lo, hi)
+                rows = batch_info.permutation[lo:hi] if batch_info.permutation is not None else torch.arange(lo, hi, device=x.device)
                 t = (x[rows].float() @ A_stack[slot, :r].float().T)
                 out[rows] = (out[rows].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
             return out  # no rank-0 shortcut: adding an exact 0.0 keeps base rows bit for bit
         """, None),
+    # the same loop with its row indices on the default device: on a GPU a CPU index into a CUDA
+    # tensor works, but the contract keeps every tensor on the inputs' device, and the default-device
+    # case (Exercise.default_device_probe) names the line
+    ("ch02.3", None, """
+        def lora_loop(x, A_stack, B_stack, batch_info, out):
+            for seg, slot in enumerate(batch_info.weight_indices.tolist()):
+                lo, hi = batch_info.seg_indptr[seg].item(), batch_info.seg_indptr[seg + 1].item()
+                r = int(batch_info.lora_ranks[slot])
+                rows = batch_info.permutation[lo:hi] if batch_info.permutation is not None else torch.arange(lo, hi)
+                t = (x[rows].float() @ A_stack[slot, :r].float().T)
+                out[rows] = (out[rows].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
+            return out
+        """, "created a tensor on torch's default device (meta), not on the inputs' (cpu): `arange` at answer cell line"),
     ("ch06.2", None, """
         import re
         def targets_module(target_modules, path):
@@ -219,6 +232,22 @@ FAULTS = [
                 if self._copied is not None:
                     self._copied.record()
         """, None),
+    # a tensor made without device= only on the early return for empty inputs: the empty edge case
+    # runs on the default device too
+    ("ch02.1", None, """
+        def seg_indptr_from_seg_lens(seg_lens):
+            if seg_lens.numel() == 0:
+                return torch.zeros(1, dtype=torch.int32)
+            out = torch.zeros(seg_lens.shape[0] + 1, dtype=torch.int32, device=seg_lens.device)
+            out[1:] = torch.cumsum(seg_lens, 0)
+            return out
+        """, "at case 'no_segments, default device elsewhere'"),
+    # the device mismatch torch raises comes after the line that made the tensor
+    ("ch02.1", None, """
+        def seg_indptr_from_seg_lens(seg_lens):
+            return torch.cat([torch.tensor([0], dtype=torch.int32), seg_lens.cumsum(0).int()])
+        """, "created a tensor on torch's default device (meta), not on the inputs' (cpu): `tensor` at answer cell "
+             "line 3"),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):
             perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable

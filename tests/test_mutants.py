@@ -24,7 +24,7 @@ SECRETS = ("mutants-secret-one", "mutants-secret-two", "mutants-secret-three")
 #: Kernel exercises (a @triton.jit answer): their catalogues must include tiling mutants (a loop or
 #: a grid axis that only one tile exercised).
 KERNEL_EXERCISES = sorted(e for e, ex in EXERCISES.items() if ex.requires and "triton.jit" in ex.requires[0])
-KINDS = {"tiling", "layout", "poison", "error", "clause", "dtype", "device-read", "state", "math"}
+KINDS = {"tiling", "layout", "poison", "error", "clause", "dtype", "device", "device-read", "state", "math"}
 MIN_MUTANTS, MIN_KINDS, MIN_TILING = 4, 2, 3
 
 

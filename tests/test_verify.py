@@ -312,6 +312,8 @@ HONEST = [
     "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = torch.zeros(2)\n",
     "def f(reference, os):\n    reference.shape = os\n    return open('x').read()\n",
     "",
+    # a device named as an argument is what the default-device case asks for, not a finding
+    "def f(x):\n    return torch.zeros(3, device=torch.device(x.device.type)) + x.new_ones(3)\n",
 ]
 
 
@@ -361,6 +363,14 @@ SUSPICIOUS = {
     "open('f', 'w')\n": "line 1: opens a file for writing (mode 'w')",
     "open('f', mode='ab')\n": "line 1: opens a file for writing (mode 'ab')",
     "def f(:\n": "line 1: the cell does not parse",
+    # what the default-device and host-read checks are built on (graders.machine.runner)
+    "torch.set_default_device('cpu')\n": "line 1: uses torch.set_default_device",
+    "d = torch.get_default_device()\n": "line 1: uses torch.get_default_device",
+    "torch._C._pop_torch_function_stack()\n": "line 1: uses torch._C",
+    "from torch.overrides import _get_current_function_mode_stack\n": "line 1: uses torch.overrides",
+    "import torch.utils._python_dispatch\n": "line 1: uses torch.utils._python_dispatch",
+    "with torch.device('cpu'):\n    pass\n": "line 1: enters torch.device(...) as a context",
+    "getattr(torch, 'set_' + 'default_device')('cpu')\n": "line 1: getattr() on torch with a name computed",
 }
 
 

@@ -364,11 +364,11 @@ def _share_hint(case: Case, expected, got) -> str | None:
 
 EXERCISES = [
     Exercise("ch01.1", "lora_forward", ("x", "W", "A", "B", "scaling"), ref.lora_forward, _forward_edge, _forward_random,
-             _forward_hint),
+             _forward_hint, default_device_probe=True),
     Exercise("ch01.2", "merge_lora", ("W", "A", "B", "scaling"), ref.merge_lora, _merge_edge(False), _merge_random(False),
-             _merge_hint(False)),
+             _merge_hint(False), default_device_probe=True),
     Exercise("ch01.3", "unmerge_lora", ("W_merged", "A", "B", "scaling"), ref.unmerge_lora, _merge_edge(True), _merge_random(True),
-             _merge_hint(True)),
+             _merge_hint(True), default_device_probe=True),
     Exercise("ch01.4", "lora_scaling", ("lora_alpha", "r", "use_rslora"),
              driven_reference(returns_python_float, ref.lora_scaling), _scaling_edge, _scaling_random,
              driver=returns_python_float),

@@ -551,5 +551,5 @@ EXERCISES = [
     Exercise("ch06.3", "module_scaling", ("config", "path"), module_scaling, _scaling_edge, _scaling_random,
              _scaling_hint, result_names=("r", "scaling")),
     Exercise("ch06.4", "pack_fused_module", ("tensors", "prefix", "parts", "out_features", "rank"),
-             pack_fused_module, _pack_edge, _pack_random, _pack_hint, result_names=("A", "B")),
+             pack_fused_module, _pack_edge, _pack_random, _pack_hint, result_names=("A", "B"), default_device_probe=True),
 ]

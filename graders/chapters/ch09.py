@@ -528,15 +528,15 @@ def _align_ref(ids, block_size, num_ids, skip=None):
 
 EXERCISES = [
     Exercise("ch09.1", "virtual_expert_ids", ("topk_ids", "token_slots", "num_experts"), virtual_expert_ids,
-             _virtual_edge, _virtual_random, _virtual_hint),
+             _virtual_edge, _virtual_random, _virtual_hint, default_device_probe=True),
     Exercise("ch09.2", "moe_align_block_size", ("ids", "block_size", "num_ids", "skip"), _align_ref,
              _align_edge, _align_random, _align_hint, result_names=("sorted_pair_ids", "block_ids", "num_pairs"),
              grade_on="cpu"),
     Exercise("ch09.3", "fused_moe_lora", ("x", "A", "B", "out", "topk_ids", "token_slots", "lora_ranks", "scalings",
                                           "top_k", "rows_per_pair", "slice_offsets", "topk_weights"),
-             fused_moe_lora_torch, _moe_edge, _moe_random, _moe_hint),
+             fused_moe_lora_torch, _moe_edge, _moe_random, _moe_hint, default_device_probe=True),
     Exercise("ch09.4", "to_local_expert_ids", ("topk_ids", "ep_rank", "ep_size", "num_experts"), to_local_expert_ids,
-             _local_edge, _local_random, _local_hint),
+             _local_edge, _local_random, _local_hint, default_device_probe=True),
     Exercise("ch09.5", "split_expert_lora", ("lora_A", "lora_B", "num_experts"), split_expert_lora,
-             _split_edge, _split_random, _split_hint, fresh_result=False),
+             _split_edge, _split_random, _split_hint, fresh_result=False, default_device_probe=True),
 ]

@@ -510,7 +510,7 @@ EXERCISES = [
     Exercise("ch10.1", "column_part_ranges", ("out_features", "units", "tp_rank", "tp_size"), column_part_ranges,
              _ranges_edge, _ranges_random, _ranges_hint),
     Exercise("ch10.2", "fully_sharded_A", ("A_buffer", "lora_ranks", "stack_num", "tp_rank", "tp_size"),
-             fully_sharded_A, _fs_edge, _fs_random, _fs_hint),
+             fully_sharded_A, _fs_edge, _fs_random, _fs_hint, default_device_probe=True),
     Exercise("ch10.3", "row_parallel_lora", ("x_local", "W_local", "A_local", "B", "token_slots", "lora_ranks",
                                              "scalings", "variant"),
              simulate_row, _row_edge, _row_random, _row_hint, driver=drive_row, fresh_result=False, grade_on="cpu"),

@@ -41,7 +41,8 @@ class Mutant:
         expect: a phrase the grader's visible report must contain (the hint, the differing field, the
             error): proof that the report names this mistake and not a wrong cause.
         kind: the contract clause or case family that should catch it: ``tiling``, ``layout``,
-            ``poison``, ``error``, ``clause``, ``dtype``, ``device-read``, ``state``, ``math``.
+            ``poison``, ``error``, ``clause``, ``dtype``, ``device`` (a tensor made off the inputs'
+            device), ``device-read``, ``state``, ``math``.
         plausible: part of the ``plausible_mistakes`` sample learner (at most one per exercise, and
             only an edit of the exercise's own cell).
         part: for an exercise that runs other exercises' answers too (``Exercise.needs``, chapter 11's

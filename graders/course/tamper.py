@@ -22,6 +22,11 @@ __all__ = ["suspicious_code"]
 #: Modules an exercise never needs: the gradebook (sqlite3), processes, signals, raw memory, network.
 FORBIDDEN_MODULES = frozenset({"sqlite3", "subprocess", "multiprocessing", "ctypes", "signal", "socket",
                                "importlib", "builtins", "_thread", "gc"})
+#: torch modules that hold the function-mode stack the grader's checks push (a learner's answer needs none).
+TORCH_MACHINERY_PREFIXES = ("torch._C", "torch.overrides", "torch.utils._python_dispatch", "torch.utils._device",
+                            "torch._dynamo")
+#: torch functions that read or change process-wide defaults.
+TORCH_DEFAULTS = ("set_default_device", "get_default_device", "set_default_dtype", "set_default_tensor_type")
 #: ``os`` functions that start or signal processes or change files.
 OS_CALLS = frozenset({"system", "fork", "forkpty", "kill", "killpg", "setsid", "popen", "utime", "remove",
                       "unlink", "rename", "renames", "replace", "rmdir", "removedirs", "truncate", "chmod",
@@ -67,6 +72,17 @@ def suspicious_code(source: str) -> list[str]:
             seen.add((line, what))
             out.append(f"line {line}: {what} (look at this)")
     return out
+
+
+def _torch_machinery(path: str) -> str | None:
+    """The part of torch that ``path`` reaches, when it is the function-mode stack or the
+    process-wide defaults: what the grader's host-read and default-device checks are built on
+    (graders.machine.runner), never an exercise's; else None."""
+    for prefix in TORCH_MACHINERY_PREFIXES:
+        if path == prefix or path.startswith(prefix + "."):
+            return prefix
+    parts = path.split(".")
+    return ".".join(parts[:2]) if parts[0] == "torch" and parts[1:2] and parts[1] in TORCH_DEFAULTS else None
 
 
 def _dotted(node: ast.AST) -> list[str] | None:
@@ -160,6 +176,9 @@ class _Visitor(ast.NodeVisitor):
             self.flag(node, f"uses shutil.{parts[1]} (files)")
         elif parts[0] == "graders" and len(parts) >= 2 and parts[1] in GRADERS_SUBMODULES:
             self.flag(node, f"reaches into graders.{parts[1]}")
+        elif parts[0] == "torch" and _torch_machinery(path):
+            self.flag(node, f"uses {_torch_machinery(path)} (torch's function modes and defaults, which the "
+                            f"grader's own checks use)")
 
     # -- imports ---------------------------------------------------------------------------------
     def check_import(self, node: ast.AST, module: str) -> None:
@@ -168,6 +187,9 @@ class _Visitor(ast.NodeVisitor):
             self.flag(node, f"imports {module} (an answer needs only `import graders`)")
         elif top in FORBIDDEN_MODULES:
             self.flag(node, f"imports {module}")
+        elif _torch_machinery(module):
+            self.flag(node, f"uses {_torch_machinery(module)} (torch's function modes and defaults, which the "
+                            f"grader's own checks use)")
 
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
@@ -248,6 +270,14 @@ class _Visitor(ast.NodeVisitor):
                     self.aliases.pop(t.id, None)
         self.generic_visit(node)
 
+    def visit_With(self, node: ast.With) -> None:
+        for item in node.items:
+            call = item.context_expr
+            if isinstance(call, ast.Call) and self.resolve(call.func) == "torch.device":
+                self.flag(node, "enters torch.device(...) as a context (it sets the default device, which a "
+                                "grader's case sets)")
+        self.generic_visit(node)
+
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         if isinstance(func, ast.Name):
@@ -261,7 +291,7 @@ class _Visitor(ast.NodeVisitor):
                 if isinstance(name, ast.Constant) and isinstance(name.value, str) and root is not None:
                     self.check_path(node, f"{root}.{name.value}")
                 elif root is not None and root.split(".")[0] in {"sys", "os", "builtins", "graders", "reference",
-                                                                  "importlib", "shutil"}:
+                                                                  "importlib", "shutil", "torch"}:
                     self.flag(node, f"getattr() on {root} with a name computed at run time")
             elif func.id == "open":
                 self.check_open(node, mode_index=1)

@@ -35,6 +35,9 @@ __all__ = ["Case", "Exercise", "GradeResult", "grade_source", "grade_under_secre
 PUBLIC_SEED = 20261129
 SECRET_ENV = "LORA_BOOK_SECRET"
 TIMEOUT_ENV = "LORA_BOOK_GRADER_TIMEOUT"
+#: The default device of Exercise.default_device_probe's case: a device no input is on, that holds no
+#: data (so nothing computed there can pass for a result) and that every machine has.
+DEFAULT_DEVICE_PROBE = "meta"
 DEFAULT_TIMEOUT_S = {"cpu": 40.0, "cuda": 90.0}  # the GPU adds Triton compilation of learner kernels
 
 
@@ -78,6 +81,18 @@ def _build_cases(ex: Exercise, secrets: Optional[Sequence[Optional[str]]] = None
         for case in make():
             case.group, case.secret = group, secret
             cases.append(case)
+    if ex.default_device_probe:
+        # a sized case, and an empty one where there is one: an answer may allocate only on its
+        # early-return path for empty inputs
+        empty = [c for c in cases if c.group == "edge" and any(
+            isinstance(a, torch.Tensor) and a.numel() == 0 for a in c.args)][:1]
+        sized = next(c for c in cases if c.group == "random")  # every exercise has random cases
+        at = max((i for i, c in enumerate(cases) if c.group == "edge"), default=-1) + 1
+        for case in (sized, *empty):
+            cases.insert(at, replace(case, name=f"{case.name}, default device elsewhere", group="edge",
+                                     describe=f"{case.describe}; called with torch's default device set to "
+                                              f"{DEFAULT_DEVICE_PROBE!r}", default_device=DEFAULT_DEVICE_PROBE))
+            at += 1
     return cases
 
 
@@ -401,6 +416,8 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
 
 def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
              device: torch.device, with_hint: bool = True) -> Optional[str]:
+    if result.get("on_default_device"):  # a default-device case (Exercise.default_device_probe)
+        return result["on_default_device"]
     if result.get("device_reads"):
         reads = result["device_reads"]
         return (f"your function read a tensor's value on the host {len(reads)} time(s); the first: {reads[0]}\n"
@@ -584,8 +601,8 @@ def _split(ex: Exercise, source: str) -> tuple[str, list[dict]]:
 
 def _write_job(ex: Exercise, cases: list[Case], workdir: Path, device: torch.device, extra: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)], "out_index": c.out_index}
-                 for i, c in enumerate(cases)]
+    job_cases = [{"args": [encode(a, f"c{i}.a{j}", tensors) for j, a in enumerate(c.args)], "out_index": c.out_index,
+                  "default_device": c.default_device} for i, c in enumerate(cases)]
     save_tensors(tensors, workdir / "inputs.safetensors")
     driver = f"{ex.driver.__module__}:{ex.driver.__qualname__}" if ex.driver else None
     write_json({"exercise_id": ex.id, "driver": driver, "no_device_reads": ex.no_device_reads,

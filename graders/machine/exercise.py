@@ -28,6 +28,10 @@ class Case:
     exact: Optional[torch.Tensor] = None  # bool mask of output elements that must match bit for bit
     group: str = ""
     secret: Optional[str] = None  # which secret drew a hidden case (mutation tests grade several at once)
+    # The child calls the answer with torch's default device set to this one ("meta"): a tensor the
+    # answer creates without ``device=`` lands there instead of on the inputs' device
+    # (``Exercise.default_device_probe``).
+    default_device: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,11 @@ class Exercise:
     # Modules the child imports before it runs any answer (once, before it forks the answers of a
     # mutation batch): heavy imports a driver needs (chapter 11's capstone: transformers' Llama).
     child_imports: tuple[str, ...] = ()
+    # The contract's results (and everything the answer computes them from) live on the inputs'
+    # device: the edge group gets one or two more cases, the first public random case and the first
+    # edge case with an empty tensor, called with torch's default device set to "meta"
+    # (Case.default_device), so an answer that allocates without
+    # ``device=`` fails on the CPU too, where its tensors would otherwise land on the right device by
+    # luck. Only for exercises whose contract creates no host tensors and that have no driver (a
+    # driver's own allocations would land there as well).
+    default_device_probe: bool = False

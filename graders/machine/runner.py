@@ -339,6 +339,58 @@ def wait_for_group(pid: int, timeout: float, stop=None) -> tuple[Optional[int], 
     return code, timed_out, stopped
 
 
+#: Said under an error of a default-device case (graders.machine.exercise.Exercise.default_device_probe).
+DEFAULT_DEVICE_NOTE = ("\n  this case calls your function with torch's default device set to '{0}' (as "
+                       "torch.set_default_device does in a process whose default device is not the inputs'): a "
+                       "tensor created without device= lands there. Create every tensor, outputs and "
+                       "intermediates alike, on the inputs' device: device=x.device, x.new_zeros(...), "
+                       "torch.zeros_like(x)")
+
+
+class DefaultDeviceRecorder(TorchFunctionMode):
+    """Records the first torch call made by the answer cell's own code whose result lies on
+    ``device`` (the default device of a default-device case). Entered before ``torch.device(device)``,
+    so it sees each call with the device already filled in. Recorded, not raised: a tensor there may
+    fail loudly (a device mismatch), or silently (``out[meta_index] = ...`` writes nothing), and
+    either way the report names the line that made it.
+    """
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+        self.made: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.made and _has_tensor_on(out, self.device):
+            where = _answer_frame()
+            if where:
+                self.made.append(f"`{getattr(func, '__name__', func)}` at {where}")
+        return out
+
+
+def _has_tensor_on(value, device: str) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.device.type == device
+    return isinstance(value, (tuple, list)) and any(_has_tensor_on(v, device) for v in value)
+
+
+class _OnDefaultDevice(Exception):
+    """A default-device case: the answer made a tensor on the default device."""
+
+
+@contextlib.contextmanager
+def default_device(device: Optional[str]):
+    """Yield a list that names the answer cell's first tensor made on ``device``, torch's default
+    device during the block (nothing changes when ``device`` is None)."""
+    if device is None:
+        yield []
+        return
+    recorder = DefaultDeviceRecorder(device)
+    with recorder, torch.device(device):
+        yield recorder.made
+
+
 def run_one(job: dict, inputs: dict, workdir: Path) -> None:
     device = torch.device(job["device"])
     try:
@@ -354,10 +406,15 @@ def run_one(job: dict, inputs: dict, workdir: Path) -> None:
         printed = io.StringIO()
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
-        returned, reads = None, []
+        returned, reads, made = None, [], []
+        elsewhere = case.get("default_device")
         try:
-            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads:
+            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads, \
+                    default_device(elsewhere) as made:
                 returned = fn(*args)
+            if made:
+                raise _OnDefaultDevice(f"your function created a tensor on torch's default device "
+                                       f"({elsewhere}), not on the inputs' ({device.type}): {made[0]}")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             result = {"returned": encode(returned, "returned", tensors)}
@@ -370,6 +427,11 @@ def run_one(job: dict, inputs: dict, workdir: Path) -> None:
                     and returned.shape == out.shape))
         except Exception as exc:
             result = {"error": _error_text(exc)}
+            if made:  # the report says this first, whatever torch raised next (graders.machine.core._outcome)
+                said = (str(exc) if isinstance(exc, _OnDefaultDevice) else
+                        f"your function created a tensor on torch's default device ({elsewhere}), not on the "
+                        f"inputs' ({device.type}): {made[0]}; then it raised {result['error']}")
+                result["on_default_device"] = said + DEFAULT_DEVICE_NOTE.format(elsewhere)
         if reads:
             result["device_reads"] = reads
         if job.get("fresh_result") and "error" not in result:

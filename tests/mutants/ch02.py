@@ -174,4 +174,16 @@ MUTANTS += [
     # out= ops return out (the contract, so a caller can chain it): a None return loses the case
     Mutant("ch02.4", "returns-nothing", (("    return out\n", "    return None\n"),),
            "the contract returns out itself", "clause"),
+
+    # every exercise whose results live on the inputs' device: a tensor made without device= lands on
+    # torch's default device (graders.machine.exercise.Exercise.default_device_probe)
+    Mutant("ch02.1", "indptr-on-the-default-device",
+           (("dtype=torch.int32, device=seg_lens.device", "dtype=torch.int32"),), "default device", "device"),
+    Mutant("ch02.3", "rows-on-the-default-device",
+           ((_LOOP_ROWS, "rows = torch.arange(indptr[seg], indptr[seg + 1])"),), "default device", "device"),
+    Mutant("ch02.4", "rank-mask-on-the-default-device",
+           (("torch.arange(max_rank, device=x.device)", "torch.arange(max_rank)"),), "default device", "device"),
+    Mutant("ch02.8", "inverse-ids-on-the-default-device",
+           (("torch.arange(permutation.shape[0], device=permutation.device)", "torch.arange(permutation.shape[0])"),),
+           "default device", "device"),
 ]

@@ -37,6 +37,15 @@
 # test, a cell shows the book's reference solution, but only once your own answer has passed
 # (`graders.show_reference("ch01.1", reveal=True)` shows it anyway). A `lambda` is a valid answer
 # too, e.g. `lora_scaling = lambda lora_alpha, r, use_rslora: ...`.
+#
+# **Devices.** Every tensor a function of the book creates, result or intermediate (an index, a
+# mask, a scalar), lives on its inputs' device: `device=x.device`, `x.new_zeros(...)`,
+# `torch.zeros_like(x)`. A server's process may have another default device than its inputs', so
+# `torch.zeros(n)` without a device is a bug even where it runs. The CPU cannot show it by itself, so
+# for the exercises that compute tensors from tensors in PyTorch (in chapters 01, 02, 06, 09 and
+# 10) one edge case runs your function with torch's default device set to `meta`, a device that
+# holds no data: a tensor made without `device=` lands there, and the report names the line that
+# made it.
 
 # %%
 import math
