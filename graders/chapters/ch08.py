@@ -33,7 +33,9 @@ from typing import Optional
 
 import torch
 
+from graders.chapters.hints import first_difference, symptom_hint
 from graders.machine.exercise import Case, Exercise
+from reference.batch_info import slot_sorted_view
 from reference.cuda_graph import SlotChangeTracker, StaticLoRABatch, bucket_for
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec, uid_sort_key
 
@@ -53,12 +55,14 @@ def _bucket_edge() -> list[Case]:
     nano = (1, 2, 4, 8, 16, 32, 40)  # default_buckets(40)
     return [
         _bucket_case("docstring_example", 5, (1, 2, 4, 8, 16)),
-        _bucket_case("exact_fit", 8, (1, 2, 4, 8, 16)),
+        _bucket_case("exact_fit", 8, (1, 2, 4, 8, 16, 32)),  # the next bucket up is not the largest
         _bucket_case("one_sequence", 1, (1, 2, 4, 8)),
         _bucket_case("one_sequence_smallest_bucket_4", 1, (4, 8, 16)),
         _bucket_case("largest_bucket_exactly", 16, (1, 2, 4, 8, 16)),
-        _bucket_case("unsorted_buckets", 5, (16, 1, 8, 4)),
-        _bucket_case("unsorted_exact_fit", 4, (16, 4, 8, 1)),
+        # the first bucket that fits is neither the smallest that fits nor the largest (nor the
+        # smallest above an exact fit): each wrong choice returns something else
+        _bucket_case("unsorted_buckets", 5, (16, 1, 32, 8, 4)),
+        _bucket_case("unsorted_exact_fit", 4, (16, 4, 32, 8, 1)),
         _bucket_case("repeated_buckets", 3, [4, 4, 2, 8, 2]),
         _bucket_case("buckets_as_a_list", 9, [1, 2, 4, 8, 16]),
         _bucket_case("one_bucket", 3, (3,)),
@@ -74,17 +78,19 @@ def _bucket_edge() -> list[Case]:
 
 
 def _bucket_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
-    """Every draw: a shuffled bucket list with a repeat (tuple or list; the largest bucket first in
-    draws 0 and 2), each bucket hit exactly, a count between two buckets, one sequence, one past
-    the largest, zero and a negative count."""
+    """Every draw: a shuffled bucket list with a repeat (tuple or list; the second largest of at
+    least four buckets first in draw 0, the largest first in draw 2), each bucket hit exactly, a
+    count between two buckets, one sequence, one past the largest, zero and a negative count."""
     cases = []
     for i in range(3):
-        buckets = sorted(rng.sample(range(1, 70), rng.randint(2, 6)))
+        buckets = sorted(rng.sample(range(1, 70), rng.randint(4 if i == 0 else 2, 6)))
         listed = buckets + [rng.choice(buckets)]
         rng.shuffle(listed)
-        if i != 1:  # the largest first: the first bucket that fits is not the smallest
-            listed.remove(max(buckets))
-            listed.insert(0, max(buckets))
+        if i != 1:  # the first bucket that fits is not the smallest; in draw 0 neither the largest, and
+            # for the smallest bucket neither the next one (each wrong choice returns something else)
+            first = buckets[-2] if i == 0 else buckets[-1]
+            listed.remove(first)
+            listed.insert(0, first)
         listed = tuple(listed) if i % 2 == 0 else listed
         for b in buckets:
             cases.append(_bucket_case(f"random_{i}_exact_{b}", b, listed))
@@ -99,28 +105,45 @@ def _bucket_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
+def _bucket_variant(n, buckets, strict=False, first_fit=False, largest=False, index=False) -> int:
+    """``bucket_for`` with one named mistake switched on (for hints); raises where it finds nothing."""
+    fits = [b for b in buckets if (b > n if strict else b >= n)]
+    if largest:
+        return max(buckets)
+    pick = fits[0] if first_fit else min(fits)
+    return list(buckets).index(pick) if index else pick
+
+
+_BUCKET_MISTAKES = [
+    (dict(strict=True), "an exact fit is allowed: a bucket of n sequences holds n (>=, not >)"),
+    (dict(first_fit=True), "buckets come in any order: the smallest bucket >= num_seqs (min), not the first one "
+                           "that fits"),
+    (dict(largest=True), "the smallest bucket that holds num_seqs, not the largest (padding rows cost compute)"),
+    (dict(index=True), "return the bucket itself (a batch size), not its index in the list"),
+]
+#: Two mistakes at once, named only when no single one returns what the answer returned.
+_BUCKET_TWO_MISTAKES = [
+    (dict(first_fit=True, strict=True), "buckets come in any order, and an exact fit is allowed: the smallest "
+                                        "bucket >= num_seqs (min over b >= num_seqs)"),
+    (dict(index=True, first_fit=True), "return the bucket itself (a batch size), not its index in the list"),
+    (dict(index=True, strict=True), "return the bucket itself (a batch size), not its index in the list"),
+]
+
+
 def _bucket_hint(case: Case, expected, got) -> Optional[str]:
+    """From what the answer returned: the known mistakes that return exactly ``got`` here, else a
+    bucket too small for the batch; nothing else (error cases are reported without a hint)."""
     n, buckets = case.args
-    if not isinstance(got, int) or isinstance(got, bool):
+    if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
         return None
-    if not buckets:
-        return "no buckets at all: raise ValueError"
-    if n < 1:
-        return "a decode batch has at least one sequence: num_seqs < 1 raises ValueError"
-    if n > max(buckets):
-        return (f"{n} sequences exceed the largest bucket ({max(buckets)}): raise ValueError (such a batch is "
-                "split or run eagerly), never a graph too small for it")
-    if n in buckets and got == min((b for b in buckets if b > n), default=None):
-        return f"an exact fit is allowed: bucket {n} holds {n} sequences (>=, not >)"
-    first = next((b for b in buckets if b >= n), None)
-    if got == first and expected != got:
-        return "buckets come in any order: the smallest bucket >= num_seqs (min), not the first one that fits"
-    if got == max(buckets) and expected != got:
-        return "the smallest bucket that holds num_seqs, not the largest (padding rows cost compute)"
-    if got in range(len(buckets)) and got not in buckets:
-        return "return the bucket itself (a batch size), not its index in the list"
-    if got < n:
+    hint = (symptom_hint(_BUCKET_MISTAKES, _bucket_variant, case.args, expected, got)
+            or symptom_hint(_BUCKET_TWO_MISTAKES, _bucket_variant, case.args, expected, got))
+    if hint:
+        return hint
+    if got < n and got in buckets:
         return f"bucket {got} cannot hold {n} sequences: the bucket must be >= num_seqs (an exact fit is allowed)"
+    if got not in buckets:
+        return f"return one of the given buckets ({got} is none of {sorted(set(buckets))})"
     return None
 
 
@@ -414,55 +437,155 @@ def _static_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
 
 
 def _parse(line: str) -> dict:
-    """'step 3: ... -> returned; buffers replaced: none; token_slots [..]; ...' -> {field: text}."""
+    """'step 3: ... -> returned; buffers replaced: none; token_slots [..]; ...' -> {field: text}: a
+    label before ': ' names its field ("buffers replaced", "copies fenced", "staging changed"), else
+    a buffer's name ("token_slots", "permutation" for "permutation[:4]") precedes its values."""
     head, _, rest = line.partition(" -> ")
     fields = {"outcome": rest.split(";")[0]}
     for part in rest.split("; ")[1:]:
-        key, _, value = part.partition(" ")
-        fields[key.split("[")[0]] = value
+        label, sep, value = part.partition(": ")
+        if not sep or "[" in label:
+            label, _, value = part.partition(" ")
+            label = label.split("[")[0]
+        fields[label] = value
     return fields
+
+
+def _values(text: Optional[str]) -> Optional[list]:
+    """'[2, 0, 1]' -> [2.0, 0.0, 1.0]; None when absent or not a list of numbers."""
+    try:
+        return [float(v) for v in text.strip("[]").split(", ") if v] if text is not None else None
+    except ValueError:
+        return None
 
 
 def _static_compare(case: Case, expected, got) -> Optional[str]:
     """The first step whose record differs, and only the fields that differ in it (the whole record
-    of a step is a long line; the learner needs the buffer or the outcome that is off)."""
+    of a step is a long line; the learner needs the buffer or the outcome that is off). When the
+    outcome differs (one raised, the other returned), only the outcome and the arguments: the
+    buffers of a step that should not have run (or should have) follow from it."""
     if not isinstance(got, (tuple, list)) or len(got) != len(expected):
         return f"the driver's record has {len(got) if isinstance(got, (tuple, list)) else '?'} entries, expected {len(expected)}"
-    k = next((i for i, (e, g) in enumerate(zip(expected[:-1], got[:-1])) if e != g), None)
+    k = first_difference(list(expected[:-1]), [str(g) for g in got[:-1]])
     if k is None:
         return None if list(expected[-1]) == list(got[-1]) else "the steps' outcomes differ"
     head = expected[k].partition(" -> ")[0]
     e, g = _parse(expected[k]), _parse(str(got[k]))
+    fields = list(dict.fromkeys([*e, *g]))
+    if e["outcome"] != g["outcome"]:
+        fields = ["outcome", "arguments changed by the call"]
     lines = [f"{head}:"]
-    for field in dict.fromkeys([*e, *g]):
+    for field in fields:
         if e.get(field) != g.get(field):
             lines.append(f"  {field}: expected {e.get(field, '(absent)')}")
             lines.append(f"  {' ' * len(field)}  got      {g.get(field, '(absent)')}")
     return "\n".join(lines)
 
 
+def _tables_before(case: Case, expected: list, k: int) -> tuple[Optional[list], Optional[list]]:
+    """lora_ranks and scalings as the contract leaves them before step k (the last step that
+    returned, else the starting values)."""
+    for line in reversed(expected[:k]):
+        f = _parse(line)
+        if f["outcome"] == "returned":
+            return _values(f.get("lora_ranks")), _values(f.get("scalings"))
+    num_slots, poison = case.args[0], case.args[3]
+    if poison is not None:
+        return [float(v) for v in poison[4]], torch.tensor(poison[5], dtype=torch.float32).tolist()
+    return [0.0] * num_slots, [0.0] * num_slots
+
+
+def _tables_hint(case: Case, expected, k: int, e: dict, g: dict) -> Optional[str]:
+    """lora_ranks / scalings differ after step k: which tables the answer's buffers hold."""
+    slots, bucket, pad, ranks, scal, changed = case.args[4][k]
+    passed = [float(v) for v in ranks], torch.tensor([float(v) for v in scal], dtype=torch.float32).tolist()
+    before = _tables_before(case, expected, k)
+    held = _values(g.get("lora_ranks")), _values(g.get("scalings"))
+    if changed:
+        if held == before and before != passed:
+            return ("ownership_changed is True: copy lora_ranks and scalings into their buffers (yours still hold the "
+                    "previous tables)")
+        if held[0] == passed[0] and held[1] == [float(int(v)) for v in passed[1]]:
+            return ("scalings were copied as integers (0.5 became 0): the scalings buffer is float32, build its "
+                    "staging values as float32 (torch.tensor(scalings, dtype=torch.float32))")
+        return None
+    if held == passed and before != passed:
+        return ("ownership_changed is False: the per-slot tables stay as they were (whatever tables are passed); "
+                "they are rewritten only when slot ownership changed")
+    return None
+
+
+def _token_slots_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:
+    """token_slots differ after step k: in the real tokens, the padding, or past the bucket."""
+    num_slots, max_seqs, tps = case.args[:3]
+    slots, bucket, pad, *_ = case.args[4][k]
+    n, width = len(slots), bucket * tps
+    exp, got = _values(e.get("token_slots")), _values(g.get("token_slots"))
+    if exp is None or got is None or len(got) != len(exp):
+        return None
+    padded = [float(s) for s in [*slots, *[pad] * (bucket - n)]]
+    if exp[:n * tps] != got[:n * tps]:
+        if tps > 1 and got[:width] == padded * tps:
+            return (f"each sequence has tokens_per_seq={tps} tokens in a row: sequence q's slot fills "
+                    f"token_slots[q*{tps} : (q+1)*{tps}] (repeat_interleave, not repeat)")
+        if tps > 1 and got[:bucket] == padded:
+            return (f"each sequence has tokens_per_seq={tps} tokens in a row: sequence q's slot fills "
+                    f"token_slots[q*{tps} : (q+1)*{tps}], {width} tokens for the bucket, not {bucket}")
+        return f"token_slots[q*{tps} : (q+1)*{tps}] is seq_slots[q] for the real sequences (q < {n})"
+    if exp[n * tps:width] != got[n * tps:width]:
+        if pad != 0 and set(got[n * tps:width]) == {0.0}:
+            return (f"padding sequences (n .. bucket-1) sit on the pad slot ({pad}), whatever slot number it is "
+                    "(yours hold slot 0)")
+        return f"padding sequences (n .. bucket-1) sit on the pad slot ({pad})"
+    return (f"token_slots past the bucket (tokens {width} .. {max_seqs * tps - 1}) hold the pad slot ({pad}) "
+            "too, so no row ever reads a stale slot")
+
+
+def _segments_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:
+    """seg_lens / seg_indptr differ after step k: the slot-sorted view of which sequences."""
+    num_slots, max_seqs, tps = case.args[:3]
+    slots, bucket, pad, *_ = case.args[4][k]
+    n = len(slots)
+    got = _values(g.get("seg_lens")), _values(g.get("seg_indptr"))
+
+    def view(seqs):
+        counts, offsets, _ = slot_sorted_view(list(seqs), num_slots, tps)
+        return [float(v) for v in counts.tolist()], [float(v) for v in offsets.tolist()]
+    padded = [*slots, *[pad] * (bucket - n)]
+    if got == view(padded + [pad] * (max_seqs - bucket)) and bucket < max_seqs:
+        return (f"seg_lens / seg_indptr are the slot-sorted view of the padded bucket ({bucket} sequences of {tps} "
+                f"token(s)), not max_seqs ({max_seqs}): the bucket's graph reads only its {bucket * tps} rows")
+    if got == view(slots) and bucket > n:
+        return (f"seg_lens / seg_indptr count the padded bucket: seq_slots plus {bucket - n} pad slot(s), {bucket} "
+                f"sequences of {tps} token(s) (the padding rows run through the graph too)")
+    return (f"seg_lens / seg_indptr are the slot-sorted view (chapter 07's slot_sorted_view) of the padded bucket: "
+            f"seq_slots plus {bucket - n} pad slot(s), {bucket} sequences of {tps} token(s)")
+
+
 def _static_hint(case: Case, expected, got) -> Optional[str]:
+    """From the first step whose record differs, the field that differs there, and what the
+    answer's buffers hold (not from which case or step it is)."""
     num_slots, max_seqs, tps, poison, steps = case.args
     if not isinstance(got, (tuple, list)) or len(got) != len(expected):
         return None
-    k = next((i for i, (e, g) in enumerate(zip(expected[:-1], got[:-1])) if e != g), None)
+    k = first_difference(list(expected[:-1]), [str(x) for x in got[:-1]])
     if k is None:
         return None
     e, g = _parse(expected[k]), _parse(str(got[k]))
     slots, bucket, pad, ranks, scal, changed = steps[k]
     n = len(slots)
-    if "buffers replaced: none" in expected[k] and "buffers replaced: none" not in str(got[k]):
+    if e.get("buffers replaced") == "none" and g.get("buffers replaced") != "none":
         return ("a buffer was replaced (self.buffers[name] = ... or a new tensor): a captured graph keeps reading "
                 "the old one. Write into the existing tensors in place (copy_, fill_, slice assignment)")
-    if e.get("arguments") != g.get("arguments"):
-        return (f"update changed its arguments ({g.get('arguments', '?').replace('changed by the call: ', '')}): "
+    if e.get("arguments changed by the call") != g.get("arguments changed by the call"):
+        return (f"update changed its arguments ({g.get('arguments changed by the call', '?')}): "
                 "the caller's lists are the pool's host mirrors and the batch's slots; build new lists (e.g. "
                 "list(seq_slots) + [pad_slot] * (bucket - n)) instead of extending or sorting the given ones")
-    if e["outcome"] == g["outcome"] and e.get("copies") != g.get("copies"):
+    if e["outcome"] == g["outcome"] and e.get("copies fenced") != g.get("copies fenced"):
         return ("self._copied (a CUDA event on a GPU; the grader gives it a stand-in on the CPU): when it is not "
                 "None, call self._copied.synchronize() before refilling the staging (the last step's non_blocking "
                 "copies may still read it) and self._copied.record() after the last copy; a refused update "
-                f"records nothing. Yours: {g.get('copies', '?').replace('fenced: ', '')}")
+                f"records nothing. Yours: {g.get('copies fenced', '?')}")
     if e["outcome"] != g["outcome"]:
         if e["outcome"] == "returned":
             return f"this update is valid (n={n} <= bucket={bucket} <= max_seqs={max_seqs}, slots in range, pad slot of rank 0)"
@@ -471,39 +594,18 @@ def _static_hint(case: Case, expected, got) -> Optional[str]:
             return f"{why}: raise ValueError"
         return f"{why}: raise ValueError before anything fails on its own (you {g['outcome']})"
     if e["outcome"] != "returned":
-        if e.get("staging") != g.get("staging") and e.get("buffers") == g.get("buffers"):
+        if e.get("staging changed") != g.get("staging changed") and e.get("buffers changed") == g.get("buffers changed"):
             return ("a refused update writes nothing, not even the pinned staging (yours changed "
-                    f"{g.get('staging', '?').replace('changed: ', '')}): check every argument before the "
-                    "first write, into a buffer or into its staging twin")
+                    f"{g.get('staging changed', '?')}): check every argument before the first write, into a buffer or "
+                    "into its staging twin")
         return "a refused update changes nothing: check every argument before the first write into a buffer"
     width = bucket * tps
     if e.get("lora_ranks") != g.get("lora_ranks") or e.get("scalings") != g.get("scalings"):
-        if changed:
-            want = [float(v) for v in scal]
-            got_s = g.get("scalings", "")
-            if e.get("lora_ranks") == g.get("lora_ranks") and got_s and all(
-                    float(v) == float(int(w)) for v, w in zip(got_s.strip("[]").split(", "), want)):
-                return ("scalings were copied as integers (0.5 became 0): the scalings buffer is float32, build its "
-                        "staging values as float32 (torch.tensor(scalings, dtype=torch.float32))")
-            return "ownership_changed is True: copy lora_ranks and scalings into their buffers"
-        return ("ownership_changed is False: the per-slot tables stay as they were (whatever tables are passed); "
-                "they are rewritten only when slot ownership changed")
+        return _tables_hint(case, expected, k, e, g)
     if e.get("token_slots") != g.get("token_slots"):
-        exp = [int(v) for v in e["token_slots"].strip("[]").split(", ") if v]
-        got_v = [int(v) for v in g["token_slots"].strip("[]").split(", ") if v] if g.get("token_slots") else []
-        if len(got_v) == len(exp):
-            if exp[:n * tps] != got_v[:n * tps]:
-                if tps > 1:
-                    return (f"each sequence has tokens_per_seq={tps} tokens in a row: sequence q's slot fills "
-                            f"token_slots[q*{tps} : (q+1)*{tps}] (repeat_interleave, not repeat)")
-                return "token_slots[q] is seq_slots[q] for the real sequences"
-            if exp[n * tps:width] != got_v[n * tps:width]:
-                return f"padding sequences (n .. bucket-1) sit on the pad slot ({pad}), whatever slot number it is"
-            return (f"token_slots past the bucket (tokens {width} .. {max_seqs * tps - 1}) hold the pad slot ({pad}) "
-                    "too, so no row ever reads a stale slot")
+        return _token_slots_hint(case, k, e, g)
     if e.get("seg_lens") != g.get("seg_lens") or e.get("seg_indptr") != g.get("seg_indptr"):
-        return (f"seg_lens / seg_indptr are the slot-sorted view (chapter 07's slot_sorted_view) of the padded bucket: "
-                f"seq_slots plus {bucket - n} pad slot(s), {bucket} sequences of {tps} token(s), not max_seqs")
+        return _segments_hint(case, k, e, g)
     if e.get("permutation") != g.get("permutation"):
         return (f"permutation[:{width}] is the slot-sorted view's sorted token ids of the padded bucket "
                 f"({bucket} sequences of {tps} token(s))")
@@ -692,39 +794,76 @@ def _tracker_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
+def _tracker_variant(**wrong) -> type:
+    """``SlotChangeTracker`` with one named mistake switched on (for hints)."""
+    counted = ("load", "evict") + (("hit",) if wrong.get("hits") else ()) + (("cpu_evict",) if wrong.get("cpu") else ())
+
+    class Variant:
+        def __init__(self, pool) -> None:
+            self.pool = pool
+            self.seen = len(pool.events) if wrong.get("from_the_end") else 0
+            self.owners = None
+
+        def poll(self) -> bool:
+            if wrong.get("snapshot"):
+                owners = dict(self.pool.uid_to_buffer_id)
+                changed = owners != self.owners and bool(owners or self.owners)
+                self.owners = owners
+                return changed
+            new = self.pool.events[self.seen:]
+            if not wrong.get("never_advances"):
+                self.seen = len(self.pool.events)
+            if wrong.get("last_only"):
+                return bool(new) and new[-1][0] in counted
+            return bool(new) if wrong.get("any_event") else any(e[0] in counted for e in new)
+    return Variant
+
+
+_TRACKER_MISTAKES = [
+    (dict(from_the_end=True), "the first poll reports the events logged before the tracker was made too (a runner "
+                              "started on a warm pool must copy its tables once): start from the beginning of "
+                              "pool.events, not its end"),
+    (dict(hits=True), "a hit is an LRU refresh: the slot keeps its owner, so the per-slot tables need no rewrite"),
+    (dict(cpu=True), "cpu_evict drops a host copy (the CPU cache): no slot changes owner"),
+    (dict(any_event=True), "only load and evict events change a slot's owner: a hit is an LRU refresh and a "
+                           "cpu_evict drops a host copy"),
+    (dict(never_advances=True), "poll() forgets what it reported: remember how far you have read (the length of "
+                                "pool.events at this poll), or every later poll reports the same events again"),
+    (dict(last_only=True), "look at every event since the previous poll, not only the last one: a load followed by "
+                           "a hit changed an owner"),
+    (dict(snapshot=True), "an adapter was evicted and loaded back since the previous poll: the slot table may look "
+                          "as it did then, yet slots changed owner in between (and were rewritten); answer from the "
+                          "load and evict events, not by comparing snapshots of the slots"),
+]
+
+
 def _tracker_hint(case: Case, expected, got) -> Optional[str]:
-    if not isinstance(got, tuple) or len(got) != len(expected):
+    """The known mistakes whose replay of this very trace gives the answer's record; else what the
+    first differing poll returned against what its events say."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(expected):
         return None
-    k = next((i for i, (e, g) in enumerate(zip(expected, got)) if e != g), None)
+    got, expected = [str(g) for g in got], list(expected)
+    k = first_difference(expected, got)
     if k is None:
         return None
-    e, g = expected[k], str(got[k])
-    events = e.split("events ", 1)[1].rsplit(") -> ", 1)[0]
-    want = e.endswith("-> True")
+    e, g = expected[k], got[k]
+    if "poll changed pool.events" in g:
+        return ("poll() only reads the pool: pool.events is the pool's log (other readers, the tests, a second "
+                "tracker use it); remember how far you have read instead of clearing or trimming it")
     if not (g.endswith("-> True") or g.endswith("-> False")):
         return "poll() returns a bool: True when a slot changed owner since the previous poll"
+    hint = symptom_hint(_TRACKER_MISTAKES, lambda *args, **w: replay_tracker(_tracker_variant(**w), *args),
+                        case.args, expected, got, same=lambda a, b: list(a) == list(b))
+    if hint:
+        return hint
+    events = e.split("events ", 1)[1].rsplit(") -> ", 1)[0]
     kinds = [x.split(",")[0].strip("('") for x in events.split("[", 1)[1].split("), (")] if "(" in events else []
-    warm = bool(case.args[2])
-    if want:
-        if k == 0 and warm:
-            return ("the first poll reports the events logged before the tracker was made too (a runner started on a "
-                    "warm pool must copy its tables once): start from the beginning of pool.events, not its end")
-        evicted = set(re.findall(r"\('evict', ('[^']*'|None|\d+), ", events))
-        reloaded = set(re.findall(r"\('load', ('[^']*'|None|\d+), ", events))
-        if evicted & reloaded:
-            return ("an adapter was evicted and loaded back since the previous poll: the slot table may look as it "
-                    "did then, yet slots changed owner in between (and were rewritten); answer from the load and "
-                    "evict events, not by comparing snapshots of the slots")
-        if kinds and kinds[-1] not in ("load", "evict"):
-            return "look at every event since the previous poll, not only the last one: a load followed by a hit changed an owner"
-        return "a load or an evict event since the previous poll means a slot changed owner: return True"
+    if e.endswith("-> True"):
+        return ("a load or an evict event since the previous poll means a slot changed owner: return True (these "
+                f"events: {', '.join(kinds)})")
     if not kinds:
-        return "nothing happened since the previous poll: poll() forgets what it reported (remember how far you have read)"
-    if "hit" in kinds and not ({"load", "evict"} & set(kinds)):
-        return "a hit is an LRU refresh: the slot keeps its owner, so the per-slot tables need no rewrite"
-    if "cpu_evict" in kinds:
-        return "cpu_evict drops a host copy (the CPU cache): no slot changes owner"
-    return "only load and evict events change a slot's owner"
+        return "nothing happened since the previous poll (no event), so no slot changed owner: return False"
+    return f"only load and evict events change a slot's owner (these events: {', '.join(kinds)}): return False"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,23 +948,40 @@ def _inputs_hint(case: Case, expected, got) -> Optional[str]:
     n = len(ids)
     if not (isinstance(got, tuple) and len(got) == 3 and all(isinstance(g, torch.Tensor) for g in got)):
         return None
-    if all(torch.equal(g, a[:bucket]) for g, a in zip(got, case.args[5])):
+    old = [a[:bucket] for a in case.args[5]]
+    if all(torch.equal(g, a) for g, a in zip(got, old)):
         return ("the static tensors you were given are unchanged: write into them in place (copy_ or slice "
                 "assignment); the captured graph reads those tensors, not new ones")
+    # a tensor left as it was (where the contract changes its real rows: not a coincidence)
+    unchanged = [torch.equal(g, a) and not torch.equal(x[:n], a[:n]) for g, a, x in zip(got, old, expected)]
     e_ids, e_pos, e_rows = expected
     g_ids, g_pos, g_rows = got
+    if n < bucket and all(torch.equal(g[n:], a[n:]) and not torch.equal(x[n:], a[n:]) for g, a, x in zip(got, old, expected)):
+        return (f"padding rows (n .. bucket-1) still hold an earlier step's values: write them too (token 0 at position "
+                f"0 on the scratch row {scratch}; any other cache row belongs to a real sequence, whose cache the "
+                "padding's key/value writes would overwrite)")
+    if unchanged[2]:
+        return ("static_rows still holds the earlier step's rows: write it too (static_rows[q] is cache_rows[q] for "
+                f"the real sequences, the scratch row {scratch} for the padding)")
+    if unchanged[1]:
+        return "static_positions still holds the earlier step's positions: write it too"
+    if unchanged[0]:
+        return "static_ids still holds the earlier step's tokens: write it too"
     if not torch.equal(g_rows[:n], e_rows[:n]):
         return "static_rows[q] is cache_rows[q] for the real sequences"
     if not torch.equal(g_rows, e_rows):
-        return (f"padding rows (n .. bucket-1) must use the scratch row ({scratch}): any other row belongs to a "
-                "real sequence (in this batch or not), and the padding's key/value writes would overwrite its "
+        stale = " (yours still hold the earlier step's rows)" if torch.equal(g_rows[n:], old[2][n:]) else ""
+        return (f"padding rows (n .. bucket-1) must use the scratch row ({scratch}){stale}: any other row belongs to "
+                "a real sequence (in this batch or not), and the padding's key/value writes would overwrite its "
                 "cache")
     if not torch.equal(g_pos[:n], e_pos[:n]):
         return ("token j of sequence q sits at position positions[q] + j (tokens_per_seq consecutive positions "
                 "from the sequence's first)")
     if not torch.equal(g_pos, e_pos) or not torch.equal(g_ids[n:], e_ids[n:]):
         return "padding rows get token 0 at position 0 (a stale position could lie past the cache's max_len)"
-    return "static_ids[q] holds input_ids[q] (tokens_per_seq tokens) for the real sequences"
+    if not torch.equal(g_ids[:n], e_ids[:n]):
+        return "static_ids[q] holds input_ids[q] (tokens_per_seq tokens) for the real sequences"
+    return None
 
 
 EXERCISES = [

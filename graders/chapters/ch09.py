@@ -108,10 +108,17 @@ def _virtual_hint(case: Case, expected, got) -> Optional[str]:
         return ("slot * num_experts + expert, not expert * num_experts + slot: the experts of one slot are "
                 "consecutive, so virtual id v is A.view(-1, ...)[v] = A[v // num_experts, v % num_experts]")
     if not torch.equal(g[ids < 0], e[ids < 0]):
-        return ("a negative id (-1: an expert of another EP rank) gives -1: it has no slot's weights on this rank "
-                "(test ids < 0, not == -1)")
+        if torch.equal(g[ids == -1], e[ids == -1]):  # -1 handled, other negative ids not
+            return ("any negative id gives -1 (test ids < 0, not == -1): it names an expert of another EP rank, "
+                    "which has no slot's weights on this rank")
+        return ("a negative id (-1: an expert of another EP rank) gives -1: it has no slot's weights on this rank, "
+                "so slot * num_experts + (-1) would name another slot's expert")
     if torch.equal(g, ids.long()) or torch.equal(g[ids >= 0], ids.long()[ids >= 0]):
         return "the virtual id includes the token's slot: slot * num_experts + expert"
+    wrapped = (slots.view(-1, 1).to(torch.int32) * E + ids.to(torch.int32)).long()
+    if ids.dtype == torch.int32 and torch.equal(g[ids >= 0], wrapped[ids >= 0]):
+        return ("slot * num_experts + expert overflows int32 here: convert to int64 (.long()) BEFORE multiplying, "
+                "not after")
     return None
 
 
@@ -183,19 +190,27 @@ def _align_hint(case: Case, expected, got) -> Optional[str]:
     if gs.numel() == es.numel() and real.numel() == e_real.numel() and bool((gs[~is_real] != n).any()):
         return f"padding entries hold num_pairs ({n}), a pair index past the last one, so a kernel masks them"
     flat = ids.reshape(-1).long()
-    if bool((flat < 0).any()) and bool(torch.isin(torch.nonzero(flat < 0).view(-1), real).any()):
-        return "pairs with id -1 are left out: no block, no entry"
     if torch.equal(real, e_real) and not torch.equal(gs, es):
         return ("the real pairs are right but the padding is misplaced: each group takes ceil(count / block_size) "
                 "blocks of its own, its real pairs first and its padding after them (at the end of its last block)")
     top_k = ids.shape[1] if ids.dim() == 2 else 1
     T = flat.numel() // top_k if top_k else 0
     if T and block and gs.numel() == es.numel() and real.numel() == e_real.numel() and not torch.equal(gs, es):
-        # the learner's entries read as choice * num_tokens + token: the same pairs in every block?
+        # the learner's entries read as choice * num_tokens + token: the same pairs in every group?
         as_p = torch.where(is_real, (gs % T) * top_k + gs // T, gs)
-        if torch.equal(torch.sort(as_p.view(-1, block), dim=1).values, torch.sort(es.view(-1, block), dim=1).values):
+
+        def by_group(entries, blocks):
+            groups: dict = {}
+            for b, v in enumerate(blocks.tolist()):
+                groups.setdefault(v, []).extend(p for p in entries[b * block:(b + 1) * block].tolist() if p < n)
+            return {v: sorted(ps) for v, ps in groups.items()}
+        if g_blocks.numel() * block == gs.numel() and by_group(as_p, g_blocks.cpu()) == by_group(es, e_blocks.cpu()):
             return "pair p is ids.reshape(-1)[p], i.e. p = token * top_k + choice (not choice * num_tokens + token)"
-    if skip is not None and real.numel() > e_real.numel():
+    extra = set(real.tolist()) - set(e_real.tolist())  # pairs the answer placed that the contract leaves out
+    if extra and all(0 <= p < flat.numel() and int(flat[p]) < 0 for p in extra):
+        return "pairs with id -1 are left out: no block, no entry"
+    if extra and skip is not None and all(0 <= p < flat.numel() and int(flat[p]) >= 0 and bool(skip[int(flat[p])])
+                                          for p in extra):
         return "a group whose id is set in skip gets no blocks at all (no program reads its absent weights)"
     if gs.numel() < es.numel() and real.numel() == e_real.numel():
         return "each id's group is padded to a whole number of blocks on its own (a block holds one id only)"
@@ -332,7 +347,7 @@ def _moe_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
 
 def _moe_variant(case: Case, *, per_token_rows=None, ignore_weights=False, max_rank_offsets=False,
                  slot_ranks=False, ignore_scaling=False, scale_power=1, weight_power=1, assign=False,
-                 skip_slot_0=False) -> torch.Tensor:
+                 skip_slot_0=False, choice_major=False) -> torch.Tensor:
     """The result of one specific mistake, for the hints (computed on the CPU in fp64)."""
     x, A, B, out, ids, ts, ranks, sc, k, rpp, offs, w = case.args
     pairs = ids.shape[0] * k
@@ -340,7 +355,7 @@ def _moe_variant(case: Case, *, per_token_rows=None, ignore_weights=False, max_r
     res = out.double().clone()
     max_rank = B.shape[3]
     for p in range(pairs):
-        t, j = divmod(p, k)
+        t, j = (p % ids.shape[0], p // ids.shape[0]) if choice_major else divmod(p, k)
         s, e = int(ts[t]), int(ids[t, j])
         if e < 0:
             continue
@@ -371,12 +386,16 @@ def _moe_hint(case: Case, expected, got) -> Optional[str]:
                     "skip them (their A and B are poison here: an adapter without that expert has no weights)")
         return ("NaN read: a group of rank r uses rows [i*r, (i+1)*r) of A[slot, expert] for slice i and columns "
                 "[:r] of B; the rest is padding (NaN in these cases)")
-    if not torch.equal(got.cpu()[exact], out.cpu()[exact]) if got.is_floating_point() else False:
-        return "rows of pairs with no LoRA (rank 0 or expert -1) must come back bit for bit: add nothing to them"
 
     def near(v):
         return bool(torch.allclose(g.nan_to_num(0), v.nan_to_num(0), rtol=2e-2, atol=2e-2)) and not bool(
             torch.allclose(expected.cpu().double(), v.nan_to_num(0), rtol=2e-2, atol=2e-2))
+    if k > 1 and ids.shape[0] > 1 and near(_moe_variant(case, choice_major=True)):
+        return (f"pair p is token p // top_k, choice p % top_k (p = t * top_k + j, the row order of "
+                f"topk_ids.reshape(-1)), not choice-major (p = j * num_tokens + t): yours reads and writes other "
+                "pairs' rows")
+    if not torch.equal(got.cpu()[exact], out.cpu()[exact]) if got.is_floating_point() else False:
+        return "rows of pairs with no LoRA (rank 0 or expert -1) must come back bit for bit: add nothing to them"
     if w is not None and near(_moe_variant(case, ignore_weights=True)):
         return "topk_weights given: multiply each pair's delta by topk_weights[token, choice] (and by the slot's scaling)"
     if x.shape[0] != ids.shape[0] or k > 1:
@@ -447,6 +466,8 @@ def _local_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return None
     ids, q, size, E = case.args
+    if got.dtype != expected.dtype:
+        return f"return the local ids as int64 (.long()), whatever the dtype of topk_ids (here {str(ids.dtype)[6:]})"
     g, e, flat = got.cpu().long(), expected.cpu().long(), ids.long()
     per = E // size
     if torch.equal(g[e >= 0], flat[e >= 0]) and q > 0:
@@ -455,10 +476,9 @@ def _local_hint(case: Case, expected, got) -> Optional[str]:
     if torch.equal(g[flat >= 0], strided[flat >= 0]) and not torch.equal(strided, e):
         return (f"experts are split in contiguous blocks: rank {q} holds [{q * per}, {(q + 1) * per}), "
                 "not every ep_size-th expert")
-    if bool(((g >= 0) & (e < 0)).any()):
-        return "an expert another rank holds becomes -1 (this rank has no weights for it)"
-    if got.dtype != torch.int64 and got.dtype != ids.dtype:
-        return "return the local ids as int64 (.long()), whatever the dtype of topk_ids"
+    if not torch.equal(g[e < 0], e[e < 0]):
+        return ("an expert another rank holds becomes -1 (this rank has no weights for it): exactly -1, whatever "
+                "global id - first it would give")
     return None
 
 

@@ -99,7 +99,7 @@ MUTANTS = [
 
     # ch08.4 write_decode_inputs
     Mutant("ch08.4", "only-the-real-rows-written", (("        dst[:bucket].copy_(src)", "        dst[:n].copy_(src[:n])"),),
-           "padding rows (n .. bucket-1) must use the scratch row", "poison", plausible=True),
+           "padding rows (n .. bucket-1) still hold an earlier step's values", "poison", plausible=True),
     Mutant("ch08.4", "padding-on-row-0",
            (("torch.full((bucket,), scratch_row, dtype=torch.int64)", "torch.zeros(bucket, dtype=torch.int64)"),),
            "must use the scratch row", "clause"),
@@ -152,4 +152,13 @@ MUTANTS = [
            (("    rows = torch.full((bucket,), scratch_row, dtype=torch.int64)",
              "    rows = torch.full((bucket,), static_rows.shape[0], dtype=torch.int64)"),),
            "scratch row", "clause"),
+]
+
+# issue #33 ("feedback that misleads"): a hint chosen from the case named a cause other than the
+# answer's (ch08.1's random group told a first fit over unsorted buckets "(>=, not >)"); hints now
+# name what returns exactly the answer's result, and the cases tell the mistakes apart
+MUTANTS += [
+    Mutant("ch08.1", "first-fit-and-strict",
+           (("b >= num_seqs", "b > num_seqs"), ("    return min(fits)", "    return fits[0]")),
+           "buckets come in any order", "clause"),
 ]

@@ -145,10 +145,19 @@ MUTANTS += [
 MUTANTS += [
     Mutant("ch09.1", "int32-arithmetic",
            ((_VIRTUAL, "    virtual = (token_slots.int().view(-1, 1) * num_experts + topk_ids.int()).long()\n"),),
-           "ids_past_2_31_int32_inputs", "dtype"),
+           "overflows int32", "dtype"),
 ]
 
 MUTANTS += [
     Mutant("ch09.3", "returns-nothing", (("    return out\n", "    return None\n"),),
            "the contract returns out itself", "clause"),
+]
+
+# issue #33 ("feedback that misleads"): a hint chosen from the case named a cause other than the
+# answer's; these are named from what the answer returned
+MUTANTS += [
+    # the pair index choice-major: rows of rank-0 pairs change, but not because rank 0 was not skipped
+    Mutant("ch09.3", "choice-major-pair-index",
+           (("            p = t * top_k + j\n", "            p = j * num_tokens + t\n"),),
+           "not choice-major (p = j * num_tokens + t)", "layout"),
 ]
