@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from graders.chapters.hints import name_matches
 from graders.chapters.tp_ranks import run_ranks
 from graders.machine.exercise import Case, Exercise
 from reference.packed import slice_offsets_for
@@ -108,13 +109,19 @@ def _ranges_hint(case: Case, expected, got) -> Optional[str]:
                 "(k's rows come after all of q's)")
     for i, (n, width) in enumerate(zip(units, out_features)):
         if n < tp and got[i] != expected[i]:
-            head = j % n
-            lo = offsets[i] + head * (width // n)
-            if got[i] == (lo, lo + width // n):
+            head_width = width // n
+            lo = offsets[i] + (j % n) * head_width
+            if got[i] == (lo, lo + head_width):
                 return (f"part {i} has {n} heads for {tp} ranks: each head is replicated on tp / heads = {tp // n} "
                         f"CONSECUTIVE ranks, so rank {j} takes head {j} // {tp // n} = {j // (tp // n)}, not {j} % {n}")
-            return (f"part {i} has fewer heads ({n}) than ranks ({tp}): heads are not split further (a head is "
-                    "the attention's unit), each is replicated: rank j takes the whole head j // (tp / heads)")
+            if got[i][1] - got[i][0] < head_width:  # the answer's range is narrower than one head
+                return (f"part {i} has fewer heads ({n}) than ranks ({tp}): heads are not split further (a head is "
+                        f"the attention's unit, {head_width} rows here), each is replicated: rank j takes the whole "
+                        "head j // (tp / heads)")
+            if got[i][1] - got[i][0] == head_width:
+                return (f"part {i} has fewer heads ({n}) than ranks ({tp}): each head is replicated on tp / heads = "
+                        f"{tp // n} consecutive ranks, so rank {j} takes the whole head {j // (tp // n)}")
+            return None
     return None
 
 
@@ -200,12 +207,22 @@ def _fs_hint(case: Case, expected, got) -> Optional[str]:
     if bool(same.all()) and not torch.equal(g, expected.cpu()):
         return ("the pool packs slot s's parts at ITS rank r (part i in rows [i*r, (i+1)*r)), not at the max rank R: "
                 "read part i's rank-rows from A_buffer[s, i*r + ...]")
+    own = torch.zeros_like(expected).cpu()  # each adapter split over the ranks at its own r
+    for s, r in enumerate(ranks):
+        lo, hi = j * (r // tp), (j + 1) * (r // tp)
+        for i in range(stack if hi > lo else 0):
+            own[s, i * w:i * w + hi - lo] = A[s, i * r + lo:i * r + hi].cpu()
+    if torch.equal(g.nan_to_num(1e30), own.nan_to_num(1e30)) and not torch.equal(own, expected.cpu()):
+        return ("the layout asked for: rank j holds rank-rows [j*R/tp, (j+1)*R/tp) of the PADDED max rank R of every "
+                "part, the same rows for every slot (not 1/tp of each adapter's own r), and zeros where a slot's rank "
+                "ends")
     if torch.isnan(g).any():
         return ("rows past a slot's rank must be zeros: the pool leaves junk past stack_num * r (NaN here), "
                 "and a slice A_buffer[s, i*r + lo : i*r + hi] with hi past r reads the NEXT part's rows or that junk")
-    return ("the layout asked for: rank j holds rank-rows [j*R/tp, (j+1)*R/tp) of the PADDED max rank R of every "
-            "part, the same rows for every slot (not 1/tp of each adapter's own r), and zeros where a slot's rank ends "
-            "(a new tensor: zeros, not torch.empty)")
+    e = expected.cpu()
+    if bool(((e == 0) & (g != 0)).any()) and torch.equal(g[e != 0], e[e != 0]):
+        return "rows past a slot's rank must be zeros (a new tensor: zeros, not torch.empty)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,27 +372,58 @@ def _row_hint(case: Case, expected, got) -> Optional[str]:
     x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant = case.args
     tp = x_locals.shape[0]
     g, e = got.detach().cpu(), expected.cpu()
-    base_rows = case.exact[0, :, 0]
     if torch.isnan(g).any():
         return ("NaN in y: columns of t (and B) past a slot's rank are junk here (NaN), and so is the whole base slot; "
-                "select with torch.where / slicing, not by multiplying with a 0/1 mask (NaN * 0 = NaN)")
-    base = sum(x_locals[j].float() @ W_locals[j].float().T for j in range(tp))
-    if torch.allclose(g.float(), tp * e.float(), rtol=1e-3, atol=1e-3):
+                "leave them out with torch.where / slicing (a 0/1 mask multiplies them: NaN * 0 = NaN)")
+    if _close(g, tp * e.float()):
         return (f"y is {tp} (tp) times the expected output: the sum over ranks was all-reduced twice (each "
                 "variant all-reduces [T, out] once; reduce_shrink also all-reduces t, before the expand)")
-    if not torch.equal(g[0], g[-1]):
-        return ("the ranks ended with different y: every rank must return the same, fully reduced output; a delta "
-                "computed from this rank's t_j alone and added after the base all-reduce is only its partial delta "
-                "(reduce_shrink: all-reduce t first; reduce_with_base: add the delta before the one all-reduce)")
-    lora = ~base_rows
-    if lora.any():
-        d_exp, d_got = e[0][lora].float() - base[lora], g[0][lora].float() - base[lora]
-        s = scalings[token_slots.long()][lora].unsqueeze(1)
-        if torch.allclose(d_got, s * d_exp, atol=1e-4, rtol=1e-4) or torch.allclose(d_got * s, d_exp, atol=1e-4, rtol=1e-4):
-            return "the delta is off by a factor of scalings[slot]: the scaling applied twice, or not at all"
-        return ("the LoRA rows differ: t must be the SUM over ranks of x_local A_local[slot]^T before the expand "
-                "(reduce_shrink: all-reduce t; reduce_with_base: add the partial delta before the one all-reduce)")
+    matches = [msg for flags, msg in _ROW_MISTAKES if _close(g, _row_variant(*case.args, **flags))
+               and not _close(e, _row_variant(*case.args, **flags))]
+    if not torch.equal(g[0], g[-1]):  # the symptom first, then what gives exactly it
+        return "the ranks ended with different y: every rank must return the same, fully reduced output" + (
+            "; " + name_matches(matches) if matches else "")
+    if matches:
+        return name_matches(matches)
+    base_rows = case.exact[0, :, 0]
+    if not torch.equal(g[:, base_rows], e[:, base_rows]):
+        return ("the rows of base-model tokens (rank-0 slots) differ too: they are the all-reduced x_local @ "
+                "W_local.T alone, bit for bit")
     return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the rounding of the inputs' dtype (bf16 cases: a few ulps of the sums)."""
+    tol = 2e-2 if a.dtype == torch.bfloat16 or b.dtype == torch.bfloat16 else 1e-4
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def _row_variant(x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant, *, scale_power=1,
+                 partial_delta=False, nothing_reduced=False) -> torch.Tensor:
+    """Every rank's y with one named mistake (for hints; float32): ``partial_delta``: the delta from
+    the rank's own t_j, added to the all-reduced base; ``nothing_reduced``: no collective at all."""
+    tp = x_locals.shape[0]
+    slots, keep, scale = _per_token(token_slots, lora_ranks, scalings, B.shape[2])
+    parts = [x_locals[j].float() @ W_locals[j].float().T for j in range(tp)]
+    ts = [torch.einsum("ti,tri->tr", x_locals[j].float(), A_locals[j][slots].float()) for j in range(tp)]
+    ys = []
+    for j in range(tp):
+        base = parts[j] if nothing_reduced else sum(parts)
+        t = ts[j] if partial_delta or nothing_reduced else sum(ts)
+        delta = _expand_rows(t, B[slots].float(), keep, scale.float() ** scale_power)
+        ys.append(torch.where(keep[:, :1], base + delta, base))
+    return torch.stack(ys)
+
+
+_PARTIAL = ("a delta computed from this rank's t_j alone is only its partial delta (reduce_shrink: all-reduce t "
+            "first; reduce_with_base: add the delta before the one all-reduce)")
+_ROW_MISTAKES = [
+    (dict(partial_delta=True), _PARTIAL),
+    (dict(nothing_reduced=True), "y was never all-reduced: each rank returned only its own partial x_local @ "
+                                 "W_local.T plus its partial delta (a row-parallel layer ends with the all-reduce)"),
+    (dict(scale_power=2), "the delta is off by a factor of scalings[slot]: the scaling is applied twice"),
+    (dict(scale_power=0), "the delta is off by a factor of scalings[slot]: the scaling is not applied"),
+]
 
 
 # ---- ch10.4 -----------------------------------------------------------------------------------
@@ -490,10 +538,52 @@ def _column_hint(case: Case, expected, got) -> Optional[str]:
                 "(view [tp, T, stack, R/tp], permute to [T, stack, tp, R/tp])")
     if torch.isnan(g).any():
         return ("NaN in y_local: the gathered t's columns past a slot's rank (and B's) are junk here (NaN), and so is "
-                "the whole base slot; select with torch.where / slicing, not by multiplying with a 0/1 mask "
-                "(NaN * 0 = NaN)")
-    return ("the LoRA rows differ: all-gather every rank's shrink output t_j = x A_local[slot]^T, reorder it part-major "
-            "to [T, stack * R], then expand part i with B_local[slot, off_i:off_{i+1}, :r] (the first r columns)")
+                "the whole base slot; leave them out with torch.where / slicing (a 0/1 mask multiplies them: "
+                "NaN * 0 = NaN)")
+    e = expected.cpu()
+    matches = [msg for flags, msg in _COLUMN_MISTAKES if _close(g, _column_variant(*case.args, **flags))
+               and not _close(e, _column_variant(*case.args, **flags))]
+    if matches:
+        return name_matches(matches)
+    base_rows = case.exact[0, :, 0]
+    if not torch.equal(g[:, base_rows], e[:, base_rows]):
+        return ("the rows of base-model tokens (rank-0 slots) differ too: they are x @ W_local.T alone, bit for bit "
+                "(the delta is added only where the slot's rank is > 0)")
+    return None
+
+
+def _column_variant(x, W_locals, A_locals, B_locals, token_slots, lora_ranks, scalings, offsets, *, scale_power=1,
+                    own_piece_only=False, mask_at_local_width=False) -> torch.Tensor:
+    """Every rank's y_local with one named mistake (for hints; float32): ``own_piece_only``: no
+    all-gather, the rank's own shrink columns in place and zeros elsewhere; ``mask_at_local_width``:
+    each slot's rank clipped to R/tp."""
+    tp, stack, R = W_locals.shape[0], len(offsets) - 1, B_locals.shape[3]
+    w = R // tp
+    ranks = lora_ranks.clamp(max=w) if mask_at_local_width else lora_ranks
+    slots, keep, scale = _per_token(token_slots, ranks, scalings, R)
+    scale = scale.float() ** scale_power
+    x, B_locals = x.float(), B_locals.float()
+    pieces = [torch.einsum("ti,tki->tk", x, A_locals[j][slots].float()) for j in range(tp)]
+    T = x.shape[0]
+    if not own_piece_only:
+        t = torch.stack(pieces).view(tp, T, stack, w).permute(1, 2, 0, 3).reshape(T, stack, R)
+        return _column_outputs(x, W_locals.float(), B_locals, t, slots, keep, scale, offsets)
+    ys = []
+    for j in range(tp):
+        t = torch.zeros(T, stack, R)
+        t[:, :, j * w:(j + 1) * w] = pieces[j].view(T, stack, w)
+        ys.append(_column_outputs(x, W_locals[j:j + 1].float(), B_locals[j:j + 1], t, slots, keep, scale, offsets)[0])
+    return torch.stack(ys)
+
+
+_COLUMN_MISTAKES = [
+    (dict(own_piece_only=True), "all-gather every rank's shrink output t_j = x A_local[slot]^T: the expand needs "
+                                "all R rank-columns of t, and this rank computed only R/tp of them"),
+    (dict(mask_at_local_width=True), "after the all-gather t has the full max rank R: keep t's and B's columns "
+                                     "below each slot's own rank r (up to R), not below min(r, R/tp)"),
+    (dict(scale_power=2), "the delta is off by a factor of scalings[slot]: the scaling is applied twice"),
+    (dict(scale_power=0), "the delta is off by a factor of scalings[slot]: the scaling is not applied"),
+]
 
 
 def simulate_column_rank_major(x, W_locals, A_locals, B_locals, token_slots, lora_ranks, scalings, offsets):
