@@ -13,6 +13,8 @@ chapters of ``CPU_DEMO`` elsewhere (CI); ``all`` runs every chapter anywhere.
 from __future__ import annotations
 
 import csv
+import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -123,8 +125,21 @@ class _Course:
         if not chosen:
             pytest.skip(f"chapters {cls.numbers} are not in LORA_BOOK_DEMO_CHAPTERS={','.join(ONLY)}")
         cls.numbers = tuple(chosen)  # the assertions follow the chapters that ran
-        course = tmp_path_factory.mktemp("course-" + "-".join(chosen))
-        return run_demo(course, secret=DEMO_SECRET, only_chapters=chosen), course
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            course = tmp_path_factory.mktemp("course-" + "-".join(chosen))
+            return run_demo(course, secret=DEMO_SECRET, only_chapters=chosen), course
+        # under pytest-xdist's --dist load (the GPU run) a class's tests may land on several workers:
+        # the first runs the course, the others wait on its lock and read what it wrote (the run's
+        # base folder, parent of every worker's own, is shared by this run's workers only)
+        course = tmp_path_factory.getbasetemp().parent / ("course-" + "-".join(chosen))
+        with open(f"{course}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (course / "scores.json").exists():
+                return json.loads((course / "scores.json").read_text()), course
+            if course.exists():
+                pytest.fail(f"another worker's run of this course stopped before it finished: {course}")
+            course.mkdir()
+            return run_demo(course, secret=DEMO_SECRET, only_chapters=chosen), course
 
     @pytest.mark.slow
     def test_every_score_is_the_expected_one(self, demo):
