@@ -21,6 +21,9 @@
 #   the stale-adapter bug when it is missed.
 # - Speculative verification (several tokens per sequence) through the slot-sorted view of chapter 07,
 #   and how the layers choose BGMV or SGMV from the batch info.
+# - In an optional case study (sections 8-9), measured on an H200: why adding the LoRA expand in the
+#   base GEMM's epilogue lost to separate kernels, split-K for the decode shrink, an expand grouped by
+#   adapter and chosen per step, and where a LoRA prefill's time goes.
 #
 # **Exercises**: ch08.1 `bucket_for`, ch08.2 `StaticLoRABatch.update`, ch08.3 `SlotChangeTracker`,
 # ch08.4 `write_decode_inputs`.
@@ -175,13 +178,16 @@ graders.show_reference("ch08.1")
 # **Padding.** A batch of n sequences in bucket b has b - n padding sequences, and the graph runs
 # the LoRA kernels on them too. Their `token_slots` point at a **rank-0 slot** (the base model's,
 # which the runner keeps resident), so they add exactly nothing. The rows past the bucket, up to
-# `max_tokens`, are set to that slot too. The bucket's graph computes only its own rows, but a
-# kernel's tile is wider than what is left of a batch and may still load the slot ids of the rows
-# after it; a slot id left there by an earlier, larger batch could belong to an adapter evicted
-# since, or to no adapter at all, while the pad slot is always a resident rank-0 slot. (ch08.4's
-# token ids and positions are another matter: no kernel indexes anything with them past the bucket,
-# so they are left as they are.) Padding sequences also go into the slot-sorted view (in the pad
-# slot's segment), so the segments cover exactly the bucket's rows.
+# `max_tokens`, are set to that slot too, and that rule is **defensive**: no kernel of the bucket's
+# graph reads them. Its batch info holds the view `token_slots[:bucket * tokens_per_seq]` (printed
+# below, in `batch_info`), and the book's kernels mask their tiles at that length. The rule keeps the
+# whole buffer free of stale slot ids for whatever does read all of it (a kernel given a wider view
+# by mistake, a debugging dump, a later change): a slot id left there by an earlier, larger batch
+# could name an adapter evicted since, or no adapter at all, while the pad slot is always a resident
+# rank-0 slot, and the fill costs one small write per step. Of the static inputs, only the slot ids
+# name something that changes owner (a slot of the pool), so ch08.4 does not ask the same of token
+# ids and positions: past the bucket they are left as they are. Padding sequences also go into the
+# slot-sorted view (in the pad slot's segment), so the segments cover exactly the bucket's rows.
 #
 # **The LoRA intermediate.** The shrink output `t [tokens, max_rank]` of each layer is allocated
 # inside the layer's forward, that is *inside the captured region*: it comes from the graph's
@@ -232,7 +238,8 @@ print("every buffer at its first address:", demo.data_ptrs() == ptrs,
 #   self.max_seqs`; `lora_ranks` or `scalings` do not have `self.num_slots` entries; a slot of
 #   `seq_slots` or `pad_slot` is outside `0..num_slots-1` (negative too); `lora_ranks[pad_slot] != 0`;
 # - `token_slots`: sequence q's slot on its `tps` consecutive tokens `q*tps .. q*tps + tps - 1`,
-#   padding sequences `n .. bucket-1` **and every token past the bucket** on `pad_slot`;
+#   padding sequences `n .. bucket-1` **and every token past the bucket** on `pad_slot` (the
+#   defensive rule of section 3: no graph reads past its bucket);
 # - `seg_lens`, `seg_indptr` and `permutation[:bucket * tps]`: `slot_sorted_view` (chapter 07) of the
 #   padded bucket, `seq_slots + [pad_slot] * (bucket - n)`, with `tps` tokens per sequence.
 #   Its signature: `slot_sorted_view(token_slots, num_slots, tokens_per_seq=1, device=None) ->
@@ -374,12 +381,12 @@ for g in sweep["best"]:
 # fused kernel wins or ties; at rank 64 with many tokens per adapter the slot-sorted SGMV wins,
 # because each of its programs reads one adapter's A and B once for all that adapter's tokens, while
 # BGMV and the fused kernel's token schedule read them once per token. The fused kernel's slot
-# schedule, which reads each slot's A once, is now the rank-64 default over small pools; at 64 tokens
-# on 8 adapters the sweep timed it below the slot-sorted SGMV's time in the table (two runs of the same
-# method on the same H200, so a comparison to confirm in one run). Over 32 adapters at 256 tokens, a
-# pool too large for that schedule, the slot-sorted SGMV still wins clearly. The layers choose from the batch info (one token
-# per segment: BGMV), so a layer that should pick by rank and batch size has the information it needs;
-# doing so, and closing the remaining gap, is the subject of the book's performance work.
+# schedule, which reads each slot's A once, is the per-rank sweep's best for the fused kernel at
+# rank 64 over small pools (the lines above) and is now its default there; how it compares with the
+# slot-sorted SGMV would take both in one run, and neither results file has both. The layers choose
+# from the batch info (one token per segment: BGMV), so a layer that should pick by rank and batch
+# size has the information it needs; the optional case study of sections 8-9 measures such choices
+# in a whole decode step.
 #
 # %% [markdown]
 # ## 4. Grids sized for capacity
@@ -732,13 +739,29 @@ for t in step["targets"]:
 # %% [markdown]
 # Read the table by columns. The **speed-up** of replay over the eager step is largest at few
 # sequences, where the eager step is nothing but launch overhead, and shrinks as the kernels grow
-# with the batch. The **LoRA overhead** (the LoRA step's replay over the base step's replay, minus
-# one) barely moves with the number of adapters: a step reads each distinct adapter's weights once,
-# and at these sizes the kernels are bound by their own latency more than by those bytes. It does
-# move with the rank. The profile the benchmark also records (one eager step of 64 sequences, CUDA
-# time per kernel) says where that goes:
+# with the batch. Read it for that trend only: the eager times carry host noise (the first line
+# printed below: the same step with no adapter, where no LoRA kernel runs, in the rank-16 half and in
+# the rank-64 half of the table). The **LoRA overhead** (the LoRA step's replay over the base step's
+# replay, minus one) barely moves with the number of adapters: a step reads each distinct adapter's
+# weights once, and at these sizes the kernels are bound by their own latency more than by those
+# bytes. It does move with the rank.
+#
+# The targets printed last are the ones the book set for this chapter's runner when it was built
+# (issue #11 in its tracker; later results files prefix them `#11:`): graph replay at least twice as
+# fast as the eager step at small batches, and LoRA adding at most 30% to the graphed step at 64
+# sequences / 8 adapters / rank 16. They are checked on this file, `decode_step_h200.json`: the
+# layers and cached positions printed above its table, and the decode kernels as they were then
+# (before section 9's split-K). Section 9 holds the same batch to a tighter bar in other runs, and
+# says how the two relate.
+#
+# The profile the benchmark also records (one eager step of 64 sequences, CUDA time per kernel)
+# says where the LoRA time goes:
 
 # %%
+base_eager = {(r["seqs"], r["rank"]): r["eager_us"] for r in step["rows"] if r["adapters"] == 0}
+print("eager step with no adapter, rank-16 half vs rank-64 half of the table: " + ", ".join(
+    f"{n} seqs {base_eager[n, 16]:.0f} vs {base_eager[n, 64]:.0f} us" 
+    for n in sorted({n for n, _ in base_eager})))
 for case, prof in step["kernel_profiles"].items():
     lora_us = sum(k["us"] for k in prof["lora"]["top"] if "bgmv" in k["kernel"] or "sgmv" in k["kernel"])
     calls = sum(k["calls"] for k in prof["lora"]["top"] if "bgmv" in k["kernel"] or "sgmv" in k["kernel"])
@@ -752,13 +775,78 @@ print(f"at 64 sequences / 8 adapters, rank 64 over rank 16: {64 / 16:.0f}x the L
 # %% [markdown]
 # The LoRA kernels are many and small: each takes microseconds, a fraction of the time a base GEMM
 # of the same layer takes, yet together they are the overhead. At rank 64 each reads more weight
-# bytes and the overhead grows nearly in proportion (the last line above). The next section tries
-# the obvious cure and measures it.
+# bytes and the overhead grows, though less than in proportion (the last line above).
 #
-# ## 8. LoRA inside the base GEMM: a measured attempt
+# ## 8. Case study (optional): LoRA inside the base GEMM
 #
-# A wrapped projection runs three kinds of kernels: the base GEMM `y = x W^T` (cuBLAS), the shrink
-# `t = x A[s]^T` (once per packed module, shared by q/k/v and by gate/up) and the expand
+# **Sections 8 and 9 are an optional case study; you can skip to section 10.** They follow the
+# book's own attempts to make the LoRA kernels of a graphed decode step cheaper, each judged by an H200
+# benchmark whose committed results are loaded here. The exercises are behind you, and section 10,
+# the review questions and the summary (but for its last point, the case study's) do not depend on
+# it. What you would miss: why
+# adding the LoRA expand in the base GEMM's epilogue lost to separate kernels here, how split-K
+# fills the GPU in the decode shrink (its partial sums added by the expand, with no extra kernel),
+# when grouping the expand's tokens by adapter pays off, and where the time of a LoRA prefill goes.
+#
+# **The case study in brief.** Each line below reads one committed results file, named on the line.
+# Lines 1-5 are graphed decode steps at 64 sequences on 8 adapters (the batch the decode targets of
+# section 9 name), where "adds" is the LoRA step's graph replay over the base model's, minus one;
+# line 6 is an eager prefill step. The files are different runs, so compare numbers within a line,
+# not across lines:
+
+# %%
+root = Path(reference.__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def results(name):
+    """One committed results file of benchmarks/results/."""
+    return json.loads((root / name).read_text())
+
+
+def adds(run, backend, rank, seqs=64, adapters=8):
+    """What LoRA adds to the graphed decode step, in percent, in one row of a decode-step results file."""
+    return next(100 * r["lora_overhead"] for r in run["rows"]
+                if (r["backend"], r["rank"], r["seqs"], r["adapters"]) == (backend, rank, seqs, adapters))
+
+
+def target(run, text, backend):
+    """The target of a results file whose text starts with `text` and names `backend`."""
+    return next(t for t in run["targets"]
+                if t["target"].startswith(text) and f"({backend} backend)" in t["target"])
+
+
+def both_ranks(run, before, after):
+    """'rank 16 +a% -> +b%, rank 64 +c% -> +d%': backend `before` against `after` at 64 x 8."""
+    return ", ".join(f"rank {rank} {adds(run, before, rank):+.1f}% -> {adds(run, after, rank):+.1f}%"
+                     for rank in (16, 64))
+
+
+fused_run = results("decode_step_fused_h200.json")
+split_run = results("decode_step_sorted_h200.json")
+sched_run = results("decode_step_schedule_h200.json")
+prefill_res = results("prefill_step_h200.json")
+print("1. LoRA in the base GEMM's epilogue (decode_step_fused_h200.json), separate -> fused: "
+      f"{both_ranks(fused_run, 'triton', 'triton_fused')}: not adopted")
+print("2. Split-K for the decode shrink (decode_step_sorted_h200.json), unsplit -> split: "
+      f"{both_ranks(split_run, 'triton_nosplit', 'triton_token')}: adopted (TUNED_H200)")
+print("3. The expand grouped by adapter (decode_step_schedule_h200.json), per token -> sorted: "
+      f"{both_ranks(sched_run, 'triton_token', 'triton_sorted_presum')}: chosen per step, at rank 64 only")
+for number, (rank, backend, bar) in enumerate(((16, "triton_token", 15), (64, "triton_sorted_presum", 25)), 4):
+    t = target(sched_run, f"#16: LoRA adds <= {bar}%", backend)
+    print(f"{number}. Issue #16's target, rank {rank} (same file, the variant whose expand the rule picks): "
+          f"{100 * t['value']:+.1f}% against <= {bar}%: {'met' if t['met'] else 'missed'}")
+prefill_adds = [100 * r["lora_overhead"] for r in prefill_res["rows"] if r["lora_overhead"] is not None]
+prefill_met = sum(t["met"] for t in prefill_res["targets"])
+print(f"6. Prefill, {prefill_res['seqs']} x {prefill_res['seq_len']} tokens, eager (prefill_step_h200.json): "
+      f"LoRA adds {min(prefill_adds):+.1f}% to {max(prefill_adds):+.1f}%; "
+      f"issue #16's <= 5% met in {prefill_met} of {len(prefill_res['targets'])} cases")
+
+# %% [markdown]
+# Line 1 is section 8, lines 2-5 are section 9 and line 6 is its prefill subsection; the rest of
+# the case study shows how each was measured and why it came out as it did.
+#
+# **The idea.** A wrapped projection runs three kinds of kernels: the base GEMM `y = x W^T` (cuBLAS),
+# the shrink `t = x A[s]^T` (once per packed module, shared by q/k/v and by gate/up) and the expand
 # `y += scaling[s] * t B[s]^T` (once per projection: seven per layer). The expand's output tile is
 # exactly a tile the base GEMM produces, so it can be added in the GEMM's **epilogue**, after the K
 # loop and before the one store: no expand kernel, and `y` is written once instead of written, read
@@ -799,12 +887,12 @@ print("epilogue passes the kernel makes for this tile (its distinct slots of ran
 # Fewer kernels should mean a faster step. `benchmarks/benchmark_lora_gemm.py` measures it on an
 # H200, first the Triton GEMM alone against cuBLAS on the Llama-3-8B projection shapes (the best of
 # a few tile configs), then one layer's seven projections captured in a CUDA graph three ways: the
-# cuBLAS base, the separate LoRA kernels the layers use by default, and the fused path. The committed
-# results:
+# cuBLAS base, the separate LoRA kernels the layers use by default, and the fused path. Its committed
+# results, `lora_gemm_h200.json` (one run; in it the separate path's decode shrink is already split
+# as in section 9 and the fused path's is not, so part of the decode gap is that shrink):
 
 # %%
-root = Path(reference.__file__).resolve().parents[1] / "benchmarks" / "results"
-fusion = json.loads((root / "lora_gemm_h200.json").read_text())
+fusion = results("lora_gemm_h200.json")
 print(f"device: {fusion['device']} (torch {fusion['torch']}, triton {fusion['triton']}); {fusion['method']}")
 tried = len(fusion["gemm"][0]["tried"])
 print(f"{'rows':>5} {'K':>6} {'N':>6} {'cuBLAS us':>10} {'default us':>11} {'ratio':>6} {f'best of {tried} us':>13} {'ratio':>6}")
@@ -818,8 +906,7 @@ for r in fusion["layer"]:
           f"{100 * r['fused_overhead']:+8.0f}% {100 * (r['fused_base_over_base'] - 1):+17.0f}%")
 
 # %% [markdown]
-# The fused path loses (in the whole decode step further down, at 64 rows / 8 adapters / rank 64,
-# it roughly ties), and the tables say why, in three parts:
+# The fused path loses at every row of the layer table, and the tables say why, in two parts:
 #
 # 1. **The Triton GEMM is not cuBLAS.** The last column is the fused path with no adapter in the
 #    batch: its base GEMMs alone. The GEMM table says where that comes from: the Triton GEMM (a
@@ -830,11 +917,14 @@ for r in fusion["layer"]:
 # 2. **The epilogue sits on every program's critical path, once per adapter in its tile.** A
 #    separate expand kernel spreads its work over all the SMs; the epilogue instead adds, after each
 #    tile's K loop, one dependent load-and-`tl.dot` pass per distinct adapter among the tile's rows.
-#    Compare the two 64-row decode cases below: the same rows, four times the adapters.
-# 3. **In this run the separate path already had section 9's split-K shrink and the fused path's
-#    shrink was unsplit**, so part of the gap is that shrink. (The fused backend splits its decode
-#    shrink too since, its epilogue summing the partials as section 9's expand does; that version
-#    is not in these results yet.)
+#    Compare the two 64-row decode cases of the layer table (the first two lines below): the same
+#    rows, four times the adapters.
+#
+# The whole decode step says the same. The last lines below read `decode_step_fused_h200.json`, a
+# run of section 7's benchmark with both backends in one process, with more layers and cached
+# positions than section 7's table (it prints them), so its percentages compare with each other,
+# not with section 7's (section 9 says why). It predates section 9, so both backends there run
+# the unsplit shrink and differ only in the expand: separate kernels or the epilogue.
 
 # %%
 layer = {(r["rows"], r["adapters"], r["rank"]): r for r in fusion["layer"]}
@@ -843,15 +933,16 @@ for rank in (16, 64):
     print(f"rank {rank}, 64 rows: fused {few['fused_us']:.0f} us with 8 adapters, {many['fused_us']:.0f} us with 32 "
           f"({many['fused_us'] / few['fused_us']:.2f}x); separate {few['separate_us']:.0f} -> "
           f"{many['separate_us']:.0f} us ({many['separate_us'] / few['separate_us']:.2f}x)")
-step_fused = json.loads((root / "decode_step_fused_h200.json").read_text())
-print(f"\nwhole decode step ({step_fused['layers']} layers, {step_fused['context']} cached positions, CUDA graph), "
-      f"LoRA overhead over the cuBLAS base step (another run than section 7's table, which has "
-      f"{step['layers']} layers and {step['context']} cached positions, so its 'triton' numbers differ):")
-labels = {"triton": "triton (run before section 9's split-K)"}
-for backend in step_fused["backends"]:
+print(f"\ndecode_step_fused_h200.json: {fused_run['device']}, {fused_run['layers']} layers, "
+      f"{fused_run['context']} cached positions, CUDA graph; LoRA adds over the cuBLAS base step:")
+labels = {"triton": "separate kernels", "triton_fused": "expand in the epilogue"}
+for backend in fused_run["backends"]:
     cells = [f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
-             for r in step_fused["rows"] if r["backend"] == backend and r["lora_overhead"] is not None]
-    print(f"  {labels.get(backend, backend)}: " + ", ".join(cells))
+             for r in fused_run["rows"] if r["backend"] == backend and r["lora_overhead"] is not None]
+    print(f"  {labels[backend]:>22}: " + ", ".join(cells))
+pairs = [(adds(fused_run, "triton", r["rank"], r["seqs"], r["adapters"]), 100 * r["lora_overhead"])
+         for r in fused_run["rows"] if r["backend"] == "triton_fused" and r["lora_overhead"] is not None]
+print(f"  the epilogue below the separate kernels in {sum(f < s for s, f in pairs)} of {len(pairs)} cases")
 
 # %% [markdown]
 # So the layers keep the separate kernels as their default (`backend="triton"`): the choice is the
@@ -861,9 +952,10 @@ for backend in step_fused["backends"]:
 # rows arrive in request order (`token_slots` unsorted), and at 64 rows one 64-row tile holds
 # every adapter of the batch whatever the order; rows sorted by slot (the permutation of chapter 07)
 # help only with tiles small enough to hold one or two adapters, which then read W more often.
-# The other lever is loading the B tiles while the K loop still runs. A second epilogue is in the kernel and its tests,
-# `config={"epilogue": "gather"}`: each row gathers its own adapter's B one rank column at a time,
-# so no pass waits on another. The same results file measures it beside the first:
+# The other lever is loading the B tiles while the K loop still runs. A second epilogue is in the
+# kernel and its tests, `config={"epilogue": "gather"}`: each row gathers its own adapter's B one
+# rank column at a time, so no pass waits on another. `lora_gemm_h200.json` measures it beside the
+# first:
 
 # %%
 for r in fusion["layer"]:
@@ -874,11 +966,11 @@ for r in fusion["layer"]:
 # %% [markdown]
 # The gather epilogue beats the per-adapter passes only with 16 rows at rank 16, and never the
 # separate kernels: it gathers B row by row, so it reads more bytes per output tile, and more so
-# as the rank grows. The systems of section 10 run
-# their LoRA kernels beside the base GEMM, as the default path here does. The next section makes
-# those separate kernels cheaper instead.
-#
-# ## 9. Filling the GPU: split-K for the decode shrink
+# as the rank grows. The systems of section 10 run their LoRA kernels beside the base GEMM, as the
+# default path here does. The next section makes those separate kernels cheaper instead.
+
+# %% [markdown]
+# ## 9. Case study (optional), continued: split-K and the expand's schedule
 #
 # The profile of section 7 lists the LoRA kernels of a decode step. Take the shrink: BGMV gives
 # each token one program per column tile of t, and t is narrow (`stack_num * r` columns: 48 for q/k/v
@@ -917,62 +1009,95 @@ print(f"expand from the partials vs from t: max |difference| {(y_parts - y_whole
 # Llama-3-8B projection in a CUDA graph over S, `block_k` and warps; the best per shape is the table
 # `reference.ops.bgmv_shrink.TUNED_H200` that the layers' "triton" backend reads, on any GPU since
 # it does not check which one runs (shapes outside the table fall back to a rule that aims for a few
-# hundred programs). The committed sweep:
+# hundred programs). The committed sweep, `decode_split_k_h200.json`, and a check that the table
+# holds its best configs:
 
 # %%
-split_sweep = json.loads((root / "decode_split_k_h200.json").read_text())
+from reference.ops.bgmv_shrink import TUNED_H200  # noqa: E402
+
+split_sweep = results("decode_split_k_h200.json")
 print(f"device: {split_sweep['device']}; {split_sweep['method']}")
 print(f"{'projection':>13} {'rank':>4} {'tokens':>6} {'unsplit us':>10} {'best us':>8} {'speed-up':>8}  best config")
+in_table = 0
 for b in split_sweep["best"]:
     cfg = b["best"]
-    shown = "unsplit" if cfg.get("splits", 1) == 1 else f"S={cfg['splits']}, block_k={cfg['block_k']}, {cfg['num_warps']} warps"
+    split = cfg.get("splits", 1) != 1
+    shown = f"S={cfg['splits']}, block_k={cfg['block_k']}, {cfg['num_warps']} warps" if split else "unsplit"
     print(f"{b['projection']:>13} {b['rank']:4d} {b['tokens']:6d} {b['unsplit_us']:10.1f} {b['best_us']:8.1f} "
           f"{b['unsplit_us'] / b['best_us']:7.2f}x  {shown}")
+    want = (cfg["splits"], cfg["block_k"], cfg["num_warps"]) if split else (1, None, None)
+    in_table += TUNED_H200.get((b["in_features"], b["width"]), {}).get(b["tokens"]) == want
+print(f"TUNED_H200 (keyed by (in_features, width), then tokens) holds the best config of {in_table} of "
+      f"{len(split_sweep['best'])} swept shapes")
 
 # %% [markdown]
 # The gain is largest at 16 tokens and rank 64, where the unsplit grid was smallest and each
 # program's loop the longest (q/k/v and `down_proj` alike). At 256 tokens the unsplit grid is four
 # times larger and the split gains less (`o_proj` at rank 16 nothing).
 #
-# The rest of this section measures the whole decode step: section 7's benchmark, here with 8
-# layers and 1024 cached positions (so its numbers do not compare with section 7's table), against
-# targets the book set itself for this chapter (in its issue tracker, issue #16): LoRA adds at most
-# 15% to the graphed step at 64 sequences / 8 adapters / rank 16, at most 25% at rank 64, and at
-# most 5% to a prefill step. The benchmark's `--backends` names variants of the layers' backend,
-# each in its own run of the same cases:
+# ### Targets: section 7's 30% and this section's 15%
 #
-# | name | decode shrink | decode expand |
-# |---|---|---|
-# | `triton_nosplit` | unsplit (before split-K) | per token |
-# | `triton_token` | split-K | per token, always |
-# | `triton_sorted` | split-K | "sorted" from 64 tokens; in the runs below, partials summed inside the kernel (since then reduced first) |
-# | `triton_sorted_presum` | split-K | "sorted" from 64 tokens, partials reduced first (now the same as `triton_sorted`) |
-# | `triton_fused` | split-K | in the Triton base GEMM's epilogue (section 8) |
-# | `triton` | split-K | the layers' own choice, which changed as this section went on (each run records its own) |
+# The rest of this section measures the whole decode step with section 7's benchmark, in runs with
+# more layers and cached positions than section 7's table, against targets the book set itself for
+# this case study (issue #16 in its tracker): LoRA adds at most **15%** to the graphed step at 64
+# sequences / 8 adapters / rank 16, at most **25%** at rank 64, and at most **5%** to a prefill step.
 #
-# First split-K alone, one run (`triton_nosplit` against `triton_token`):
+# Section 7's table met a **30%** target for the same batch. The two are not a before and after:
+#
+# - the 30% (issue #11) was the bar for the graph runner itself, checked on section 7's run
+#   (`decode_step_h200.json`), made with the decode kernels before split-K; the 15% is the bar for
+#   the kernel work of this case study, checked on the runs below, which also check the 30% on the
+#   same number (their target lists hold both);
+# - a percentage over the base step depends on the base step. The unsplit kernels cost about the same
+#   per layer in section 7's run and in this section's split-K run (below: its `triton_nosplit`
+#   backend), but with twice the cached positions each layer's attention reads twice the KV cache,
+#   so the base step per layer is longer and the same LoRA kernels add a smaller percentage:
 
 # %%
-sorted_step = json.loads((root / "decode_step_sorted_h200.json").read_text())
-print(f"device: {sorted_step['device']}; {sorted_step['layers']} layers, {sorted_step['context']} cached positions")
+def per_layer(run, row):
+    """LoRA's added time and the base step's time, per layer, in us, for one row of a decode-step run."""
+    return (row["graph_us"] - row["base_graph_us"]) / run["layers"], row["base_graph_us"] / run["layers"]
+
+
+for name, run, backend in (("decode_step_h200.json (section 7)", step, None),
+                           ("decode_step_sorted_h200.json, triton_nosplit", split_run, "triton_nosplit")):
+    row = next(r for r in run["rows"]
+               if (r.get("backend"), r["seqs"], r["adapters"], r["rank"]) == (backend, 64, 8, 16))
+    lora_us, base_us = per_layer(run, row)
+    print(f"{name:46s}: {run['layers']} layers, {run['context']:4d} cached positions; 64 x 8 r16: LoRA "
+          f"{lora_us:4.0f} us per layer on a base step of {base_us:3.0f} us per layer: "
+          f"adds {100 * row['lora_overhead']:.1f}%")
+
+# %% [markdown]
+# So a percentage is read against the run it comes from, and the rest of this section compares
+# backends only within one results file, named each time.
+#
+# ### Split-K in the whole step
+#
+# `decode_step_sorted_h200.json` is one run with, among others, two variants of the layers' backend
+# (the benchmark's `--backends`): `triton_nosplit`, the unsplit shrink, and `triton_token`, the
+# split-K shrink of `TUNED_H200`. Both expand per token, as the layers do by default:
+
+# %%
+print(f"device: {split_run['device']}; {split_run['layers']} layers, {split_run['context']} cached positions")
 by_case = {}
-for r in sorted_step["rows"]:
+for r in split_run["rows"]:
     if r["lora_overhead"] is not None:
         by_case.setdefault((r["seqs"], r["adapters"], r["rank"]), {})[r["backend"]] = r["lora_overhead"]
 print(f"{'seqs':>5} {'adapters':>8} {'rank':>4} {'unsplit adds':>12} {'split adds':>10}")
 for (n, D, rank), v in sorted(by_case.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
     print(f"{n:5d} {D:8d} {rank:4d} {100 * v['triton_nosplit']:11.1f}% {100 * v['triton_token']:9.1f}%")
-for t in sorted_step["targets"]:
+for t in split_run["targets"]:
     if "triton_token" in t["target"]:
         print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_token backend)", ""),
               f"(measured {100 * t['value']:.1f}%)")
 
 # %% [markdown]
-# What is left at rank 64 is the expand. The profile of one eager step at 64 sequences, 8 adapters,
-# rank 64, with the split shrink:
+# What is left at rank 64 is the expand. The same run's profile of one eager step at 64 sequences,
+# 8 adapters, rank 64, with the split shrink:
 
 # %%
-prof = sorted_step["kernel_profiles"]["seqs 64 adapters 8 rank 64 triton_token"]
+prof = split_run["kernel_profiles"]["seqs 64 adapters 8 rank 64 triton_token"]
 for k in prof["lora"]["top"]:
     if "bgmv" in k["kernel"]:
         print(f"{k['kernel']:22s} {k['us']:7.0f} us in {k['calls']:2d} launches ({k['us'] / k['calls']:5.1f} us each)")
@@ -980,20 +1105,19 @@ print(f"the base step's kernels: {prof['base']['total_kernel_us']:.0f} us; the L
       f"{prof['lora']['total_kernel_us']:.0f} us")
 
 # %% [markdown]
+# ### Grouping the expand's tokens by adapter
+#
 # The per-token expand gives every token its own copy of its adapter's B tile: at 64 tokens on 8
 # adapters each tile is read 8 times (from L2, but still), and a rank-64 gate/up B is 14336 x 64
-# values. The cure looks obvious: group the tokens by adapter and read each tile once. The book
-# tried it twice and measured both (`benchmarks/sweep_split_k.py --expand`, the expand alone in a
-# CUDA graph, summed over 8 and 32 adapters since one captured graph serves both):
+# values. The cure looks obvious: group the tokens by adapter and read each tile once. Two schedules
+# do it, each measured with `benchmarks/sweep_split_k.py --expand` (the expand alone in a CUDA graph,
+# summed over 8 and 32 adapters since one captured graph serves both):
 #
-# - **"slot"**: one program per pool slot and column tile, scanning all of `token_slots` for its own
-#   tokens, one `tl.dot` per block of them;
-# - **"sorted"**: SGMV's expand kernel over the slot-sorted view the CUDA-graph batch already
-#   carries (section 3's `seg_indptr` by slot and `permutation`), one program per block of one
-#   slot's tokens: no scan (`bgmv_expand(..., schedule="sorted")`).
-#
-# The whole-step rows of the same run as above took "sorted" from 64 tokens (that run's `triton`,
-# withdrawn since; `--backends triton_sorted` reproduces it).
+# - **"slot"** (`decode_expand_slot_h200.json`): one program per pool slot and column tile, scanning
+#   all of `token_slots` for its own tokens, one `tl.dot` per block of them;
+# - **"sorted"** (`decode_expand_h200.json`): SGMV's expand kernel over the slot-sorted view the
+#   CUDA-graph batch already carries (section 3's `seg_indptr` by slot and `permutation`), one program
+#   per block of one slot's tokens, no scan (`bgmv_expand(..., schedule="sorted")`).
 
 # %%
 def slower_than_token(sweep, schedule):
@@ -1011,14 +1135,14 @@ def slower_than_token(sweep, schedule):
     return ratios
 
 
-slot_sweep = json.loads((root / "decode_expand_slot_h200.json").read_text())
+slot_sweep = results("decode_expand_slot_h200.json")
 slot = slower_than_token(slot_sweep, "slot")
-print(f"'slot' over 'token', best config per shape: {min(slot.values()):.2f}x to {max(slot.values()):.2f}x "
-      f"over {len(slot)} shapes")
-sorted_sweep = json.loads((root / "decode_expand_h200.json").read_text())
+print(f"decode_expand_slot_h200.json: 'slot' over 'token', best config per shape: {min(slot.values()):.2f}x to "
+      f"{max(slot.values()):.2f}x over {len(slot)} shapes")
+sorted_sweep = results("decode_expand_h200.json")
 ratio = slower_than_token(sorted_sweep, "sorted")
-print(f"'sorted' over 'token' ({sorted_sweep['partials']} partials), best config per shape: "
-      f"{min(ratio.values()):.2f}x to {max(ratio.values()):.2f}x over {len(ratio)} shapes")
+print(f"decode_expand_h200.json: 'sorted' over 'token' ({sorted_sweep['partials']} partials per row), best config per "
+      f"shape: {min(ratio.values()):.2f}x to {max(ratio.values()):.2f}x over {len(ratio)} shapes")
 for D in sorted_sweep["adapters"]:
     for T in (64, 256):
         rows = [r for r in sorted_sweep["rows"] if "us" in r and (r["width"], r["rank"], r["tokens"], r["adapters"]) == (14336, 64, T, D)]
@@ -1026,35 +1150,42 @@ for D in sorted_sweep["adapters"]:
         best = min(r["us"] for r in rows if r["config"]["schedule"] == "sorted")
         print(f"  gate/up expand, rank 64, {T:3d} tokens on {D:2d} adapters ({T // D:2d} per adapter): token "
               f"{token:6.1f} us, 'sorted' {best:6.1f} us (its best config for this adapter count alone)")
-most = max(b["best"].get("splits", 1) for b in split_sweep["best"] if b["tokens"] >= 64)
-print(f"whole step, 'sorted' from 64 tokens (reading up to {most} partials per row), LoRA adds:",
-      ", ".join(f"{r['seqs']} x {r['adapters']} r{r['rank']}: {100 * r['lora_overhead']:+.0f}%"
-                for r in sorted_step["rows"] if r["backend"] == "triton" and r["lora_overhead"] is not None
-                and r["seqs"] >= 64))
-for backend, kernel in (("triton_token", "_bgmv_expand_kernel"), ("triton", "_sgmv_expand_kernel")):
-    k = next(k for k in sorted_step["kernel_profiles"][f"seqs 64 adapters 8 rank 64 {backend}"]["lora"]["top"]
-             if k["kernel"] == kernel)
-    print(f"  profile, 64 seqs / 8 adapters / rank 64, {'per-token' if backend == 'triton_token' else 'sorted'} "
-          f"expand: {k['us'] / k['calls']:6.1f} us per launch ({k['calls']} launches)")
 
 # %% [markdown]
-# Neither became the default. The scan costs every slot's program a pass over all the tokens
-# (the kernel-alone sweep above). The sorted schedule, in the kernel alone, wins when each adapter
-# has several tokens and loses when it has two (a segment of two tokens still reads its whole B
-# tile into a `tl.dot` whose rows are mostly padding). And in the whole step it lost at every
-# rank-64 case, by far more than the kernel-alone sweep predicts; the profile puts the loss in the
-# expand kernel itself.
+# The scan costs every slot's program a pass over all the tokens: "slot" is slower at every swept
+# shape, and the reference does not use it. "Sorted", in the kernel alone, wins when each adapter
+# has several tokens and loses when it has two (a segment of two tokens still reads its whole B tile
+# into a `tl.dot` whose rows are mostly padding).
 #
-# ### What cost the sorted expand
+# ### Where the sorted expand sums the partials
 #
-# The sweep read 4 partials per row; the step's widest shrinks write up to 16 (the tuned table).
-# The same sweep with 16 partials (`sweep_split_k.py --expand --partials 16`, gate/up at rank 64,
-# 64 tokens), then the whole step with the partials summed by one torch reduction before the sorted
-# launch (`triton_sorted_presum`) beside the sum inside it (`triton_sorted`), one run:
+# That sweep read 4 partials per row; in the step, the widest shrinks of `TUNED_H200` write more
+# (printed below), and where the sorted expand sums them matters. `decode_step_r64_h200.json` is
+# one run at rank 64 with four variants side by side: `triton_token` (the per-token expand, which
+# sums the partials as it loads t), `triton_sorted` (the sorted expand summing them inside its
+# `tl.dot` kernel), the same with narrower output tiles (`triton_sorted:block_n=64`), and
+# `triton_sorted_presum` (one torch reduction of the partials, then the sorted expand); the sorted
+# variants take "sorted" from 64 tokens. Then, in `decode_expand_s16_h200.json`, the sorted
+# expand alone with 16 partials per row (gate/up at rank 64, 64 tokens) over a few tile shapes:
 
 # %%
-s16 = json.loads((root / "decode_expand_s16_h200.json").read_text())
-print(f"device: {s16['device']}; {s16['partials']} partials per row; {s16['method']}")
+most = max(b["best"].get("splits", 1) for b in split_sweep["best"] if b["tokens"] >= 64)
+print(f"the most partials TUNED_H200 asks for at 64 tokens or more: {most}")
+r64 = results("decode_step_r64_h200.json")
+variants = ("triton_token", "triton_sorted", "triton_sorted:block_n=64", "triton_sorted_presum")
+step_oh = {(r["backend"], r["seqs"], r["adapters"]): r["lora_overhead"]
+           for r in r64["rows"] if r["lora_overhead"] is not None}
+print(f"decode_step_r64_h200.json: {r64['layers']} layers, {r64['context']} cached positions, "
+      f"rank {r64['ranks'][0]}; LoRA adds:")
+print(f"{'seqs':>5} {'adapters':>8}" + "".join(f"{v:>26}" for v in variants))
+for n, D in sorted({(n, D) for (_, n, D) in step_oh}):
+    print(f"{n:5d} {D:8d}" + "".join(f"{100 * step_oh[v, n, D]:25.1f}%" for v in variants))
+for v in variants:
+    k = next(k for k in r64["kernel_profiles"][f"seqs 64 adapters 8 rank 64 {v}"]["lora"]["top"]
+             if k["kernel"] in ("_bgmv_expand_kernel", "_sgmv_expand_kernel"))
+    print(f"  profile at 64 x 8, {v:26s}: expand {k['us'] / k['calls']:6.1f} us per launch ({k['calls']} launches)")
+s16 = results("decode_expand_s16_h200.json")
+print(f"decode_expand_s16_h200.json: {s16['partials']} partials per row; {s16['method']}")
 for D in s16["adapters"]:
     rows16 = [r for r in s16["rows"] if r["adapters"] == D and r["width"] == 14336 and r["tokens"] == 64]
     timed = {json.dumps(r["config"], sort_keys=True): r["us"] for r in rows16 if "us" in r}
@@ -1068,78 +1199,73 @@ for D in s16["adapters"]:
     refused = sorted({(r["config"]["block_m"], r["config"].get("num_stages")) for r in rows16
                       if "shared memory" in r.get("error", "")})
     print(f"      refused for shared memory: (block_m, num_stages) in {refused}")
-r64 = json.loads((root / "decode_step_r64_h200.json").read_text())
-step_oh = {(r["backend"], r["seqs"], r["adapters"]): r["lora_overhead"] for r in r64["rows"] if r["lora_overhead"] is not None}
-print(f"whole step, rank {r64['ranks'][0]}, LoRA adds:")
-print(f"{'seqs':>5} {'adapters':>8} {'token':>7} {'sorted, sum inside':>19} {'sorted, reduce first':>21}")
-for n, D in sorted({(n, D) for (_, n, D) in step_oh}):
-    print(f"{n:5d} {D:8d} {100 * step_oh['triton_token', n, D]:6.1f}% {100 * step_oh['triton_sorted', n, D]:18.1f}% "
-          f"{100 * step_oh['triton_sorted_presum', n, D]:20.1f}%")
 
 # %% [markdown]
 # Summed inside the `tl.dot` kernel, each program of the sorted schedule loads S fp32 tiles of
 # `[block_m, rank]` = `[16, 64]`: `load_summed` unrolls its loop over S (`tl.static_range`), so all S
 # loads are in flight at once, beside the `[rank, block_n]` B tile and the `[block_m, block_n]` fp32
 # accumulator. With 4 warps and 256 columns that is more than the registers hold; with 8 warps, or
-# with 128 columns, it fits again (the rows above), and with more rows per program and software
-# pipelining Triton asks for more shared memory than an H200 has. The per-token kernel sums one
-# row of S x rank values, which always fits. One reduction first (a small torch `sum` over S) costs
-# a launch and removes the problem for every config, so the sorted schedule now always reduces
-# first, and so does the fused GEMM's epilogue (whose in-kernel sum had the same cost).
+# with 128 columns, it fits again (the kernel-alone lines above), and with more rows per program and
+# software pipelining Triton asks for more shared memory than an H200 has. The per-token kernel sums
+# one row of S x rank values, which always fits. One reduction first (a small torch `sum` over S)
+# costs a launch and removes the problem for every config: in the run above it turns the sorted
+# expand from the slowest variant into the fastest at 64 x 8. The reference's sorted schedule
+# therefore always reduces first, and so does the fused GEMM's epilogue (whose in-kernel sum had the
+# same cost).
 #
 # ### The schedule chosen per step
 #
 # Which expand wins still depends on the batch. A captured graph cannot change its kernels, but
 # the runner can hold two LoRA graphs per bucket (beside the base-only one) and pick one per step
 # from host values it already has: the step's tokens, its distinct adapters and the pool's max rank.
-# One run, each variant forced, and `triton` with the runner choosing by the rule of that run
-# (the JSON's note):
+# `decode_step_schedule_h200.json` is one run at both ranks that forces each variant on every case:
+# `triton_token` (the per-token expand), `triton_sorted_presum` (reduce first, then the sorted
+# expand from 64 tokens; the per-token one below) and `triton_fused` (section 8's epilogue, here with
+# the split-K shrink too, its partials reduced first). The last column is the schedule the
+# reference's rule, `reference.ops.bgmv_expand.choose_expand_schedule`, picks for the case; the star
+# marks the column whose expand it runs. (The file's `triton` rows ran an earlier rule, which its
+# note describes; they are not shown.)
 
 # %%
 from reference.ops.bgmv_expand import choose_expand_schedule  # noqa: E402
 
-sched = json.loads((root / "decode_step_schedule_h200.json").read_text())
-print(f"device: {sched['device']}; {sched['layers']} layers, {sched['context']} cached positions")
-print("note:", sched["note"])
-by = {(r["backend"], r["rank"], r["seqs"], r["adapters"]): r for r in sched["rows"] if r["lora_overhead"] is not None}
-print(f"{'rank':>4} {'seqs':>5} {'adapters':>8} {'tokens/adapter':>14} {'token adds':>10} {'sorted adds':>11} "
-      f"{'fused adds':>10} {'triton adds (graph)':>20}  rule now")
-for (backend, rank, n, D), r in sorted(by.items(), key=lambda kv: kv[0][1:]):
-    if backend != "triton_token":
-        continue
+print(f"device: {sched_run['device']}; {sched_run['layers']} layers, {sched_run['context']} cached positions")
+by = {(r["backend"], r["rank"], r["seqs"], r["adapters"]): r
+      for r in sched_run["rows"] if r["lora_overhead"] is not None}
+columns = {"triton_token": "token adds", "triton_sorted_presum": "sorted adds", "triton_fused": "fused adds"}
+print(f"{'rank':>4} {'seqs':>5} {'adapters':>8} {'tokens/adapter':>14}" + "".join(f"{c:>13}" for c in columns.values())
+      + "  rule picks")
+fused_last, cases_shown = 0, sorted((k for k in by if k[0] == "triton_token"), key=lambda k: k[1:])
+for (backend, rank, n, D) in cases_shown:
     rule = choose_expand_schedule(n, D, rank)
-    auto = by["triton", rank, n, D]
-    print(f"{rank:4d} {n:5d} {D:8d} {n // D:14d} {100 * r['lora_overhead']:9.1f}% "
-          f"{100 * by['triton_sorted_presum', rank, n, D]['lora_overhead']:10.1f}% "
-          f"{100 * by['triton_fused', rank, n, D]['lora_overhead']:9.1f}% "
-          f"{100 * auto['lora_overhead']:11.1f}% ({auto['graph']:>6})  {rule}")
+    ran = "triton_sorted_presum" if rule == "sorted" else "triton_token"
+    cells = {b: 100 * by[b, rank, n, D]["lora_overhead"] for b in columns}
+    fused_last += cells["triton_fused"] > max(cells["triton_token"], cells["triton_sorted_presum"])
+    print(f"{rank:4d} {n:5d} {D:8d} {n // D:14d}"
+          + "".join(f"{cells[b]:11.1f}%{'*' if b == ran else ' '}" for b in columns) + f"  {rule}")
+print(f"the fused path is the slowest of the three in {fused_last} of {len(cases_shown)} cases")
 
 # %% [markdown]
-# (The "sorted" column is the token expand below 64 tokens: the variant forces "sorted" from 64.)
+# (The "sorted" column is the per-token expand below 64 tokens: the variant forces "sorted" from 64.)
 # At rank 64 the sorted expand wins from 8 tokens per adapter and does not at 4 or 2. At rank 16 it
 # wins at 256 sequences on 8 and 16 adapters by less than run-to-run noise and loses at every
 # 64-sequence batch and at 256 x 32: re-reading a B tile four times smaller costs less than the
-# sorted launch's padded rows and its reduction. So the rule now in
-# `reference.ops.bgmv_expand.choose_expand_schedule` (the last column) takes "sorted" only from
-# rank 64; that run's `triton` still took it at rank 16 too, which its rank-16 rows show.
+# sorted launch's padded rows and its reduction. So the rule takes "sorted" only from rank 64, at 64
+# tokens or more and 8 tokens per adapter, fitted to these rows; at rank 16 it runs the expand of
+# `triton_token`, at rank 64 from 64 x 8 that of `triton_sorted_presum`.
 # `DecodeGraphRunner(expand_rule=...)` applies the rule: a bucket where it can pick "sorted" gets a
-# third graph, key `(bucket, "sorted")`, and `decode` replays it when the step qualifies. The rule
-# was fitted to these rows and not yet measured as one backend of its own: at rank 16 it launches
-# the kernels of `triton_token`, at rank 64 those of that run's `triton`. The fused path, now also
-# reducing first, still loses everywhere (its Triton base GEMM is behind cuBLAS, and its epilogue
-# makes one pass per adapter in a tile), so the layers' default stays the separate kernels. For the
-# targets, with the variant the rule picks:
+# third graph, key `(bucket, "sorted")`, and `decode` replays it when the step qualifies. The fused
+# path, here with the split-K shrink too, still loses (the count above), so the layers' default
+# stays the separate kernels. Issue #16's decode targets, on the variants whose expand the rule
+# picks, and the same run's profile of the sorted variant at 64 x 8, rank 64:
 
 # %%
-for t in sched["targets"]:
-    if t["target"].startswith("#16") and "(triton_token backend)" in t["target"] and "rank 16" in t["target"]:
-        print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_token backend)", "")
-              + f" (measured {100 * t['value']:.1f}%, triton_token: the rule's kernels there)")
-    if t["target"].startswith("#16") and "(triton_sorted_presum backend)" in t["target"] and "rank 64" in t["target"]:
-        print(("met:    " if t["met"] else "missed: ") + t["target"].replace(" (triton_sorted_presum backend)", "")
-              + f" (measured {100 * t['value']:.1f}%, triton_sorted_presum: the rule's kernels there)")
+for rank, backend, bar in ((16, "triton_token", 15), (64, "triton_sorted_presum", 25)):
+    t = target(sched_run, f"#16: LoRA adds <= {bar}%", backend)
+    print(("met:    " if t["met"] else "missed: ") + t["target"].replace(f" ({backend} backend)", "")
+          + f" (measured {100 * t['value']:.1f}%, {backend}: the rule's expand there)")
 target_seqs, target_adapters = 64, 8  # the targets' batch
-prof = sched["kernel_profiles"][f"seqs {target_seqs} adapters {target_adapters} rank 64 triton"]
+prof = sched_run["kernel_profiles"][f"seqs {target_seqs} adapters {target_adapters} rank 64 triton_sorted_presum"]
 lora_kernels = {"_sgmv_expand_kernel": "sorted expand", "_bgmv_shrink_kernel": "split-K shrink",
                 "reduce_kernel<128, 4": "partials' reductions"}
 for k in prof["lora"]["top"]:
@@ -1148,22 +1274,24 @@ for k in prof["lora"]["top"]:
             print(f"  {what:22s} {k['us']:6.0f} us in {k['calls']:2d} launches ({k['us'] / k['calls']:5.1f} us each)")
 print(f"  the base step's kernels: {prof['base']['total_kernel_us']:.0f} us")
 calls = {what: k["calls"] for k in prof["lora"]["top"] for key, what in lora_kernels.items() if key in k["kernel"]}
-per_layer = {what: n // sched["layers"] for what, n in calls.items()}
-reductions = per_layer["partials' reductions"]
-print(f"per layer: {per_layer['split-K shrink']} shrinks (one per pool module, shared by its parts), "
+per_layer_calls = {what: n // sched_run["layers"] for what, n in calls.items()}
+reductions = per_layer_calls["partials' reductions"]
+print(f"per layer: {per_layer_calls['split-K shrink']} shrinks (one per pool module, shared by its parts), "
       f"{reductions} partials' reductions (one per projection's expand); "
       f"{target_seqs // target_adapters} tokens per adapter in this batch")
+print(f"triton_token at 64 x 8, rank 16, in decode_step_sorted_h200.json (the split-K run above): "
+      f"{adds(split_run, 'triton_token', 16):.1f}%")
 
 # %% [markdown]
-# Rank 16 sits at the 15% line (met in this run, missed by a hair in the split-K run above: the
-# line is within run-to-run noise). Rank 64 stays above 25%, and the profile of that run's `triton`
-# at 64 x 8 (the sorted expand, as the rule picks there) says where the rest goes: the shrink now
-# takes the longest per launch (each token still streams its own adapter's A, so A is read from L2
-# once per token of its adapter, the count printed above), and the partials' reductions run once per
-# projection's expand, so the parts of q/k/v (and of gate/up) reduce the same partials again.
+# Rank 16 sits at the 15% line: met in this run, missed by a hair by the same variant in the
+# split-K run (the last line above), so the line is within run-to-run noise. Rank 64 stays above
+# 25%, and the profile says where the rest goes: the shrink now takes the longest per launch (each
+# token still streams its own adapter's A, so A is read from L2 once per token of its adapter, the
+# count printed above), and the partials' reductions run once per projection's expand, so the
+# parts of q/k/v (and of gate/up) reduce the same partials again.
 #
-# Both causes have a remedy in the code since that run, neither of them timed yet on a GPU (so no
-# number here says what they save):
+# The reference has a remedy for each cause; no committed results file times them, so nothing here
+# says what they save:
 #
 # - one reduction per packed module: on a step whose batch is marked "sorted", the layer sums the
 #   partials when it computes the shared shrink, and q, k and v (gate and up) read that one sum
@@ -1176,41 +1304,42 @@ print(f"per layer: {per_layer['split-K shrink']} shrinks (one per pool module, s
 #   in the whole step.
 
 # %%
-from reference.ops.bgmv_shrink import SORTED_BLOCK_M
+from reference.ops.bgmv_shrink import SORTED_BLOCK_M  # noqa: E402
 print(f"the grouped shrink's default block: {SORTED_BLOCK_M} tokens of one slot per program")
 
 # %% [markdown]
 # ### Prefill
 #
-# Prefill has no graph and long segments, so the layers use SGMV (chapter 07's rule). The prefill
-# target is at most 5% over the base step of 4 prompts of 2048 tokens
-# (`benchmarks/benchmark_prefill_step.py`; two runs of it, the later one with a kernel profile):
+# Prefill has no graph and long segments, so the layers use SGMV (chapter 07's rule). Issue #16's
+# prefill target is at most 5% over the base step of 4 prompts of 2048 tokens. The rows below are
+# `prefill_step_h200.json` (`benchmarks/benchmark_prefill_step.py`, one run, with a kernel profile);
+# the byte estimate after them uses the copy bandwidth measured in `lora_ops_h200.json` (chapter
+# 03's benchmark) and the last line the GEMM table of `lora_gemm_h200.json` (section 8):
 
 # %%
-prefill = json.loads((root / "prefill_step_h200.json").read_text())
-prefill_run1 = json.loads((root / "prefill_step_h200_run1.json").read_text())  # the same benchmark, earlier
-print(f"device: {prefill['device']}; {prefill['layers']} layers, {prefill['seqs']} x {prefill['seq_len']} tokens")
-earlier = {(r["rank"], r["adapters"]): r["lora_overhead"] for r in prefill_run1["rows"]}
-for r in prefill["rows"]:
+print(f"device: {prefill_res['device']}; {prefill_res['layers']} layers, {prefill_res['seqs']} x "
+      f"{prefill_res['seq_len']} tokens; {prefill_res['method']}")
+for r in prefill_res["rows"]:
     if r["lora_overhead"] is not None:
         print(f"  rank {r['rank']:2d}, {r['adapters']} adapters: LoRA adds {100 * r['lora_overhead']:5.1f}% "
-              f"of {r['reference_base_us'] / 1e3:.1f} ms (an earlier run: {100 * earlier[r['rank'], r['adapters']]:.1f}%)")
-cfg_p = prefill["model"]
-tokens_p = prefill["seqs"] * prefill["seq_len"]
+              f"of {r['reference_base_us'] / 1e3:.1f} ms")
+cfg_p = prefill_res["model"]
+tokens_p = prefill_res["seqs"] * prefill_res["seq_len"]
 kv_width = cfg_p["hidden_size"] * cfg_p["num_key_value_heads"] // cfg_p["num_attention_heads"]
 out_widths = [cfg_p["hidden_size"], kv_width, kv_width, cfg_p["hidden_size"],
               cfg_p["intermediate_size"], cfg_p["intermediate_size"], cfg_p["hidden_size"]]  # q k v o gate up down
 in_widths = [cfg_p["hidden_size"]] * 3 + [cfg_p["intermediate_size"]]  # x of qkv, o, gate_up, down: one shrink each
-expand_bytes = prefill["layers"] * tokens_p * sum(out_widths) * 2 * 2  # bf16 output read and written
-shrink_bytes = prefill["layers"] * tokens_p * sum(in_widths) * 2  # bf16 x read
-copy_gbps = json.loads((root / "lora_ops_h200.json").read_text())["copy_bandwidth_gbps"]
+expand_bytes = prefill_res["layers"] * tokens_p * sum(out_widths) * 2 * 2  # bf16 output read and written
+shrink_bytes = prefill_res["layers"] * tokens_p * sum(in_widths) * 2  # bf16 x read
+copy_gbps = results("lora_ops_h200.json")["copy_bandwidth_gbps"]
 floor_us = (expand_bytes + shrink_bytes) / (copy_gbps * 1e9) * 1e6
-base_kernels_us = prefill["kernel_profiles"][f"rank {min(r['rank'] for r in prefill['rows'])} triton"]["base"]["total_kernel_us"]
+lowest_rank = min(r["rank"] for r in prefill_res["rows"])
+base_kernels_us = prefill_res["kernel_profiles"][f"rank {lowest_rank} triton"]["base"]["total_kernel_us"]
 print(f"the separate kernels' bytes: {expand_bytes / 1e9:.2f} GB of output read-modify-write + {shrink_bytes / 1e9:.2f} GB "
       f"of x read = {floor_us:.0f} us at the measured copy bandwidth of {copy_gbps / 1e3:.2f} TB/s, "
       f"{floor_us / base_kernels_us:.1%} of the base step's kernels")
-for rank in sorted({r["rank"] for r in prefill["rows"]}):
-    prof_p = prefill["kernel_profiles"][f"rank {rank} triton"]
+for rank in sorted({r["rank"] for r in prefill_res["rows"]}):
+    prof_p = prefill_res["kernel_profiles"][f"rank {rank} triton"]
     lora_key = next(k for k in prof_p if k != "base")
     got = {k["kernel"]: k["us"] for k in prof_p[lora_key]["top"] if k["kernel"] in ("_sgmv_expand_kernel", "_sgmv_shrink_kernel")}
     both = got.get("_sgmv_expand_kernel", float("nan")) + got.get("_sgmv_shrink_kernel", float("nan"))
@@ -1221,21 +1350,32 @@ print(f"the book's Triton GEMM at {tokens_p} rows, best config's time / cuBLAS's
       + ", ".join(f"{g['K']}->{g['N']} {g['best_over_cublas']:.2f}x" for g in gemm_8192))
 
 # %% [markdown]
-# Eager prefill is noisy: the same case differs by a few points between the two runs, and one
-# adapter at rank 16 met the target in the later run (and missed it in the earlier one) although
-# its kernels move the same bytes as four adapters'. The byte estimate is not a hard bound either
-# (the last output tiles a GEMM wrote may still sit in L2, 50 MB on a Hopper GPU per NVIDIA's H100
-# whitepaper, when the expand reads them).
-# But it says where the time goes, and it is already above 5% of the base step's kernels: whatever
-# the rank, an expand that adds into the base output must read and write every output element, and
-# a shrink must read every x row again, while the base GEMMs read their weights once per tile of
-# rows. At rank 16 the SGMV kernels come within a small factor of the estimate (printed above), so
-# tuning them cannot bring the step reliably under 5%. The two ways under it both remove those bytes: the
-# expand in the base GEMM's epilogue (the output written once) and the shrink from the x tiles the
-# GEMM already loads. The book's fused GEMM does the first, but its base GEMM is slower than cuBLAS
-# at 8192 rows by more than the bytes it saves. At rank 64 the SGMV kernels are much further from
-# the estimate (also printed): there, tuning is left to do.
+# The byte estimate is not a hard bound (the last output tiles a GEMM wrote may still sit in L2,
+# 50 MB on a Hopper GPU per NVIDIA's H100 whitepaper, when the expand reads them). But it says where
+# the time goes, and it is already above 5% of the base step's kernels: whatever the rank, an expand
+# that adds into the base output must read and write every output element, and a shrink must read
+# every x row again, while the base GEMMs read their weights once per tile of rows. At rank 16 the
+# SGMV kernels come within a small factor of the estimate (printed above), so tuning them cannot
+# bring the step reliably under 5%. The two ways under it both remove those bytes: the expand in the
+# base GEMM's epilogue (the output written once) and the shrink from the x tiles the GEMM already
+# loads. The book's fused GEMM does the first, but its base GEMM is slower than cuBLAS at 8192 rows
+# by more than the bytes it saves. At rank 64 the SGMV kernels are much further from the estimate
+# (also printed): there, tuning is left to do.
 #
+# A caution on the rows themselves: eager prefill is noisy. An earlier run of the same benchmark,
+# `prefill_step_h200_run1.json` (no profile), measured the same cases; one adapter at rank 16 met the
+# target in one run and missed it in the other, although its kernels move the same bytes as four
+# adapters':
+
+# %%
+prefill_run1 = results("prefill_step_h200_run1.json")
+later = {(r["rank"], r["adapters"]): r["lora_overhead"] for r in prefill_res["rows"] if r["lora_overhead"] is not None}
+for r in prefill_run1["rows"]:
+    if r["lora_overhead"] is not None:
+        print(f"  rank {r['rank']:2d}, {r['adapters']} adapters: LoRA adds {100 * r['lora_overhead']:5.1f}% in "
+              f"prefill_step_h200_run1.json, {100 * later[r['rank'], r['adapters']]:5.1f}% in prefill_step_h200.json")
+
+# %% [markdown]
 # ## 10. How production systems do it
 #
 # - **TensorRT-LLM** (PyTorch backend): `tensorrt_llm/_torch/peft/lora/cuda_graph_lora_params.py`
@@ -1265,13 +1405,15 @@ print(f"the book's Triton GEMM at {tokens_p} rows, best config's time / cuBLAS's
 #   flag, hits and host-cache drops do not; a missed flag serves a stale adapter silently.
 # - Several tokens per sequence use the slot-sorted view and SGMV; one token per sequence uses BGMV,
 #   as the batch info says.
-# - Fusing the expand into the base GEMM's epilogue lost to separate kernels here (a Triton GEMM
-#   behind cuBLAS, one epilogue pass per adapter in a tile); split-K (fp32 partials, summed by the
-#   per-token expand as it loads them, reduced first for the others) fills the GPU in the decode shrink; grouping the expand's tokens by adapter (SGMV over
-#   the slot-sorted view, partials reduced first) wins at rank 64 from 64 tokens and 8 tokens per
+# - (Case study, sections 8-9.) Adding the expand in the base GEMM's epilogue lost to separate
+#   kernels here (a Triton GEMM behind cuBLAS, one epilogue pass per adapter in a tile); split-K
+#   (fp32 partials, summed by the per-token expand as it loads them, reduced first for the others)
+#   fills the GPU in the decode shrink; grouping the expand's tokens by adapter (SGMV over the
+#   slot-sorted view, partials reduced first) wins at rank 64 from 64 tokens and 8 tokens per
 #   adapter, so the runner captures a graph per expand schedule and picks one per step from host
-#   values. Every one of these choices is a committed measurement; the rank-64 decode target and
-#   most prefill cases are still missed, with the profiles above saying why.
+#   values. Each of these choices rests on a committed results file; section 7's 30% target and
+#   section 9's 15% are different bars measured on different runs. The rank-64 decode target and
+#   most prefill cases are still missed, with the profiles saying why.
 #
 # ## Review questions
 #
