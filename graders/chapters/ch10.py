@@ -15,8 +15,9 @@ ch10.2: stack 1, 2 and 3, adapters of rank 0, below R/tp, exactly R/tp, between,
 2 and 4, every rank, the rows past each slot's parts filled with NaN (they must not be copied: zeros
 there), bf16, and each error. ch10.3 and ch10.4: both row variants, tp 2 and 4, stack 1, 2 and 3
 (ch10.4), slots out of order and repeated, a slot at the full max rank, scalings other than 1, a
-batch of base tokens only, one token, int32 and int64 token slots, A rows and B columns past each
-slot's rank and the whole base slot set to NaN; inputs x and W of small integers so the base output
+batch of base tokens only, one token, int32 and int64 token slots, bf16 (edge cases and a draw in
+every random and hidden group: y follows x's dtype), A rows and B columns past each slot's rank and
+the whole base slot set to NaN; inputs x and W of small integers so the base output
 is exact whatever the order of the sums, and tokens of rank-0 slots must match bit for bit.
 """
 from __future__ import annotations
@@ -348,10 +349,14 @@ def _row_edge() -> list[Case]:
 
 
 def _row_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
+    """Every draw: both variants twice in fp32, then both in bf16 (y in x_local's dtype: a float32 y is
+    named in the random and hidden groups too, not only by the edge cases)."""
     cases = []
-    for i, v in enumerate(VARIANTS["row"] * 2):
+    for i, (v, dtype) in enumerate([(v, torch.float32) for v in VARIANTS["row"] * 2]
+                                   + [(v, torch.bfloat16) for v in VARIANTS["row"]]):
         tp, R, ranks, sc, tokens = _random_batch(rng, lambda tp, R: [R], tp=4 if i == 0 else None)
-        cases.append(_row_case(f"random_{i}_{v}", gen, tp, tokens, ranks, sc, v, d_in=4 * tp, d_out=rng.choice([4, 6])))
+        name = f"random_{i}_{v}" + ("_bf16" if dtype == torch.bfloat16 else "")
+        cases.append(_row_case(name, gen, tp, tokens, ranks, sc, v, d_in=4 * tp, d_out=rng.choice([4, 6]), dtype=dtype))
     return cases
 
 
@@ -518,6 +523,10 @@ def _column_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
         if i == 0:
             parts = [2 * tp, tp, tp]
         cases.append(_column_case(f"random_{i}", gen, tp, tokens, ranks, sc, parts, d_in=rng.choice([4, 8])))
+    # and one in bf16 (y_local in x's dtype: a float32 y_local is named in the random and hidden groups too)
+    tp, R, ranks, sc, tokens = _random_batch(rng, lambda tp, R: [R, R // tp + 1])
+    cases.append(_column_case("random_4_bf16", gen, tp, tokens, ranks, sc, rng.choice([[2 * tp, tp, tp], [2 * tp, 2 * tp]]),
+                              d_in=rng.choice([4, 8]), dtype=torch.bfloat16))
     return cases
 
 

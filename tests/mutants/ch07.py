@@ -97,3 +97,11 @@ MUTANTS = [
            (("rows = x.reshape(-1, x.shape[-1])", "rows = x.transpose(0, 1).reshape(-1, x.shape[-1])"),),
            "elements differ", "layout"),
 ]
+
+# issue #33 (outputs follow the inputs' dtype, graded on the CPU too): the fp16 and bf16 cases of
+# every group name a layer that upcasts its output to add the delta in fp32
+MUTANTS += [
+    Mutant("ch07.3", "output-upcast-to-fp32",
+           (("y = self.base(x)", "y = self.base(x).float()  # add the delta in fp32"),),
+           "returned y (the first forward's output): dtype torch.float32, expected torch.float16", "dtype"),
+]

@@ -161,3 +161,19 @@ MUTANTS += [
            (("            p = t * top_k + j\n", "            p = j * num_tokens + t\n"),),
            "not choice-major (p = j * num_tokens + t)", "layout"),
 ]
+
+# issue #33 (outputs follow the inputs' dtype, graded on the CPU too): a copy into tensors made
+# without dtype= is float32 for bf16 inputs, named by the bf16 case of every group
+MUTANTS += [
+    Mutant("ch09.5", "copies-into-float32",
+           (("    return [(lora_A[e * r:(e + 1) * r], lora_B[:, e::num_experts]) for e in range(num_experts)]",
+             "    pairs = []\n"
+             "    for e in range(num_experts):\n"
+             "        A_e = torch.empty(r, lora_A.shape[1], device=lora_A.device)\n"
+             "        B_e = torch.empty(lora_B.shape[0], r, device=lora_B.device)\n"
+             "        A_e.copy_(lora_A[e * r:(e + 1) * r])\n"
+             "        B_e.copy_(lora_B[:, e::num_experts])\n"
+             "        pairs.append((A_e, B_e))\n"
+             "    return pairs"),),
+           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+]

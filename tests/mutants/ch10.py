@@ -196,3 +196,25 @@ MUTANTS = [
              "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),),
            "A_local_rows_not_stack_R_over_tp_raises_value_error", "error"),
 ]
+
+# issue #33 (outputs follow the inputs' dtype, graded on the CPU too): float32 results for bf16
+# inputs, named by a bf16 case in the edge, random and hidden groups alike
+MUTANTS += [
+    Mutant("ch10.2", "zeros-without-dtype",
+           (("    out = A_buffer.new_zeros(A_buffer.shape[0], stack_num * w, A_buffer.shape[2])",
+             "    out = torch.zeros(A_buffer.shape[0], stack_num * w, A_buffer.shape[2], device=A_buffer.device)"),),
+           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+    Mutant("ch10.3", "computes-in-fp32",
+           (("    y = x_local @ W_local.T\n    t = torch.einsum(\"ti,tri->tr\", x_local, A_local[slots]).contiguous()\n",
+             "    y = x_local.float() @ W_local.float().T\n"
+             "    t = torch.einsum(\"ti,tri->tr\", x_local.float(), A_local[slots].float()).contiguous()\n"),
+            ("    Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)", "    Bt = torch.where(keep.unsqueeze(1), B[slots].float(), 0.0)")),
+           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+    Mutant("ch10.4", "computes-in-fp32",
+           (("    t_local = torch.einsum(\"ti,tki->tk\", x, A_local[slots]).contiguous()\n",
+             "    t_local = torch.einsum(\"ti,tki->tk\", x.float(), A_local[slots].float()).contiguous()\n"),
+            ("    y = x @ W_local.T\n", "    y = x.float() @ W_local.float().T\n"),
+            ("        Bi = torch.where(keep.unsqueeze(1), B_local[slots, lo:hi], 0.0)",
+             "        Bi = torch.where(keep.unsqueeze(1), B_local[slots, lo:hi].float(), 0.0)")),
+           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+]

@@ -250,7 +250,8 @@ print("k columns of the q-and-v adapter's rows unchanged, bit for bit:",
 # - `t`: `[num_tokens, >= num_parts * max_rank]`, part i of a token of slot s in columns
 #   `[i*r, (i+1)*r)` with `r = lora_ranks[s]`; `B_stack`: `[num_slots, out_total, max_rank]`;
 #   `out`: `[num_tokens, out_total]`, the base output; `slice_offsets`: a tuple of 2 to 4 increasing
-#   ints starting at 0 (one to three parts).
+#   ints starting at 0 (one to three parts). `t`, `B_stack` and `out` share one floating dtype: fp32
+#   or fp16 in the interpreter, bf16 as well on a GPU (as in chapter 03).
 # - For every segment (rows through `batch_info.permutation` when it is set), slot `s`, rank `r`, and
 #   every slice `i` with bounds `lo, hi`:
 #   `out[rows, lo:hi] += scalings[s] * t[rows, i*r:(i+1)*r] @ B_stack[s, lo:hi, :r].T`, fp32

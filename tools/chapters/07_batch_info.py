@@ -280,7 +280,9 @@ graders.show_reference("ch07.2")
 # - if `batch_info.has_active_lora` is False, return `y` untouched;
 # - otherwise add `scalings[slot] * (x A^T) B^T` per token into `y`, in place (use
 #   `reference.ops.torch_ref`'s `shrink(rows, A_buffer, info, t)` with a preallocated
-#   `t [n, max_rank]` and `expand(t, B_buffer, info, y.view(-1, out))`), and return `y` itself;
+#   `t = rows.new_empty(n, max_rank)`, in x's dtype and on x's device as a kernel path stores the
+#   shrink's output, and `expand(t, B_buffer, info, y.view(-1, out))`), and return `y` itself (in
+#   x's dtype, the base layer's);
 # - read `batch_info` from `context` at every forward (the caller sets a new one per batch), and no
 #   tensor value on the host (the grader records `.item()`, `bool(t)`, ... as in ch07.1).
 # The grader runs one forward with adapters and one whose batch has only the base model (in fp32,

@@ -262,9 +262,11 @@ print(moe_lora.GATE_UP_HALVES, "-> for intermediate 14336: gate", moe_lora.gate_
 #         out[p, o_i:o_{i+1}] += scalings[s] * (topk_weights[t, j] if given else 1) * (h @ B[s, e, o_i:o_{i+1}, :r].T)
 #
 # Read nothing else of A and B (rows past `stack * r` and columns past `r` are padding; a group of rank
-# 0 may hold anything). Pairs with rank 0 or expert -1 come back **bit for bit** unchanged. Write
-# `out.dtype`. (The reference accumulates in fp32 and rounds `h` to `x.dtype`, as a two-kernel path
-# does; at the graded bf16 tolerance, computing in bf16 throughout also passes, so that part is advice.)
+# 0 may hold anything). Pairs with rank 0 or expert -1 come back **bit for bit** unchanged. `x`, `A`,
+# `B` and `out` share one floating dtype, fp32 or bf16 (`scalings` and `topk_weights` are float32);
+# write in `out.dtype`. (The reference accumulates in fp32 and rounds `h` to `x.dtype`, as a
+# two-kernel path does; at the graded bf16 tolerance, computing in bf16 throughout also passes, so
+# that part is advice.)
 
 # %% exercise="ch09.3" role="answer"
 def fused_moe_lora(x, A, B, out, topk_ids, token_slots, lora_ranks, scalings, top_k, rows_per_pair,

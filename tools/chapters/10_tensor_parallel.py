@@ -332,8 +332,9 @@ graders.show_reference("ch10.3")
 #   it), `B_local [num_slots, out_local, R]`, `slice_offsets`: the parts' local output offsets
 #   (`stack = len(slice_offsets) - 1`), `token_slots`, `lora_ranks`, `scalings` as in ch10.3, `group`:
 #   the process group (`tp = torch.distributed.get_world_size(group)`).
-# - Return `y_local [T, out_local]` in `x`'s dtype: `x W_local^T`, plus for each part i and token of slot s with rank
-#   r: `scalings[s] * t_i[:, :r] B_local[s, off_i:off_{i+1}, :r]^T`, where `t_i` is part i of the
+# - Return `y_local [T, out_local]` in `x`'s dtype (fp32 or bf16, as in ch10.3): `x W_local^T`,
+#   plus for each part i and token of slot s with rank r:
+#   `scalings[s] * t_i[:, :r] B_local[s, off_i:off_{i+1}, :r]^T`, where `t_i` is part i of the
 #   all-gathered shrink output (`torch.distributed.all_gather(list_of_tp_tensors, t_j, group=group)`).
 # - Columns of the shrink output and of B past a slot's rank are junk; tokens of rank-0 slots get
 #   exactly `x W_local^T`. Raise `ValueError` when `A_local` does not have `stack * R/tp` rows (before
