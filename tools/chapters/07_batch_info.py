@@ -287,8 +287,8 @@ graders.show_reference("ch07.2")
 #   tensor value on the host (the grader records `.item()`, `bool(t)`, ... as in ch07.1).
 # The grader runs one forward with adapters and one whose batch has only the base model (in fp32,
 # fp16 and bf16, with per-request, slot-sorted and chunked batch infos), counts the base layer's
-# calls and the LoRA ops' calls, checks that the returned tensor is the base layer's own output,
-# and poisons every slot's padding with NaN.
+# calls and the LoRA ops' calls, checks that the returned tensor is the base layer's own output and
+# that the `t` passed to `shrink` has x's dtype, and poisons every slot's padding with NaN.
 
 # %% exercise="ch07.3" role="answer"
 import torch
