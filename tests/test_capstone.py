@@ -20,6 +20,7 @@ import graders
 from graders.chapters import ch11_capstone as cap
 from graders.course.mutation import graded_source, solution_answers
 from graders.machine.core import _build_cases, grade_many_under_secrets, grade_source
+from graders.machine.exercise import Case
 from graders.machine.needs import bundle, split_bundle, with_needed
 from graders.machine.registry import EXERCISES
 
@@ -215,6 +216,21 @@ def test_a_raising_piece_names_its_inputs_and_the_step():
     report = grade_source("ch11.5", source).report
     assert "your admit_requests (ch11.2) raised ValueError: no drains here" in report, report
     assert "drain_active True" in report and re.search(r"error at step \d+", report), report
+
+
+def test_a_mismatch_report_says_which_token_and_which_field_of_a_step_first_differ():
+    """Issue #33: the report names the generated token and the log field that first differ, not only
+    two token lists and two whole log lines."""
+    case = Case("synthetic", [{"requests": [([5, 6, 7], None, 3, None)]}], "")
+    first = "step 1 (prefill): admit #0, prefill #0 [0:3); computed: 3 tokens; pool: load base into slot 0 from base"
+    expected = ([first, "step 2 (decode): decode #0; computed: 1 tokens; pool: base in slot 0"], [[93, 58, 47]], [])
+    got = ([first, "step 2 (decode): decode #0; computed: 4 tokens; pool: base in slot 0"], [[93, 106, 56]], [])
+    report = cap.compare_run(case, expected, got)
+    assert "its generated token 1 (of 3) first differs, expected 58, got 106" in report, report
+    assert "the logs first differ at step 1, in the token counts runner.forward computed (expected '1', got '4')" in report
+    got = ([first, "step 2 (prefill): prefill #0 [0:3); computed: 3 tokens; pool: base in slot 0"], [[93]], [])
+    report = cap.compare_run(case, expected, got)
+    assert "it stopped after 1 of its 3 tokens" in report and "in the step's kind (expected 'decode', got 'prefill')" in report
 
 
 def test_the_kernel_path_finds_the_needed_cells_through_uses(tmp_path, capsys):

@@ -4,6 +4,7 @@ that are one realistic edit of a solution live in the mutant catalogue (tests/mu
 tests/test_mutants.py)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 
 import graders
 from graders.course.jobs import parse_answers
-from graders.course.mutation import SAMPLE_LEARNERS, sample_learner
+from graders.course.mutation import SAMPLE_LEARNERS, graded_source, load_catalogue, sample_learner, solution_answers
 from graders.machine.core import default_timeout
 from graders.machine.registry import EXERCISES
 
@@ -267,6 +268,59 @@ def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, in
     assert result.score < graders.total_points(exercise_id), result.report
     assert not result.groups["edge"], result.report
     assert phrase in result.report, result.report
+
+
+# Issue #33 ("feedback that misleads"): a hint chosen from the case that failed named the case's mistake,
+# not the answer's. Each of these wrong answers (a mutant of the catalogue, by id) once got the quoted
+# hint; now a hint line may carry that phrase only beside the answer's own mistake (the mutant's phrase),
+# as one of several mistakes that return exactly the same result.
+MISLEADING = [
+    ("ch08.1-first-fit-in-given-order", "(>=, not >)"),      # first fit over unsorted buckets, with >=
+    ("ch08.1-largest-bucket", "(>=, not >)"),
+    ("ch08.3-never-advances", "a hit is an LRU refresh"),
+    ("ch08.3-clears-the-log", "poll() returns a bool"),
+    ("ch09.2-choice-major-pair-numbers", "pairs with id -1 are left out"),
+    ("ch09.3-choice-major-pair-index", "must come back bit for bit"),  # blamed rank-0 rows
+    ("ch10.3-scaling-left-in-fp32", "over ranks"),            # a float32 y hinted as a missing sum over ranks
+    ("ch10.4-scaling-forgotten", "all-gather every rank's shrink output"),
+    ("ch11.2-admitted-uid-not-added", "count None among the distinct uids"),
+    ("ch11.2-cap-counted-from-running-only", "count None among the distinct uids"),
+    ("ch11.4-ceil-as-int-plus-one", "(strictly)"),           # a wrong bound formula hinted as "<, not <="
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _mutant_report(mutant_id: str) -> tuple[str, str]:
+    """(the mutant's phrase, its report): the catalogue's mutant graded as a learner would see it."""
+    mutant = next(m for m in load_catalogue() if m.id == mutant_id)
+    source = graded_source(mutant.exercise, solution_answers(), mutant)
+    return mutant.expect, graders.grade_source(mutant.exercise, source).report
+
+
+@pytest.mark.parametrize("mutant_id, misleading", MISLEADING, ids=[m for m, _ in MISLEADING])
+def test_a_hint_follows_what_the_answer_returned_not_which_case_failed(mutant_id, misleading):
+    expect, report = _mutant_report(mutant_id)
+    hints = [line for line in report.splitlines() if line.strip().startswith("hint:")]
+    assert hints and expect in report, report
+    assert all(misleading not in line or expect in line for line in hints), report
+
+
+# Reports say where a result first differs (the step, the request, the field), not only two values.
+REPORT_SHAPES = [
+    ("ch08.2-pad-rank-unchecked", "outcome: expected raised ValueError", "(absent)"),  # the outcome alone
+    ("ch08.2-stale-slots-past-the-bucket", "token_slots: expected", "seg_lens"),      # only the field that differs
+    ("ch11.1-last-full-block-dropped", "block 1 (tokens [2:4) = (7, 8)) has no key", None),
+    ("ch11.2-free-blocks-not-decremented", "they first differ at position 1: expected nothing more", None),
+    ("ch11.3-most-loaded-drained", "expected 'b' (4 tokens left), got 'a' (30 tokens left)", None),
+    ("ch11.4-open-at-the-bound", "(load 2, full: at or over the bound 2; position 0 in the walk", None),
+]
+
+
+@pytest.mark.parametrize("mutant_id, phrase, absent", REPORT_SHAPES, ids=[m for m, _, _ in REPORT_SHAPES])
+def test_a_report_says_where_the_result_first_differs(mutant_id, phrase, absent):
+    _, report = _mutant_report(mutant_id)
+    assert phrase in report, report
+    assert absent is None or absent not in report, report
 
 
 def test_numpy_scalars_count_as_numbers():

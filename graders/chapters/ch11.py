@@ -37,6 +37,7 @@ import random
 from fractions import Fraction
 from typing import Optional
 
+from graders.chapters.hints import first_difference, name_matches, symptom_hint
 from graders.machine.exercise import Case, Exercise
 from reference.engine.policies import (Candidate, admit_requests, block_hashes, choose_drain, ring_walk, route,
                                        stable_hash)
@@ -130,9 +131,9 @@ def _hash_hint(case: Case, expected, got) -> Optional[str]:
         (_chained(tokens, adapter_id, bs, lambda p, a, blk: stable_hash(f"{p}{a}{tuple(blk)}")),
          "hash the tuple (h[i-1], adapter_id, block), not a concatenated string: 'a1' + '2' == 'a' + '12'"),
     ]
-    for value, msg in variants:
-        if got == value and value != expected:
-            return msg
+    hint = name_matches([msg for value, msg in variants if got == value and value != expected])
+    if hint:
+        return hint
     full = len(tokens) // bs if bs >= 1 else 0
     if len(got) == full - 1:
         return f"{len(tokens)} tokens hold {full} full blocks of {bs}: the last full block needs its key too"
@@ -142,6 +143,37 @@ def _hash_hint(case: Case, expected, got) -> Optional[str]:
                 "block as a tuple of ints; and stable_hash, not hash() (Python's hash of a str changes with "
                 "PYTHONHASHSEED, so two engines, or the grader and your process, would disagree)")
     return None
+
+
+def _ints(got, what: str) -> tuple[Optional[list], Optional[str]]:
+    """``got`` as a list of ints, or why it is not one (a tuple is fine; a bool or a float is not an int)."""
+    if not isinstance(got, (list, tuple)):
+        return None, f"returned {type(got).__name__} {str(got)[:60]}: expected a list of {what}"
+    for i, v in enumerate(got):
+        if not isinstance(v, int) or isinstance(v, bool):
+            return None, f"returned value[{i}] is {type(v).__name__} {str(v)[:60]}: expected {what}"
+    return list(got), None
+
+
+def _hash_compare(case: Case, expected, got) -> Optional[str]:
+    """Which block's key first differs (or is missing, or extra), with that block's tokens."""
+    tokens, adapter_id, bs = case.args
+    got, why = _ints(got, "ints (one key per full block)")
+    if why:
+        return why
+    k = first_difference(expected, got)
+    if k is None:
+        return None
+    full = f"{len(tokens)} tokens hold {len(expected)} full block(s) of {bs}"
+    block = tuple(tokens[k * bs:(k + 1) * bs])
+    where = f"block {k} (tokens [{k * bs}:{k * bs + len(block)}) = {block})"
+    right = f"; keys 0..{k - 1} are right" if k else ""
+    if k >= len(got):
+        return f"returned {len(got)} key(s), expected {len(expected)} ({full}): {where} has no key{right}"
+    if k >= len(expected):
+        return (f"returned {len(got)} key(s), expected {len(expected)} ({full}): key {k} is extra, for "
+                f"{'the partial ' + where if block else 'tokens past the end'}{right}")
+    return f"returned value[{k}], the key of {where}: expected {expected[k]:,}, got {got[k]:,}{right}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +225,10 @@ def _admit_edge() -> list[Case]:
         c("the_base_takes_a_slot", [_r(0, None), _r(1, "b")], ["a"], [], 2, 10, 8),
         c("the_base_alone_fills_a_cap_of_1", [_r(0, None), _r(1, "a"), _r(2, None)], [], [], 1, 10, 8),
         c("int_uid_0_is_not_the_base", [_r(0, 0), _r(1, None)], [None], [], 1, 10, 8),
-        c("cap_checked_before_kv", [_r(0, "a"), _r(1, "b"), _r(2, "c", 9), _r(3, "a")], [], [], 2, 3, 8),
+        # an over-cap candidate that fits (d) before one that does not (c): stopping at the cap, checking
+        # KV first and never adding admitted uids each return something else
+        c("cap_checked_before_kv", [_r(0, "a"), _r(1, "b"), _r(2, "d"), _r(3, "a"), _r(4, "c", 9), _r(5, "a")], [], [],
+          2, 5, 8),
         c("kv_stops_no_overtaking", [_r(0, "a", 3), _r(1, "a", 1)], [], [], 2, 2, 8),
         c("kv_stops_later_ones_wait_too", [_r(0, "a", 2), _r(1, "b", 1)], [], [], 4, 2, 8),
         c("kv_exact_fit_is_admitted", [_r(0, "a", 2), _r(1, "a", 3)], [], [], 2, 5, 8),
@@ -229,7 +264,8 @@ def _admit_families(rng: random.Random, tag: str) -> list[Case]:
         c(f"{tag}_cap_skip_go_on", [_r(0, u[0]), _r(1, u[1]), _r(2, u[2]), _r(3, u[0])], [u[0]], [], 2, 10, 8),
         c(f"{tag}_base_counted", [_r(0, None), _r(1, u[1]), _r(2, u[0])], [u[0]], [], 2, 10, 8),
         c(f"{tag}_kv_stops", [_r(0, u[0], big), _r(1, u[0], 1), _r(2, u[1], 1)], [], [], 3, big - 1, 8),
-        c(f"{tag}_cap_before_kv", [_r(0, u[0]), _r(1, u[1], big + 4), _r(2, u[0])], [], [], 1, 2, 8),
+        c(f"{tag}_cap_before_kv", [_r(0, u[0]), _r(1, u[2]), _r(2, u[0]), _r(3, u[1], big + 4), _r(4, u[0])], [], [],
+          1, 4, 8),
         c(f"{tag}_decrement", [_r(k, u[0], 2) for k in range(4)], [u[0]], [], 2, 2 * rng.randint(1, 3) + 1, 8),
         c(f"{tag}_exact_fit", [_r(0, u[0], big), _r(1, u[0], 1)], [], [], 2, big, 8),
         c(f"{tag}_max_new_seqs", [_r(0, u[0]), _r(1, u[1]), _r(2, u[2]), _r(3, u[0]), _r(4, u[0])], [], [], 2, 10, 3),
@@ -340,24 +376,6 @@ _ADMIT_MISTAKES = [
 ]
 
 
-def _symptom_hint(mistakes: list, variant, args, expected, got) -> Optional[str]:
-    """The hint follows what the answer returned: every known mistake (flags, message) whose
-    ``variant(*args, **flags)`` returns exactly ``got`` (and not the expected value). One is named
-    alone; several are all named (the output cannot tell them apart; naming one would guess)."""
-    matches = []
-    for flags, msg in mistakes:
-        try:
-            value = variant(*args, **flags)
-        except (ValueError, StopIteration):
-            continue
-        if got == value and value != expected and msg not in matches:
-            matches.append(msg)
-    if len(matches) <= 1:
-        return matches[0] if matches else None
-    return (f"{len(matches)} different mistakes return exactly this; it is one of: "
-            + "; ".join(f"({k}) {m}" for k, m in enumerate(matches[:3], 1)))
-
-
 def _admit_hint(case: Case, expected, got) -> Optional[str]:
     if not isinstance(expected, list) or not isinstance(got, (tuple, list)):
         return None
@@ -365,7 +383,7 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     ids = [r[0] for r in case.args[0]]
     if any(g not in ids for g in got):
         return "return the seq_ids of the admitted candidates (ints from the waiting list), not candidates or uids"
-    hint = _symptom_hint(_ADMIT_MISTAKES, _admit_variant, case.args, expected, got)
+    hint = symptom_hint(_ADMIT_MISTAKES, _admit_variant, case.args, expected, got)
     if hint:
         return hint
     if sorted(got) == sorted(expected):
@@ -375,6 +393,28 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     if len(running) != len(set(running)) and got != expected:
         return "the cap counts DISTINCT uids: a uid running twice takes one slot"
     return None
+
+
+def _admit_compare(case: Case, expected, got) -> Optional[str]:
+    """The admitted seq_ids, and the first position where they differ, with those candidates."""
+    rows = {r[0]: r for r in case.args[0]}
+    got, why = _ints(got, "seq_ids (ints from the waiting list)")
+    if why:
+        return why
+    k = first_difference(expected, got)
+    if k is None:
+        return None
+
+    def who(i: int, ids: list) -> str:
+        if i >= len(ids):
+            return "nothing more (admission stops there)"
+        sid = ids[i]
+        if sid not in rows:
+            return f"{sid}, which is no waiting candidate's seq_id"
+        _, uid, blocks, waited = rows[sid]
+        return f"seq {sid} (uid {uid!r}, {blocks} block(s), waited {waited})"
+    return (f"admitted seq_ids: expected {expected}, got {got}; they first differ at position {k}: expected "
+            f"{who(k, expected)}, got {who(k, got)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,9 +449,11 @@ def _drain_edge() -> list[Case]:
         c("one_starving_among_many", [_w(1, "a", 9), _w(2, "c", 1), _w(3, "d", 7)], [("a", 3), ("b", 8)], 2, 6),
         c("a_starving_base_request", [_w(9, None, 9)], [("a", 8), ("b", 6)], 2, 4),
         c("the_base_runs_and_a_base_request_waits", [_w(9, None, 9)], [("a", 8), (None, 2)], 2, 4),
-        c("the_base_drained_on_a_tie", [_w(9, "c", 9)], [("a", 5), (None, 5)], 2, 4),
+        # ties whose first inserted uid is neither the smallest nor the largest uid_sort_key, beside a
+        # busier uid: insertion order, the largest key and the most loaded each return another uid
+        c("the_base_drained_on_a_tie", [_w(9, "c", 9)], [("a", 5), ("b", 5), (None, 5), ("z", 9)], 4, 4),
         c("tie_by_uid_sort_key_not_insertion", [_w(9, "c", 9)], [("b", 5), ("a", 5), ("x", 9)], 3, 4),
-        c("tie_int_by_value_not_as_text", [_w(9, "c", 9)], [(10, 5), (9, 5)], 2, 4),
+        c("tie_int_by_value_not_as_text", [_w(9, "c", 9)], [(50, 5), (100, 5), (9, 5), (10, 5), (7, 9)], 5, 4),
         c("tie_int_before_str", [_w(9, "c", 9)], [("a", 5), (2, 5)], 2, 4),
         c("smallest_remaining_wins_over_uid_order", [_w(9, "z", 9)], [(None, 7), ("a", 6), ("b", 3)], 3, 0),
         c("threshold_0_waited_1", [_w(9, "c", 1)], [("a", 3), ("b", 4)], 2, 0),
@@ -504,12 +546,27 @@ def _drain_hint(case: Case, expected, got) -> Optional[str]:
     got = tuple(got)
     if not isinstance(got[0], bool):
         return "the first element is a bool (whether to drain), the second the uid or None"
-    for flags, msg in _DRAIN_MISTAKES:
-        value = _drain_variant(*case.args, **flags)
-        if got == value and value != expected:
-            return msg
+    hint = symptom_hint(_DRAIN_MISTAKES, _drain_variant, case.args, expected, got)
+    if hint:
+        return hint
     if got[0] is False and got[1] is not None:
         return "no drain is (False, None)"
+    return None
+
+
+def _drain_compare(case: Case, expected, got) -> Optional[str]:
+    """Which of (drain, uid) differs, with the running uids' remaining tokens."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"returned {type(got).__name__} {str(got)[:60]}: expected a pair (drain, uid)"
+    remaining = dict(case.args[1])
+
+    def left(uid) -> str:
+        return f" ({remaining[uid]} tokens left)" if uid in remaining else " (not running)" if uid is not None else ""
+    for name, e, g in zip(("drain", "uid"), expected, got):
+        if type(e) is not type(g) or e != g:
+            extra = f"{left(e)}" if name == "uid" else ""
+            return (f"returned {name}: expected {e!r}{extra}, got {g!r}" + (left(g) if name == "uid" else "")
+                    + (f"; running_remaining {remaining}" if name == "uid" else ""))
     return None
 
 
@@ -598,6 +655,22 @@ def _at_bound_loads(rng: random.Random, key, n, vnodes, cf):
     raise RuntimeError("no loads found")  # pragma: no cover
 
 
+def _at_whole_bound(rng: random.Random, key, n, vnodes, cf) -> tuple[list, float]:
+    """(loads, capacity_factor) where capacity_factor * (sum(loads) + 1) / n is a whole number, the
+    bound itself, and the walk's first instance sits exactly at it: a ceiling written as int(x) + 1
+    (one more there) calls it open. Falls back to factor 1.0 if ``cf`` gives no such loads."""
+    walk = ring_walk(key, n, vnodes)
+    for factor in (cf, 1.0):
+        for _ in range(500):
+            loads = [rng.randint(0, 4) for _ in range(n)]
+            for v in range(1, 30):
+                loads[walk[0]] = v
+                x = factor * (sum(loads) + 1) / n
+                if v == _bound(loads, factor) and x == int(x) and _bounds_agree(loads, factor):
+                    return loads, factor
+    raise RuntimeError("no loads found")  # pragma: no cover
+
+
 def _factor_inside_loads(key, n, vnodes) -> list:
     """Loads where ceil(1.25 * (S + 1) / n) = 2 but 1.25 * ceil((S + 1) / n) = 2.5: the walk's first
     instance at load 2 is full under the contract and open under the wrong order of operations."""
@@ -678,11 +751,13 @@ def _route_families(rng: random.Random, tag: str) -> list[Case]:
     ww = ring_walk(wrap, n, 2)
     wrap_loads = [3] * n
     wrap_loads[ww[0]] = 0
+    whole_loads, whole_cf = _at_whole_bound(rng, key, n, vn, cf)
     c = _route_case
     cases = [
         c(f"{tag}_idle", key, [0] * n, vn, cf, 1),
         c(f"{tag}_plus_one", key, _plus_one_loads(rng, key, n, vn, cf), vn, cf, 1),
         c(f"{tag}_at_the_bound", key, _at_bound_loads(rng, key, n, vn, cf), vn, cf, 1),
+        c(f"{tag}_at_a_whole_bound", key, whole_loads, vn, whole_cf, 1),
         c(f"{tag}_factor_inside_the_ceiling", key, _factor_inside_loads(key, n, vn), vn, 1.25, 1),
         c(f"{tag}_replicas_lighter_second", key, two, vn, 2.0, 2),
         c(f"{tag}_replicas_tie_higher_index_first", tie_hi_key, tie_hi, vn, 2.0, 2),
@@ -723,8 +798,18 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         walk = list(range(n))
     s = sum(loads) + (0 if wrong.get("no_plus_one") or wrong.get("patched") else 1)
     bound = math.inf if wrong.get("no_bound") else math.ceil(cf * s / n)
+    if "bound_at" in wrong:  # the contract's selection under another bound (for the hint's symptom)
+        bound = wrong["bound_at"]
     if wrong.get("factor_outside"):
         bound = cf * math.ceil(s / n)
+    if wrong.get("no_factor"):
+        bound = math.ceil(s / n)
+    if wrong.get("int_plus_one"):  # a ceiling written as int(x) + 1 (one too many when x is whole)
+        bound = int(cf * s / n) + 1
+    if wrong.get("rounded"):
+        bound = round(cf * s / n)
+    if wrong.get("floored"):
+        bound = math.floor(cf * s / n)
     if wrong.get("exact"):
         bound = math.ceil(Fraction(repr(cf)) * s / n)
     if wrong.get("patched"):
@@ -754,18 +839,27 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
     return min(cands, key=lambda i: (loads[i], cands.index(i)))
 
 
+#: Mistakes in the bound (the selection right); named after the symptom "your answer acts as if the
+#: bound were ...".
+_ROUTE_BOUND_MISTAKES = [
+    (dict(exact=True), "exact arithmetic (Fraction, Decimal, integer tricks) instead of the floating-point formula "
+                       "as written: where the float lands just above a whole number its ceiling is one more (1.1 * "
+                       "50 / 5 is 11.000000000000002 in floats: bound 12, not 11)"),
+    (dict(no_plus_one=True), "no +1 for this request (the bound counts the load AFTER it is placed)"),
+    (dict(patched=True), "no +1 for this request, floored at 1 instead (the bound counts the load AFTER it is placed, "
+                         "so it is never 0)"),
+    (dict(factor_outside=True), "capacity_factor * ceil((sum(loads) + 1) / n): the factor goes inside the ceiling"),
+    (dict(le=True), "open while loads[i] <= bound: an instance is open while loads[i] < bound (strictly), at the "
+                    "bound it is full"),
+    (dict(int_plus_one=True), "int(x) + 1 as the ceiling (one more than math.ceil(x) when x is whole)"),
+    (dict(rounded=True), "round() instead of math.ceil"),
+    (dict(floored=True), "floor, int() or // instead of math.ceil"),
+    (dict(no_factor=True), "no capacity factor in the bound"),
+    (dict(no_bound=True), "no bound at all: skip the instances at or over the bound (without it a hot adapter "
+                          "overloads its home)"),
+]
+#: Mistakes in the selection (the walk, the replicas, the ties), the bound right.
 _ROUTE_MISTAKES = [
-    (dict(exact=True), "the bound is the floating-point formula as written, math.ceil(capacity_factor * (sum(loads) "
-                       "+ 1) / len(loads)): exact arithmetic (Fraction, Decimal, integer tricks) can give one less, "
-                       "e.g. 1.1 * 50 / 5 is 11.000000000000002 in floats, so the bound is 12, not 11"),
-    (dict(no_plus_one=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
-                             "load AFTER it is placed"),
-    (dict(patched=True), "the bound counts this request too: ceil(capacity_factor * (sum(loads) + 1) / n), the "
-                         "load AFTER it is placed (then it is never 0, and no floor of 1 is needed)"),
-    (dict(factor_outside=True), "the factor goes inside the ceiling: ceil(capacity_factor * (sum(loads) + 1) / n), "
-                                "not capacity_factor * ceil((sum(loads) + 1) / n)"),
-    (dict(le=True), "an instance is open while loads[i] < bound (strictly): at the bound it is full"),
-    (dict(no_bound=True), "skip the instances at or over the bound: without it a hot adapter overloads its home"),
     (dict(least_loaded=True), "follow the key's walk round the ring (consistent hashing), not the least loaded "
                               "instance overall: a key must keep its instance while it has room"),
     (dict(no_replicas=True), "with replicas > 1 the candidates are the first `replicas` open instances of the walk; "
@@ -785,22 +879,60 @@ _ROUTE_MISTAKES = [
 ]
 
 
+def _route_compare(case: Case, expected, got) -> Optional[str]:
+    """The instance returned against the expected one, each with its load against the bound and its
+    place in the key's walk."""
+    key, loads, vnodes, cf = case.args[:4]
+    if not isinstance(got, int) or isinstance(got, bool):
+        return f"returned {type(got).__name__} {str(got)[:60]}: expected an instance index (an int)"
+    if got == expected:
+        return None
+    bound, walk = _bound(loads, cf), ring_walk(key, len(loads), vnodes)
+
+    def which(i: int) -> str:
+        if not 0 <= i < len(loads):
+            return f"{i}, which is no instance (0..{len(loads) - 1})"
+        state = "full: at or over" if loads[i] >= bound else "open: below"
+        return f"instance {i} (load {loads[i]}, {state} the bound {bound}; position {walk.index(i)} in the walk {walk})"
+    return f"returned {which(got)}, expected {which(expected)}"
+
+
 def _route_hint(case: Case, expected, got) -> Optional[str]:
+    """The bound the answer acts on, when it is not the contract's (which instances it counted as
+    full), then the known mistakes that return exactly its instance."""
     if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
         return None
-    return _symptom_hint(_ROUTE_MISTAKES, _route_variant, case.args, expected, got)
+    key, loads, vnodes, cf = case.args[:4]
+    bound, top = _bound(loads, cf), max(loads) + 1  # any bound above the largest load: nothing is full
+    implied = [b for b in range(0, top + 1) if _route_variant(*case.args, bound_at=b) == got]
+    by_bound = [msg for flags, msg in _ROUTE_BOUND_MISTAKES
+                if _route_variant(*case.args, **flags) == got != expected]
+    by_selection = [msg for flags, msg in _ROUTE_MISTAKES
+                    if _route_variant(*case.args, **flags) == got != expected]
+    if not implied or bound in implied or min(bound, top) in implied:
+        return name_matches(by_selection + by_bound)
+    lo, hi = min(implied), max(implied)
+    acts = (f"at least {lo}, with no instance full" if hi == top else f"{lo}" if lo == hi else f"{lo}..{hi}")
+    full = [i for i in range(len(loads)) if max(implied) <= loads[i] < bound]
+    open_ = [i for i in range(len(loads)) if bound <= loads[i] < min(implied)]
+    seen = (f"it counted instance(s) {full} as full" if full else f"it counted instance(s) {open_} as open")
+    symptom = (f"your answer acts as if the bound were {acts} ({seen}); the contract's bound is {bound} = "
+               f"math.ceil({cf} * ({sum(loads)} + 1) / {len(loads)}), in floating point as written "
+               f"({cf} * {sum(loads) + 1} / {len(loads)} = {cf * (sum(loads) + 1) / len(loads)!r})")
+    named = name_matches(by_bound + by_selection)
+    return symptom + (f"; {named}" if named else "")
 
 
 EXERCISES = [
     Exercise("ch11.1", "block_hashes", ("token_ids", "adapter_id", "block_size"), block_hashes, _hash_edge,
-             _hash_random, _hash_hint, grade_on="cpu"),
+             _hash_random, _hash_hint, grade_on="cpu", compare=_hash_compare),
     Exercise("ch11.2", "admit_requests", ("waiting", "running_uids", "resident_uids", "max_loras_per_batch",
                                           "free_blocks", "max_new_seqs", "draining", "drain_active"),
              functools.partial(drive_admit, admit_requests), _admit_edge, _admit_random, _admit_hint,
-             driver=drive_admit, grade_on="cpu"),
+             driver=drive_admit, grade_on="cpu", compare=_admit_compare),
     Exercise("ch11.3", "choose_drain", ("waiting", "running_remaining", "max_loras_per_batch", "threshold"),
              functools.partial(drive_drain, choose_drain), _drain_edge, _drain_random, _drain_hint,
-             driver=drive_drain, grade_on="cpu", result_names=("drain", "uid")),
+             driver=drive_drain, grade_on="cpu", result_names=("drain", "uid"), compare=_drain_compare),
     Exercise("ch11.4", "route", ("adapter_key", "loads", "vnodes", "capacity_factor", "replicas"), route, _route_edge,
-             _route_random, _route_hint, grade_on="cpu"),
+             _route_random, _route_hint, grade_on="cpu", compare=_route_compare),
 ]

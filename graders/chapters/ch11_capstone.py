@@ -65,6 +65,7 @@ import torch
 
 from graders.chapters.ch11 import (_admit_case, _admit_hint, _drain_case, _drain_hint, _hash_case, _hash_hint, drive_admit,
                           drive_drain)
+from graders.chapters.hints import first_difference
 from graders.machine.exercise import Case, Exercise
 from graders.machine.runner import main_thread_alarm
 from reference.engine.policies import admit_requests, block_hashes, choose_drain
@@ -548,14 +549,6 @@ def _well_formed(run: Any) -> bool:
             and all(isinstance(x, str) for x in run[0]) and isinstance(run[1], (list, tuple)))
 
 
-def _first_difference(expected: list, got: list) -> Optional[int]:
-    """Index of the first log line that differs (or that one log lacks), None when equal."""
-    for i, (e, g) in enumerate(zip(expected, got)):
-        if e != g:
-            return i
-    return None if len(expected) == len(got) else min(len(expected), len(got))
-
-
 def _request_label(case: Case, i: int) -> str:
     prompt, adapter, n, stops = case.args[0]["requests"][i]
     return (f"request #{i} ({'base model' if adapter is None else 'adapter ' + repr(adapter)}, "
@@ -569,7 +562,7 @@ def compare_run(case: Case, expected: tuple, got: Any) -> Optional[str]:
         return "the grader's engine run returned something else than its log and tokens (did the answer patch it?)"
     e_log, e_tokens, _ = expected
     g_log, g_tokens, _ = got
-    d = _first_difference(e_log, list(g_log))
+    d = first_difference(e_log, list(g_log))
     wrong = [i for i in range(len(e_tokens)) if i >= len(g_tokens) or list(g_tokens[i]) != list(e_tokens[i])]
     if d is None and not wrong:
         return None
@@ -579,16 +572,68 @@ def compare_run(case: Case, expected: tuple, got: Any) -> Optional[str]:
         lines.append(f"the run stopped: {g_log[-1]}")
     if wrong:
         i = wrong[0]
-        got_i = list(g_tokens[i]) if i < len(g_tokens) else "nothing"
         lines.append(f"{len(wrong)} of {len(e_tokens)} requests' tokens differ from PEFT's generate of each request "
-                     f"alone; the first, {_request_label(case, i)}: expected {list(e_tokens[i])}, got {got_i}")
+                     f"alone; the first, {_request_label(case, i)}: "
+                     + _token_difference(list(e_tokens[i]), list(g_tokens[i]) if i < len(g_tokens) else None))
     else:
         lines.append("every request's tokens are right, but the engine's log differs from the reference's")
     if d is not None and not (stopped and d == len(g_log) - 1):
-        got_line = g_log[d] if d < len(g_log) else "(your run had ended)"
-        lines.append(f"the logs first differ at step {d}:\n  expected: {e_log[d] if d < len(e_log) else '(the reference had ended)'}"
-                     f"\n  got:      {got_line}")
+        e_line = e_log[d] if d < len(e_log) else None
+        g_line = g_log[d] if d < len(g_log) else None
+        lines.append(f"the logs first differ at step {d}, {_line_difference(e_line, g_line)}:"
+                     f"\n  expected: {e_line or '(the reference had ended)'}"
+                     f"\n  got:      {g_line or '(your run had ended)'}")
     return "\n".join(lines)
+
+
+def _token_difference(expected: list, got: Optional[list]) -> str:
+    """Which generated token of one request first differs: 'its token 2 of 6: expected 58, got 106'."""
+    if got is None:
+        return f"expected {expected}, got nothing"
+    k = first_difference(expected, got)
+    if k is None:
+        return f"expected {expected}, got {got}"
+    if k >= len(got):
+        return f"it stopped after {len(got)} of its {len(expected)} tokens: expected {expected}, got {got}"
+    if k >= len(expected):
+        return f"it went on past its {len(expected)} tokens: expected {expected}, got {got}"
+    return (f"its generated token {k} (of {len(expected)}) first differs, expected {expected[k]}, got {got[k]}"
+            f"{' (the ones before are right)' if k else ''}: expected {expected}, got {got}")
+
+
+#: The fields of a log line (graders.chapters.ch11_capstone._render), in the learner's terms.
+_LINE_FIELDS = (("kind", "in the step's kind"), ("scheduled", "in what the scheduler did"),
+                ("computed", "in the token counts runner.forward computed"), ("pool", "in the adapter pool's events"))
+
+
+def _fields(line: str) -> dict:
+    """'step 3 (decode): decode #0 #1; computed: 2 tokens; pool: base in slot 0' -> its four fields."""
+    head, _, rest = line.partition("): ")
+    scheduled, _, rest = rest.partition("; computed: ")
+    computed, _, pool = rest.partition(" tokens; pool: ")
+    return {"kind": head.partition(" (")[2], "scheduled": scheduled, "computed": computed, "pool": pool}
+
+
+def _line_difference(expected: Optional[str], got: Optional[str]) -> str:
+    """Which field of a log line differs first, with its two values; for a run that ended or an
+    error line, which one."""
+    if expected is None:
+        return "where the reference had ended"
+    if got is None:
+        return "where your run had ended"
+    if got.startswith("error"):
+        return "where your run stopped with an error"
+    e, g = _fields(expected), _fields(got)
+    for key, where in _LINE_FIELDS:
+        if e[key] != g[key]:
+            if key == "scheduled":  # the first event that differs
+                ev, gv = e[key].split(", "), g[key].split(", ")
+                k = first_difference(ev, gv)
+                if k is not None:
+                    return (f"{where} (event {k + 1}: expected '{ev[k] if k < len(ev) else '(nothing more)'}', got "
+                            f"'{gv[k] if k < len(gv) else '(nothing more)'}')")
+            return f"{where} (expected '{e[key]}', got '{g[key]}')"
+    return "in its text"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -684,7 +729,7 @@ def _same_but_computed(a: str, b: str) -> bool:
 
 
 def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
-    d = _first_difference(expected[0], list(got[0]))
+    d = first_difference(expected[0], list(got[0]))
     line = got[0][d] if d is not None and d < len(got[0]) else ""
     last = got[0][-1] if got[0] else ""
     if d == 0 and line.startswith("step 0"):
@@ -724,7 +769,7 @@ def capstone_hint(case: Case, expected: tuple, got: Any) -> Optional[str]:
     mistake of the step (the reference step with that mistake gives the same run), else nothing."""
     if not _well_formed(got):
         return None
-    d = _first_difference(expected[0], list(got[0]))
+    d = first_difference(expected[0], list(got[0]))
     last = (d + 1) if d is not None else len(got[0])
     suspects = [s for s in _valid_suspects(got[2]) if s[1] <= last]
     if suspects:  # the piece the engine's error points at first, then by step

@@ -15,12 +15,12 @@ __all__ = ["symptom_hint", "name_matches", "first_difference"]
 
 
 def name_matches(matches: Sequence[str]) -> Optional[str]:
-    """One message alone; several all named, numbered (at most three shown)."""
+    """One message alone; several all named, numbered (leaving one out could hide the answer's)."""
     matches = list(dict.fromkeys(matches))
     if len(matches) <= 1:
         return matches[0] if matches else None
     return (f"{len(matches)} different mistakes return exactly this; it is one of: "
-            + "; ".join(f"({k}) {m}" for k, m in enumerate(matches[:3], 1)))
+            + "; ".join(f"({k}) {m}" for k, m in enumerate(matches, 1)))
 
 
 def symptom_hint(mistakes: Sequence[tuple[dict, str]], variant: Callable, args: Sequence, expected: Any, got: Any,

@@ -253,3 +253,20 @@ MUTANTS += [
                    + _TIE),),
            "your choose_drain (ch11.3) did not return", "state", part="ch11.3"),
 ]
+
+# issue #33 ("feedback that misleads"): a hint chosen from the case named a cause other than the
+# answer's (an admitted uid never added to the cap's set was told "count None among the distinct
+# uids"; a wrong bound formula "strictly less than"); hints now name every mistake that returns the
+# answer's result, and route names the bound the answer acts on first
+MUTANTS += [
+    # the cap counted from the running uids alone (the admitted ones never join): it returns what a base
+    # model left out of the count returns on the docstring's example, so both are named there
+    Mutant("ch11.2", "cap-counted-from-running-only",
+           (("        if len(chosen | {c.uid}) > max_loras_per_batch:\n",
+             "        if len(set(running_uids) | {c.uid}) > max_loras_per_batch:\n"),),
+           "add each admitted candidate's uid to the set the cap counts", "state"),
+    Mutant("ch11.4", "ceil-as-int-plus-one",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    bound = int(capacity_factor * (sum(loads) + 1) / len(loads)) + 1\n"),),
+           "int(x) + 1 as the ceiling", "math"),
+]
