@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from reference import interpreting
 from reference.cuda_graph import DecodeGraphRunner
 from reference.layers import LoRAContext, wrap_llama
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
@@ -243,12 +244,17 @@ PROFILES: dict = {}
 
 
 def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, device: torch.device,
-        profile: int | None = None, profiles: dict = PROFILES, backends=("triton",), eager: bool = True) -> list[dict]:
+        profile: int | None = None, profiles: dict = PROFILES, backends=("triton",), eager: bool = True,
+        peers=(), peers_dir: Path | None = None) -> list[dict]:
     """Every (rank, backend, seqs, adapters) case; rows in that order. ``backends``: the layers'
     backends to compare in this one run ("triton": cuBLAS projections, separate LoRA kernels;
     "triton_fused": the expand in the Triton projection GEMM's epilogue). Each row's
     ``lora_overhead`` is against the cuBLAS base graph of the first backend (so the fused backend's
-    Triton base GEMM counts in its overhead); ``eager=False`` skips the eager timings."""
+    Triton base GEMM counts in its overhead); ``eager=False`` skips the eager timings. ``peers``
+    ("vllm", "sglang-triton", "sglang-csgmv"; ``benchmarks/peers.py``, its cache at ``peers_dir``):
+    after the backends, each peer's LoRA ops replace the layers' in every projection of the same
+    model, pool and runner (their rows' ``backend`` is the peer's name, ``peer`` its version), each
+    case's delta checked against the fp32 reference before it is timed."""
     import transformers
 
     from reference.layers import unwrap_llama
@@ -283,17 +289,74 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
                             profiles[f"seqs {n} adapters {D} rank {rank} {backend}"] = kernel_breakdown(runner, n)
             unwrap_llama(model)
             del runner
+        for name in peers:
+            import peers as peer_lib
+
+            context_ = LoRAContext()
+            peer = peer_lib.make_peer(name, pool.num_slots, max_seqs, rank, device, peers_dir or peer_lib.DEFAULT_DEST)
+            model = peer_lib.wrap_llama_peer(base, pool, context_, peer)
+            runner = peer_lib.peer_graph_runner(model, pool, context_, peer, max_seqs=max_seqs, max_len=context + 8,
+                                                buckets=tuple(seqs_list))
+            runner.capture()
+            for n in seqs_list:
+                for D in adapter_counts:
+                    if D <= n:
+                        row = _case(runner, cfg, context, n, D, rank, name, timeit, eager, first_base,
+                                    check=lambda uids: peer_check(model._peer_lora, uids, layers, device))
+                        row["peer"] = peer.version
+                        rows.append(row)
+                        if profile is not None and n == profile and D == min(8, n):
+                            profiles[f"seqs {n} adapters {D} rank {rank} {name}"] = kernel_breakdown(runner, n)
+            unwrap_llama(model)
+            del runner, model._peer_lora
         del pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base) -> dict:
+PEER_TOLERANCE = 2e-2  # largest |delta - fp32 reference| / largest |reference|, bf16 activations and weights
+
+
+def peer_check(state, uids, layers: int, device, seed: int = 0) -> dict:
+    """A peer's delta on this step's batch (the metadata its ``prepare`` wrote for the step) against the
+    fp32 reference (``peers.check_delta``), for every projection group of the first and the last
+    layer, on random bf16 x: {"errors": {"layer.module": relative error}, "max_error", "ok"}."""
+    import peers as peer_lib
+
+    pool = state.pool
+    slots = [pool.uid_to_buffer_id[u] for u in uids]
+    gen = torch.Generator().manual_seed(seed)
+    errors = {}
+    for layer in sorted({0, layers - 1}):
+        for name, spec in pool.modules.items():
+            x = torch.randn(len(uids), spec.in_features, generator=gen).to(device, pool.dtype)
+            errors[f"{layer}.{name}"] = peer_lib.check_delta(
+                state.peer, x, pool.A_buffer[name][layer], pool.B_buffer[name][layer], peer_lib.Group.of(spec),
+                slots, pool.lora_ranks_host, pool.scalings_host, w=state.get(name, layer), prepared=True)
+    worst = max(errors.values()) if errors else 0.0
+    out = dict(errors={k: float(f"{v:.3g}") for k, v in errors.items()}, max_error=float(f"{worst:.3g}"),
+               tolerance=PEER_TOLERANCE, ok=worst <= PEER_TOLERANCE)
+    if interpreting() and pool.dtype == torch.bfloat16:  # --smoke on the CPU: numbers without meaning
+        out.update(ok=None, note="bf16 in the Triton interpreter is not computed right "
+                                                 "(tests/test_peers.py checks the peers in fp32 / fp16 there)")
+    return out
+
+
+def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base, check=None) -> dict:
+    """One case's row. ``check(uids)`` (the peers'), run after the step's buffers are written and before
+    any timing, returns {"ok": ..., ...}: a case whose check fails is reported, not timed."""
     uids = [None] * n if D == 0 else [f"a{i % D}" for i in range(n)]
     ids = [[i % cfg["vocab_size"]] for i in range(n)]
     runner.decode(ids, [context] * n, list(range(n)), uids)  # writes the static buffers
     lora = D > 0
+    checked = check(uids) if (check is not None and lora) else None
+    if checked is not None and checked["ok"] is False:
+        print(f"{backend:13s} seqs {n:4d} adapters {D:3d} rank {rank:3d}: delta CHECK FAILED, not timed: {checked}",
+              flush=True)
+        return dict(backend=backend, seqs=n, adapters=D, rank=rank, graph=None, graph_us=None, eager_us=None,
+                    base_graph_us=None, reference_base_graph_us=first_base.get(n), graph_speedup=None,
+                    lora_overhead=None, check=checked)
     key = runner.last_key  # the graph decode() chose: the base, or LoRA with the token / sorted expand
     graph, _ = runner.graphs[key]
     graph_us = timeit(graph.replay) if graph is not None else float("nan")
@@ -314,6 +377,8 @@ def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base) 
                reference_base_graph_us=round(ref_us, 2),
                graph_speedup=round(eager_us / graph_us, 3) if graph is not None and eager else None,
                lora_overhead=round(graph_us / ref_us - 1, 4) if lora and graph is not None else None)
+    if checked is not None:
+        row["check"] = checked
     print(f"{backend:13s} seqs {n:4d} adapters {D:3d} rank {rank:3d}: graph ({graph_kind}) {graph_us:9.1f} us, "
           f"eager {eager_us:9.1f} us, "
           f"base graph {base_us:9.1f} us"
@@ -362,8 +427,27 @@ def main() -> None:
                     help="benchmarks/sweep_split_k.py's JSON: its per-shape best configs for the triton_tuned backend")
     ap.add_argument("--expand-table", type=Path, default=None,
                     help="benchmarks/sweep_split_k.py --expand's JSON: per-shape expand configs for triton_tuned")
+    ap.add_argument("--peers", nargs="*", default=None, metavar="PEER",
+                    help="also time the peers' LoRA ops in the same step (benchmarks/peers.py; without names: "
+                         "vllm sglang-triton sglang-csgmv); needs the .peers cache (python benchmarks/peers.py fetch)")
+    ap.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="the peers cache (default .peers)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    peer_names: list[str] = []
+    peer_versions: dict = {}
+    if args.peers is not None:
+        import peers as peer_lib
+
+        peer_names = list(args.peers) or list(peer_lib.PEER_NAMES)
+        unknown = set(peer_names) - set(peer_lib.PEER_NAMES)
+        if unknown:
+            raise SystemExit(f"unknown peers {sorted(unknown)}: {', '.join(peer_lib.PEER_NAMES)}")
+        if not peer_lib.available(args.peers_dir):
+            raise SystemExit(f"no peers cache at {args.peers_dir}: run python benchmarks/peers.py fetch where PyPI "
+                             "is reachable, and carry .peers to this machine")
+        manifest = peer_lib.load(args.peers_dir)
+        peer_versions = dict(manifest["versions"], wheels={k: v["wheel"] + " sha256:" + v["sha256"]
+                                                           for k, v in manifest["wheels"].items()})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.split_table is not None:
         SPLIT_TABLE[:] = json.loads(args.split_table.read_text())["best"]
@@ -373,10 +457,10 @@ def main() -> None:
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:
         rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device, args.profile, backends=args.backends,
-                   eager=not args.no_eager)
+                   eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir)
     else:
         rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, FULL, device, args.profile,
-                   backends=args.backends, eager=not args.no_eager)
+                   backends=args.backends, eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir)
     met = targets(rows)
     for t in met:
         print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
@@ -387,11 +471,14 @@ def main() -> None:
     result = dict(device=name, ranks=args.ranks, torch=torch.__version__, triton=triton.__version__,
                   transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
                   context=args.context if not args.smoke else 8, smoke=args.smoke,
-                  model=FULL if not args.smoke else SMOKE, backends=args.backends, rows=rows, targets=met,
+                  model=FULL if not args.smoke else SMOKE, backends=args.backends, peers=peer_names,
+                  sglang=peer_versions.get("sglang"), vllm=peer_versions.get("vllm"),
+                  peer_wheels=peer_versions.get("wheels"), rows=rows, targets=met,
                   kernel_profiles=PROFILES,
                   method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
     out = args.out or (ROOT / "benchmarks" / "results" /
-                       ("decode_step_smoke.json" if args.smoke else "decode_step_h200.json"))
+                       ("decode_step_smoke.json" if args.smoke else
+                        "decode_step_peers_h200.json" if peer_names else "decode_step_h200.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

@@ -753,7 +753,7 @@ def reference_delta(x, A, B, group: Group, token_slots: Sequence[int], ranks: Se
 def check_delta(peer: Peer, x, A, B, group: Group, token_slots, ranks, scalings, w=None,
                 prepared: bool = False) -> float:
     """The peer's delta (``apply`` into zeros of x's dtype) against :func:`reference_delta`: the
-    largest absolute error over the largest |reference| (0 when both are 0). ``w``: the peer's
+    largest absolute error over the largest |reference| (0 when both are 0; inf for a non-finite delta). ``w``: the peer's
     buffers (made here when None); ``prepared``: the batch's metadata is already in the peer."""
     if w is None:
         w = peer.weights(A, B, group, ranks, scalings)
@@ -763,6 +763,8 @@ def check_delta(peer: Peer, x, A, B, group: Group, token_slots, ranks, scalings,
     with torch.inference_mode():
         peer.apply(x.contiguous(), w, y, group)
     ref = reference_delta(x, A, B, group, token_slots, ranks, scalings)
+    if not torch.isfinite(y).all():
+        return float("inf")  # a NaN / inf the reference does not have: read past a rank, or garbage
     scale = ref.abs().max().item()
     err = (y.float() - ref).abs().max().item()
     return err / scale if scale > 0 else err
@@ -879,8 +881,10 @@ def peer_graph_runner(model, pool, context, peer: Peer, **kwargs):
             if ownership_changed:
                 state.reload()
             # the real sequences only: SGLang points the graph's padded rows at its no-LoRA index itself,
-            # vLLM's kernels read only the tokens its sorted mapping lists
-            peer.prepare(list(seq_slots), lora_ranks, scalings)
+            # vLLM's kernels read only the tokens its sorted mapping lists. capture() writes an empty
+            # batch first: the peer's capture state is set per bucket (PeerRunner._step)
+            if seq_slots:
+                peer.prepare(list(seq_slots), lora_ranks, scalings)
 
     class PeerRunner(DecodeGraphRunner):
         def _step(self, bucket, lora):
