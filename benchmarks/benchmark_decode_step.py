@@ -2,6 +2,7 @@
 
     python benchmarks/benchmark_decode_step.py [--layers 4] [--context 512] [--out PATH]
     python benchmarks/benchmark_decode_step.py --smoke        # tiny sizes, CPU or GPU, seconds
+    python benchmarks/benchmark_decode_step.py ... --peers    # the peers' LoRA ops in the same step (below)
 
 Model: hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocab 32000, bf16, random weights,
 ``--layers`` layers (default 4), wrapped by ``reference.layers.wrap_llama`` over a pool of fused
@@ -28,6 +29,28 @@ per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_
 The runner replays, per case, the graph its ``expand_rule`` picks (the layers' rule for ``triton``:
 the token or the sorted expand, ``reference.ops.bgmv_expand.choose_expand_schedule``); each row's
 ``graph`` says which ("base", "token" or "sorted").
+
+The peers (issue #35), ``--peers [vllm sglang-triton sglang-csgmv]`` (no names: all three): after the
+layers' backends, each peer's LoRA Triton ops replace the layers' in every projection of the same
+model, pool, buckets and graph runner, timed against the same base graph (``benchmarks/peers.py`` says
+how each is called and which of the peer's code paths that is; in short: vLLM 0.33.0's
+``add_lora_linear``, SGLang 0.5.23's "triton" and "csgmv" backends, each projection group writing one
+q|k|v or gate|up output as the peers' fused layers do, the peer's metadata prepared once per step
+outside the graph). Before a peer's case is timed, its delta on that step's batch is checked against
+the fp32 reference for every projection group of the first and last layer (``check`` in the row;
+relative error <= 2e-2 in bf16, else the case is reported and not timed). The peers' code is not in
+the repository: it is fetched from their published wheels into ``.peers/`` (git-ignored, 0.3 MB).
+On a GPU machine that cannot reach PyPI::
+
+    python benchmarks/peers.py fetch          # here, where PyPI is reachable: writes .peers/
+    python benchmarks/peers.py check          # optional: every peer against the fp32 reference (CPU: minutes)
+    # then, on the GPU machine, with .peers carried (the device tool: run(..., carry=[".peers"])):
+    PYTHONPATH=. python benchmarks/benchmark_decode_step.py --layers 8 --context 1024 --ranks 16 64 \
+        --seqs 16 64 256 --adapters 0 1 8 32 --no-eager --backends triton --peers \
+        --out benchmarks/results/decode_step_peers_h200.json
+
+The results record the peers' versions and wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) beside
+the device, torch and triton versions.
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at
