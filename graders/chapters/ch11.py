@@ -323,7 +323,8 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
         if held:
             continue
         distinct = {x for x in chosen | {uid} if not (wrong.get("base_free") and x is None)}
-        if len(distinct) > cap:
+        taken = len(distinct) + (len(running) - len(set(running)) if wrong.get("repeats") else 0)
+        if taken > cap:
             if wrong.get("break_on_cap"):
                 break
             continue
@@ -373,6 +374,7 @@ _ADMIT_MISTAKES = [
     (dict(off=-1), "up to max_new_seqs admissions: one too few"),
     (dict(count_seen=True), "max_new_seqs counts ADMITTED requests, not candidates looked at (skipped ones do not "
                             "count)"),
+    (dict(repeats=True), "the cap counts DISTINCT uids: a uid running twice takes one slot"),
 ]
 
 
@@ -389,9 +391,6 @@ def _admit_hint(case: Case, expected, got) -> Optional[str]:
     if sorted(got) == sorted(expected):
         return ("the right requests in the wrong order: return seq_ids in the order they are admitted (running or "
                 "resident uids first, each part in arrival order)")
-    running, cap = case.args[1], case.args[3]
-    if len(running) != len(set(running)) and got != expected:
-        return "the cap counts DISTINCT uids: a uid running twice takes one slot"
     return None
 
 

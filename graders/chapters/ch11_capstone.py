@@ -757,9 +757,9 @@ def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
                 "w.seq.tokens[w.start:w.end], w.start, ...) per work item in one call (the tokens before w.start "
                 "have their KV in the cache already)")
     if "(decode)" in want and "(prefill)" in line:
-        return ("the scheduler still sees prefill work where the reference decodes: let scheduler.postprocess(work, "
-                "next_tokens) record the step (the KV computed, the new tokens, each sequence's state) rather than "
-                "setting any of it by hand")
+        return ("the scheduler still hands out prefill work where the reference decodes: an earlier step's computed "
+                "tokens were not recorded as the scheduler expects (scheduler.postprocess(work, next_tokens) records "
+                "the KV computed, the new tokens and each sequence's state)")
     return None
 
 
