@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) -m graders.course demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadscope
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 learner: $(STAMP)
 	$(PY) -m graders.course learner --out learner

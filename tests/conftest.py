@@ -29,15 +29,57 @@ _DONE = os.environ.get("LORA_BOOK_DONE")
 def _done_ids() -> set[str]:
     if not _DONE or not Path(_DONE).exists():
         return set()
-    return {line.split("\t", 1)[1] for line in Path(_DONE).read_text().splitlines() if "\t" in line}
+    # under --dist loadgroup a node id ends in "@<group>"
+    return {line.split("\t", 1)[1].split("@", 1)[0] for line in Path(_DONE).read_text().splitlines() if "\t" in line}
+
+
+#: Modules whose module-scoped fixtures cost many seconds (a course, an engine, a PEFT model): under
+#: ``--dist loadgroup`` their tests share one pytest-xdist worker; every other test goes to whichever
+#: worker is free, one by one (``loadscope`` kept whole modules, test_graders.py or test_sandbox.py,
+#: on one worker of CI's two).
+_SHARED_SETUP = {"test_capstone.py", "test_verify.py", "test_engine.py", "test_engine_server.py",
+                 "test_benchmark_tp.py", "test_engine_lifecycle.py", "test_engine_cuda_graph.py"}
+
+
+def _xdist_group(item) -> str | None:
+    """The group whose tests must share a worker: a class of test_course (one course per class), one
+    exercise of test_mutants on the CPU (its solution and mutants are graded together in one child,
+    then read from a cache; on CUDA each test grades its own), or a module of ``_SHARED_SETUP``."""
+    module = item.path.name
+    if module == "test_course.py" and item.cls is not None:
+        return f"course-{item.cls.__name__}"
+    if module == "test_mutants.py" and hasattr(item, "callspec") and not torch.cuda.is_available():
+        params = item.callspec.params
+        exercise = params.get("exercise_id") or getattr(params.get("mutant"), "exercise", None)
+        return f"mutants-{exercise}" if exercise else None
+    return f"module-{module}" if module in _SHARED_SETUP else None
+
+
+def _join_group(item, group: str) -> None:
+    """What pytest-xdist's loadgroup does with an ``xdist_group`` mark, done here: it appends
+    "@group" to the worker's node id, which its scheduler reads. xdist 3.8 writes ``item._nodeid``,
+    which pytest 9 no longer reads (it keeps a ``NodeId`` in ``item._id``: pytest-xdist issue #1386),
+    so the groups were silently ignored."""
+    new = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(new)
+    else:
+        item._nodeid = new
 
 
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
+        for item in items:
+            group = _xdist_group(item)
+            if group:
+                _join_group(item, group)
     done = _done_ids()
     if not done:
         return
-    keep = [i for i in items if i.nodeid not in done]
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid in done])
+    keep = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("@", 1)[0] in done])
     items[:] = keep
 
 

@@ -3,8 +3,8 @@ re-grade -> feedback, with the exact score of every learner x exercise (CPU and 
 
 Each test class runs the demo as its own course on one or two chapters (``COURSES``: chapters 01
 and 02 together, so one course has two assignments in its gradebook and its export; every later
-chapter alone), so pytest-xdist's ``loadscope`` spreads the demo over its workers instead of
-putting one 15-minute run of every chapter on one worker (``make demo`` still runs them all in one
+chapter alone), so pytest-xdist (``--dist loadgroup``, one group per class: tests/conftest.py)
+spreads the demo over its workers instead of putting one 15-minute run of every chapter on one worker (``make demo`` still runs them all in one
 course). ``LORA_BOOK_DEMO_CHAPTERS=01,02,03`` runs the demo on those chapters only (the assertions
 follow): on a GPU machine the whole demo takes longer than one lent call of 10 minutes, so the H200
 run covers the chapters over several calls. Unset, every chapter runs on a CUDA machine and the

@@ -2,8 +2,8 @@
 and every mutant of its catalogue (tests/mutants/chNN.py) loses points, the same points under any
 instructor's secret, with a visible report that names the mistake.
 
-Tests are grouped in one class per chapter so pytest-xdist's ``loadscope`` spreads the chapters over
-its workers.
+Tests are grouped in one class per chapter; under ``--dist loadgroup`` (tests/conftest.py) an
+exercise's tests share a worker on the CPU, where the first grades them all.
 """
 from __future__ import annotations
 
