@@ -68,7 +68,7 @@ import torch
 
 from reference import interpreting
 from reference.cuda_graph import DecodeGraphRunner
-from reference.layers import LoRAContext, wrap_llama
+from reference.layers import LoRAContext, LoRALinear, wrap_llama
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +268,7 @@ PROFILES: dict = {}
 
 def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, device: torch.device,
         profile: int | None = None, profiles: dict = PROFILES, backends=("triton",), eager: bool = True,
-        peers=(), peers_dir: Path | None = None) -> list[dict]:
+        peers=(), peers_dir: Path | None = None, progress=None) -> list[dict]:
     """Every (rank, backend, seqs, adapters) case; rows in that order. ``backends``: the layers'
     backends to compare in this one run ("triton": cuBLAS projections, separate LoRA kernels;
     "triton_fused": the expand in the Triton projection GEMM's epilogue). Each row's
@@ -277,7 +277,9 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
     ("vllm", "sglang-triton", "sglang-csgmv"; ``benchmarks/peers.py``, its cache at ``peers_dir``):
     after the backends, each peer's LoRA ops replace the layers' in every projection of the same
     model, pool and runner (their rows' ``backend`` is the peer's name, ``peer`` its version), each
-    case's delta checked against the fp32 reference before it is timed."""
+    case's delta checked against the fp32 reference before it is timed; a peer that raises is
+    reported as a row with ``error`` and the run goes on. ``progress(rows)`` is called after every
+    backend and peer."""
     import transformers
 
     from reference.layers import unwrap_llama
@@ -312,30 +314,54 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
                             profiles[f"seqs {n} adapters {D} rank {rank} {backend}"] = kernel_breakdown(runner, n)
             unwrap_llama(model)
             del runner
+            if progress is not None:
+                progress(rows)
         for name in peers:
-            import peers as peer_lib
+            try:
+                _peer_cases(name, base, pool, layers, context, seqs_list, adapter_counts, rank, cfg, device, timeit,
+                            eager, first_base, rows, profile, profiles, peers_dir)
+            except Exception as exc:  # a peer that fails on this machine is reported; the others still run
+                import traceback
 
-            context_ = LoRAContext()
-            peer = peer_lib.make_peer(name, pool.num_slots, max_seqs, rank, device, peers_dir or peer_lib.DEFAULT_DEST)
-            model = peer_lib.wrap_llama_peer(base, pool, context_, peer)
-            runner = peer_lib.peer_graph_runner(model, pool, context_, peer, max_seqs=max_seqs, max_len=context + 8,
-                                                buckets=tuple(seqs_list))
-            runner.capture()
-            for n in seqs_list:
-                for D in adapter_counts:
-                    if D <= n:
-                        row = _case(runner, cfg, context, n, D, rank, name, timeit, eager, first_base,
-                                    check=lambda uids: peer_check(model._peer_lora, uids, layers, device))
-                        row["peer"] = peer.version
-                        rows.append(row)
-                        if profile is not None and n == profile and D == min(8, n):
-                            profiles[f"seqs {n} adapters {D} rank {rank} {name}"] = kernel_breakdown(runner, n)
-            unwrap_llama(model)
-            del runner, model._peer_lora
+                traceback.print_exc()
+                rows.append(dict(backend=name, rank=rank, error=f"{type(exc).__name__}: {exc}"))
+                print(f"{name} rank {rank}: FAILED ({type(exc).__name__}: {exc}); going on", flush=True)
+                if any(isinstance(m, LoRALinear) for m in base.modules()):
+                    unwrap_llama(base)
+                base.__dict__.pop("_peer_lora", None)
+            if progress is not None:
+                progress(rows)
         del pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _peer_cases(name, base, pool, layers, context, seqs_list, adapter_counts, rank, cfg, device, timeit, eager,
+                first_base, rows, profile, profiles, peers_dir) -> None:
+    """One peer's rows (appended to ``rows``): the peer's LoRA in every projection of ``base``, the runner
+    over the same buckets, each case checked (:func:`peer_check`) before it is timed."""
+    import peers as peer_lib
+
+    from reference.layers import unwrap_llama
+
+    context_ = LoRAContext()
+    peer = peer_lib.make_peer(name, pool.num_slots, max(seqs_list), rank, device, peers_dir or peer_lib.DEFAULT_DEST)
+    model = peer_lib.wrap_llama_peer(base, pool, context_, peer)
+    runner = peer_lib.peer_graph_runner(model, pool, context_, peer, max_seqs=max(seqs_list), max_len=context + 8,
+                                        buckets=tuple(seqs_list))
+    runner.capture()
+    for n in seqs_list:
+        for D in adapter_counts:
+            if D <= n:
+                row = _case(runner, cfg, context, n, D, rank, name, timeit, eager, first_base,
+                            check=lambda uids: peer_check(model._peer_lora, uids, layers, device))
+                row["peer"] = peer.version
+                rows.append(row)
+                if profile is not None and n == profile and D == min(8, n):
+                    profiles[f"seqs {n} adapters {D} rank {rank} {name}"] = kernel_breakdown(runner, n)
+    unwrap_llama(model)
+    del model._peer_lora, runner
 
 
 PEER_TOLERANCE = 2e-2  # largest |delta - fp32 reference| / largest |reference|, bf16 activations and weights
@@ -413,6 +439,7 @@ def _case(runner, cfg, context, n, D, rank, backend, timeit, eager, first_base, 
 def targets(rows: list[dict]) -> list[dict]:
     """Issue #11's targets (the layers' default backend) and issue #16's (every backend measured),
     each with the measured value and whether it holds."""
+    rows = [x for x in rows if "error" not in x]  # a peer that failed to run
     def find(backend, n, D, r):
         return next((x for x in rows if (x.get("backend", "triton"), x["seqs"], x["adapters"], x["rank"])
                      == (backend, n, D, r)), None)
@@ -478,32 +505,40 @@ def main() -> None:
         EXPAND_TABLE[:] = json.loads(args.expand_table.read_text())["best"]
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
-    if args.smoke:
-        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device, args.profile, backends=args.backends,
-                   eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir)
-    else:
-        rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, FULL, device, args.profile,
-                   backends=args.backends, eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir)
-    met = targets(rows)
-    for t in met:
-        print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
     import triton
     import transformers
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    result = dict(device=name, ranks=args.ranks, torch=torch.__version__, triton=triton.__version__,
-                  transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
-                  context=args.context if not args.smoke else 8, smoke=args.smoke,
-                  model=FULL if not args.smoke else SMOKE, backends=args.backends, peers=peer_names,
-                  sglang=peer_versions.get("sglang"), vllm=peer_versions.get("vllm"),
-                  peer_wheels=peer_versions.get("wheels"), rows=rows, targets=met,
-                  kernel_profiles=PROFILES,
-                  method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
     out = args.out or (ROOT / "benchmarks" / "results" /
                        ("decode_step_smoke.json" if args.smoke else
                         "decode_step_peers_h200.json" if peer_names else "decode_step_h200.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+
+    def save(rows: list[dict], complete: bool) -> list[dict]:
+        """The results file, written after every backend and peer (``complete`` false until the last):
+        a run stopped by a time limit keeps what it measured."""
+        met = targets(rows)
+        result = dict(device=name, ranks=args.ranks, torch=torch.__version__, triton=triton.__version__,
+                      transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
+                      context=args.context if not args.smoke else 8, smoke=args.smoke,
+                      model=FULL if not args.smoke else SMOKE, backends=args.backends, peers=peer_names,
+                      sglang=peer_versions.get("sglang"), vllm=peer_versions.get("vllm"),
+                      peer_wheels=peer_versions.get("wheels"), complete=complete, rows=rows, targets=met,
+                      kernel_profiles=PROFILES,
+                      method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
+        out.write_text(json.dumps(result, indent=1))
+        return met
+
+    progress = lambda rows: save(rows, False)  # noqa: E731
+    if args.smoke:
+        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device, args.profile, backends=args.backends,
+                   eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir, progress=progress)
+    else:
+        rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, FULL, device, args.profile,
+                   backends=args.backends, eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir,
+                   progress=progress)
+    for t in save(rows, True):
+        print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
     print(f"wrote {out}")
 
 

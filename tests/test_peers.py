@@ -65,8 +65,9 @@ def test_cache_holds_only_the_listed_modules_and_stubs():
         else:
             assert (peers.DEFAULT_DEST / path).read_text().startswith('"""Stub written by benchmarks/peers.py')
     assert manifest["total_bytes"] < 2_000_000
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(peers.DEFAULT_DEST / "MANIFEST.json")], cwd=ROOT)
-    assert ignored.returncode == 0
+    if (ROOT / ".git").exists():  # a device machine may get the working tree without .git
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(peers.DEFAULT_DEST / "MANIFEST.json")], cwd=ROOT)
+        assert ignored.returncode == 0
 
 
 def test_the_ops_come_from_the_cache():
@@ -112,7 +113,6 @@ def test_the_check_sees_wrong_metadata():
 def _tiny_llama(dtype):
     import transformers
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from benchmark_decode_step import SMOKE, modules, random_adapter
 
     cfg = transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=16, **SMOKE)
