@@ -867,8 +867,8 @@ class PeerLinear(LoRALinear):
 
 def peer_graph_runner(model, pool, context, peer: Peer, **kwargs):
     """A ``reference.cuda_graph.DecodeGraphRunner`` over a peer-wrapped model whose steps also run the
-    peer's metadata preparation: per captured bucket the peer's capture state (before its warm-up and
-    capture), per decode step its ``prepare`` of the step's slots (outside the graph, after the
+    peer's metadata preparation: per captured bucket the peer's capture state (before the warm-up
+    step that precedes the capture, outside the captured stream), per decode step its ``prepare`` of the step's slots (outside the graph, after the
     runner's own static buffers), and its ``reload`` of the converted buffers when a slot changed
     owner. Its expand rule is "token" (the peers have no sorted graph)."""
     from reference.cuda_graph import DecodeGraphRunner, StaticLoRABatch
@@ -888,7 +888,9 @@ def peer_graph_runner(model, pool, context, peer: Peer, **kwargs):
 
     class PeerRunner(DecodeGraphRunner):
         def _step(self, bucket, lora):
-            if lora and self._capturing:
+            # the warm-up before each capture (never inside it: the peer's host-to-device copies would
+            # be recorded and replayed over every later step's metadata)
+            if lora and self._capturing and not torch.cuda.is_current_stream_capturing():
                 peer.prepare([], self.pool.lora_ranks_host, self.pool.scalings_host, capture_tokens=bucket)
             return super()._step(bucket, lora)
 
