@@ -96,7 +96,8 @@ def served(tmp_path_factory):
            "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
            "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
            "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # ROOT first, then whatever the environment had (the GPU run's packages live on PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import graders
 from graders.course.jobs import parse_answers
@@ -403,3 +404,24 @@ def test_answer_cell_kernels_compile_once_per_dtype(monkeypatch):
     assert list(kernel.do_not_specialize_on_alignment) == ["x_ptr", "n", "stride"]
     assert list(other.do_not_specialize) == ["y_ptr"]
     assert triton.jit is original
+
+
+def test_a_tensor_left_on_the_cpu_in_a_cuda_case_is_named_as_the_default_device():
+    """On CUDA the default-device case is not needed: an answer's torch.arange(n) without device=
+    meets CUDA inputs and either raises torch's cross-device error or returns a CPU tensor. Both reports
+    say where such a tensor came from (seen on an H100: the reports named only the two devices)."""
+    from graders.machine import core
+
+    ex = EXERCISES["ch02.1"]
+    case = ex.edge_cases()[0]
+    cuda = torch.device("cuda")  # a device object only: nothing runs there
+    crossed = core._outcome(ex, case, torch.zeros(1, dtype=torch.int32), {
+        "error": "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+                 "cuda:0 and cpu! (answer cell line 3: keep = torch.arange(n) < r)"}, {}, cuda)
+    returned = core._compare_tensor("returned value", torch.zeros(2, dtype=torch.int32), {"tensor": "t", "device": "cpu"},
+                                    {"t": torch.zeros(2, dtype=torch.int32)}, case, cuda)
+    for msg in (crossed, returned):
+        assert "torch's default device" in msg and "device=x.device" in msg, msg
+    on_cuda = core._compare_tensor("returned value", torch.zeros(2, dtype=torch.int32), {"tensor": "t", "device": "cuda"},
+                                   {"t": torch.zeros(2, dtype=torch.int32)}, case, torch.device("cpu"))
+    assert "default device" not in on_cuda  # a CUDA tensor in a CPU case is another mistake

@@ -239,6 +239,13 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+#: Said where a CUDA case meets a tensor the answer made on the CPU (on the CPU, the default-device
+#: case of Exercise.default_device_probe names the line instead).
+DEFAULT_DEVICE_HINT = ("\n  hint: a tensor made without device= (torch.zeros, torch.arange, torch.tensor, ...) lands "
+                       "on torch's default device, the CPU here, not the inputs' device: pass device=x.device "
+                       "(x an input), or make it from an input (x.new_zeros(...))")
+
+
 def _index(idx: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"
 
@@ -254,7 +261,8 @@ def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case
     if got.dtype != exp.dtype:
         return f"{name}: dtype {got.dtype}, expected {exp.dtype}"
     if desc.get("device") != device.type:
-        return f"{name}: tensor on {desc.get('device')}, expected on {device.type} (the inputs' device)"
+        return (f"{name}: tensor on {desc.get('device')}, expected on {device.type} (the inputs' device)"
+                + (DEFAULT_DEVICE_HINT if desc.get("device") == "cpu" else ""))
     exp = exp.cpu()
     if not exp.dtype.is_floating_point:
         bad = got != exp
@@ -436,6 +444,8 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         if result["error"].startswith("NameError"):
             return ("raised " + result["error"] + "\n  hint: the grader runs your answer cell on its own "
                     "(after import math, torch): define or import that name inside the cell")
+        if "Expected all tensors to be on the same device" in result["error"]:
+            return "raised " + result["error"] + DEFAULT_DEVICE_HINT
         return "raised " + result["error"]
     if case.out_index is not None:
         msg = _compare(expected, result["args_after"][case.out_index], tensors, case, device,

@@ -1048,27 +1048,30 @@ kernel_source = inspect.getsource(paged_attention_ops._paged_attention_kernel.fn
 print(kernel_source[kernel_source.index("    # -- the key tiles"):kernel_source.index("    out_ok =")])
 
 # %% [markdown]
-# The kernel is judged against the torch path on every device: here through Triton's interpreter on
-# a step that mixes a one-token sequence, a prompt, a chunk of a cached prompt and decode rows, with
+# The kernel is judged against the torch path on every device: here on this machine's (through
+# Triton's interpreter when it has no GPU), on a step that mixes a one-token sequence, a prompt, a chunk of a cached prompt and decode rows, with
 # NaN in every cache entry no sequence owns (a kernel that read one position too far would print
 # NaN), without and with splits:
 
 # %%
+from reference.device import default_device
 from reference.engine.model_runner import SeqWork, build_attention_metadata, paged_attention
 
 gen = torch.Generator().manual_seed(0)
 heads, kv_heads, head_dim, bs = 8, 2, 16, 4
 work = [SeqWork([0], 0, [3]), SeqWork([0] * 9, 0, [5, 0, 8]), SeqWork([0] * 6, 10, [1, 9, 2, 4]),
         SeqWork([0], 6, [6, 7])]
-meta = build_attention_metadata(work, bs, "cpu")
+dev = default_device()  # a Triton kernel runs where its tensors are: the GPU, else the interpreter
+meta = build_attention_metadata(work, bs, dev)
 k_cache = torch.full((10, bs, kv_heads, head_dim), float("nan"))
 v_cache = k_cache.clone()
 for w in work:  # the cached positions of each sequence get real values; the rest stays NaN
     for p in range(w.start):
         k_cache[w.block_table[p // bs], p % bs] = torch.randn(kv_heads, head_dim, generator=gen)
         v_cache[w.block_table[p // bs], p % bs] = torch.randn(kv_heads, head_dim, generator=gen)
+k_cache, v_cache = k_cache.to(dev), v_cache.to(dev)
 n = len(meta.positions)
-q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+q, k, v = (torch.randn(n, h, head_dim, generator=gen).to(dev) for h in (heads, kv_heads, kv_heads))
 want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, backend="torch")
 for splits in (1, 2):
     got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta._replace(num_splits=splits), backend="triton")
