@@ -49,8 +49,11 @@ On a GPU machine that cannot reach PyPI::
         --seqs 16 64 256 --adapters 0 1 8 32 --no-eager --backends triton --peers \
         --out benchmarks/results/decode_step_peers_h200.json
 
-The results record the peers' versions and wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) beside
-the device, torch and triton versions.
+That run should take about 5 minutes (estimated from a 2-layer run on an H100: the four paths, their
+captures and checks, 30 s); the results file is rewritten after every backend and peer, so a run
+stopped by a time limit keeps what it measured (``complete`` says whether it finished). The results
+record the peers' versions and wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) beside the device,
+torch and triton versions.
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at

@@ -6,7 +6,7 @@ Needs the peers cache (``python benchmarks/peers.py fetch``, where PyPI is reach
 carried to a GPU machine); skipped without it. On a machine without CUDA the kernels run in Triton's
 interpreter (``import reference`` sets it): SGLang's in fp32; vLLM's in fp16, because its shrink
 asserts fp16 / bf16 inputs and the interpreter does not compute bf16 right. All of them run there
-(vLLM's take about 1.5 minutes: its default split-K of 64 launches thousands of programs, each
+(vLLM's take 40-90 s on 2 cores: its default split-K of 64 launches thousands of programs, each
 interpreted); on a GPU the same tests run compiled, in bf16 too, and the decode step in CUDA graphs.
 """
 from __future__ import annotations
