@@ -6,7 +6,9 @@
 ``fetch`` runs ``pip download --no-deps sglang==0.5.23 vllm==0.33.0`` into a temporary folder (or reads
 the wheels already in ``--wheels``), extracts only the peers' dense LoRA op modules into ``.peers/lib``
 (importable; about 0.1 MB of their code), the few framework files whose functions the adapters below
-execute into ``.peers/sources`` (read as text, never imported), writes small stubs of the book's own
+execute into ``.peers/sources`` (read as text, never imported; with the two layer files whose calls the
+adapters mirror, SGLang's ``srt/lora/layers.py`` and vLLM's ``lora/layers/base_linear.py``, for
+reading), writes small stubs of the book's own
 for the framework modules the ops import, and ``.peers/MANIFEST.json`` (versions, wheel hashes, every
 file and its origin). The wheels (375 MB) are deleted unless they were given. ``.peers`` is ignored by
 git and is what a GPU machine without PyPI needs (carry it: ``run(..., carry=[".peers"])``). Nothing of
