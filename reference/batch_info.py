@@ -353,8 +353,9 @@ def slot_sorted_view(
     decoding each sequence verifies ``tokens_per_seq`` tokens (rows seq*tps .. seq*tps + tps - 1 of
     x): the sequence-level order is expanded to token level. As a LoRABatchInfo:
     ``seg_indptr = slot_offsets``, ``weight_indices = arange(num_slots)``,
-    ``permutation = sorted_token_ids``. A graph path copies these into persistent buffers whose
-    padding stays zero, so a stale slot id is never read.
+    ``permutation = sorted_token_ids``. A graph path copies these into persistent buffers sized for
+    its largest bucket (chapter 08's ``StaticLoRABatch``), where every token row past the batch holds
+    the pad slot, a slot of rank 0: nothing that reads past the batch finds a stale slot id.
 
     Semantics:
         seq_counts[s] = #{q : token_slots[q] == s}            (bincount with minlength num_slots)
