@@ -32,6 +32,7 @@
 import copy
 import inspect
 import json
+import math
 import tempfile
 import time
 import warnings
@@ -996,7 +997,8 @@ whole = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(6, 8, device=d
 parts = ops.bgmv_shrink(x_split, A_split, info_split, torch.zeros(3, 6, 8, device=device), block_k=16)
 print("partials:", list(parts.shape), "(S, tokens, width); their sum vs the unsplit shrink: max |difference|",
       f"{(parts.sum(0) - whole).abs().max().item():.1e}")
-piece = -(-(-(-64 // 3)) // 16) * 16  # ceil(ceil(K / S) / block_k) * block_k columns of x per piece
+K, S, block_k = 64, 3, 16
+piece = math.ceil(math.ceil(K / S) / block_k) * block_k  # columns of x per piece: whole block_k blocks
 print(f"pieces of {piece} columns of the 64: the third starts at {2 * piece} and has none; its partial is all zeros:",
       bool((parts[-1] == 0).all()))
 y_whole = ops.bgmv_expand(whole, B_split, info_split, torch.zeros(6, 24, device=device))
