@@ -311,6 +311,7 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
     if wrong.get("by_seq_id"):
         order = sorted(rows, key=lambda r: (r[1] not in warm, r[0]))
     chosen, admitted, seen = set(running) | (set(resident) if wrong.get("resident_counted") else set()), [], 0
+    added = []  # the admitted uids, one per admission (for admitted_twice)
     for seq_id, uid, blocks, _ in order:
         if len(admitted) == max_new + wrong.get("off", 0) or wrong.get("count_seen") and seen == max_new:
             break
@@ -324,6 +325,8 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
             continue
         distinct = {x for x in chosen | {uid} if not (wrong.get("base_free") and x is None)}
         taken = len(distinct) + (len(running) - len(set(running)) if wrong.get("repeats") else 0)
+        if wrong.get("admitted_twice"):  # the admitted uids kept in a list: a repeated one counted again
+            taken = len(set(running)) + len(added) + (uid not in set(running) | set(added))
         if taken > cap:
             if wrong.get("break_on_cap"):
                 break
@@ -335,6 +338,7 @@ def _admit_variant(rows, running, resident, cap, free, max_new, draining, active
         if wrong.get("ge_kv") and blocks == free:
             break
         admitted.append(seq_id)
+        added.append(uid)
         if not wrong.get("no_add"):
             chosen.add(uid)
         free -= 0 if wrong.get("no_decrement") else blocks
@@ -375,6 +379,8 @@ _ADMIT_MISTAKES = [
     (dict(count_seen=True), "max_new_seqs counts ADMITTED requests, not candidates looked at (skipped ones do not "
                             "count)"),
     (dict(repeats=True), "the cap counts DISTINCT uids: a uid running twice takes one slot"),
+    (dict(admitted_twice=True), "the cap counts DISTINCT uids: a uid admitted twice (or admitted while it runs) takes "
+                                "one slot, so keep the running and admitted uids in a set, not a list"),
 ]
 
 
@@ -404,16 +410,16 @@ def _admit_compare(case: Case, expected, got) -> Optional[str]:
     if k is None:
         return None
 
-    def who(i: int, ids: list) -> str:
+    def who(i: int, ids: list, whose: str) -> str:
         if i >= len(ids):
-            return "nothing more (admission stops there)"
+            return f"nothing more ({whose} {len(ids)} seq_id(s) in all)"
         sid = ids[i]
         if sid not in rows:
             return f"{sid}, which is no waiting candidate's seq_id"
         _, uid, blocks, waited = rows[sid]
         return f"seq {sid} (uid {uid!r}, {blocks} block(s), waited {waited})"
     return (f"admitted seq_ids: expected {expected}, got {got}; they first differ at position {k}: expected "
-            f"{who(k, expected)}, got {who(k, got)}")
+            f"{who(k, expected, 'the contract admits')}, got {who(k, got, 'your answer returned')}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,6 +600,39 @@ def _bound(loads, cf) -> int:
     return math.ceil(cf * (sum(loads) + 1) / len(loads))
 
 
+def _exact_bound(loads, cf, binary: bool) -> int:
+    """The bound in exact arithmetic: on the float's binary value (Fraction(cf)) or on its decimal
+    text (Fraction(repr(cf)))."""
+    factor = Fraction(cf) if binary else Fraction(repr(cf))
+    return math.ceil(factor * (sum(loads) + 1) / len(loads))
+
+
+def _float_not_exact(rng: random.Random, key, n, vnodes, binary: bool) -> tuple:
+    """(loads, vnodes, capacity_factor, replicas 1) where the contract's floating-point bound and the
+    exact one (binary: Fraction(cf), else Fraction(repr(cf))) differ by one, every float order agrees,
+    and the walk's first instance sits at the smaller of the two: open under one, full under the other."""
+    walk = ring_walk(key, n, vnodes)
+    factors = [k / 100 for k in range(101, 200)]
+    rng.shuffle(factors)
+    for cf in factors:
+        for total in range(n + 1, 16 * n):  # total = sum(loads) + 1
+            loads = [0] * n
+            loads[0] = total - 1  # the bound depends on the sum alone
+            b, e = _bound(loads, cf), _exact_bound(loads, cf, binary)
+            v = min(b, e)
+            if b == e or v > total - 1 or not _bounds_agree(loads, cf):
+                continue
+            for _ in range(20):
+                loads = [0] * n
+                loads[walk[0]] = v
+                for _ in range(total - 1 - v):  # the rest spread over the other instances
+                    loads[rng.choice(walk[1:])] += 1
+                if route(key, loads, vnodes, cf) != _route_variant(key, loads, vnodes, cf, exact_binary=binary,
+                                                                   exact=not binary):
+                    return loads, vnodes, cf, 1
+    raise RuntimeError("no loads found")  # pragma: no cover
+
+
 def _wrapping_key(rng: random.Random, n: int, vnodes: int):
     """A key whose hash lies past every ring point: its walk starts over at the first point."""
     top = max(stable_hash((i, v)) for i in range(n) for v in range(vnodes))
@@ -704,6 +743,8 @@ def _route_edge() -> list[Case]:
         floaty[i] = load
     return [
         c("bound_in_floating_point_as_written", k4, floaty, 8, 1.1, 1),
+        c("float_bound_not_the_decimal_one", "chat@2", *_float_not_exact(random.Random(6), "chat@2", 4, 8, False)),
+        c("float_bound_not_the_binary_one", "chat@2", *_float_not_exact(random.Random(7), "chat@2", 4, 8, True)),
         c("idle_instances_first_of_the_walk", k4, [0, 0, 0, 0], 8, 1.25),
         c("replicas_default_1", k4, [1, 0, 2, 1], 8, 1.25),
         c("first_of_the_walk_full", k4, full_first, 8, 1.0, 1),
@@ -766,7 +807,14 @@ def _route_families(rng: random.Random, tag: str) -> list[Case]:
         c(f"{tag}_wrap", wrap, wrap_loads, 2, 1.0, 1),
         c(f"{tag}_more_replicas_than_instances", key, [rng.randint(0, 5) for _ in range(n)], vn, 2.0, n + rng.randint(1, 3)),
     ]
-    return [cs for cs in cases if _bounds_agree(cs.args[1], cs.args[3])]
+    cases = [cs for cs in cases if _bounds_agree(cs.args[1], cs.args[3])]
+    # the contract's floating-point bound against exact arithmetic (decimal text, binary value): each
+    # lands one off the float somewhere, so an exact bound loses these (their float orders all agree)
+    # (n of 3 or 5 has no such case whose float orders agree: those take 4 instances)
+    n_fe = n if n in (2, 4, 8) else 4
+    return cases + [c(f"{tag}_float_bound_not_the_{form}_one", key,
+                      *_float_not_exact(rng, key, n_fe, vn, binary))
+                    for form, binary in (("decimal", False), ("binary", True))]
 
 
 def _route_draw(rng: random.Random, name: str) -> Case:
@@ -811,6 +859,8 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         bound = math.floor(cf * s / n)
     if wrong.get("exact"):
         bound = math.ceil(Fraction(repr(cf)) * s / n)
+    if wrong.get("exact_binary"):
+        bound = math.ceil(Fraction(cf) * s / n)
     if wrong.get("patched"):
         bound = max(bound, 1)
     if wrong.get("le"):
@@ -844,6 +894,10 @@ _ROUTE_BOUND_MISTAKES = [
     (dict(exact=True), "exact arithmetic (Fraction, Decimal, integer tricks) instead of the floating-point formula "
                        "as written: where the float lands just above a whole number its ceiling is one more (1.1 * "
                        "50 / 5 is 11.000000000000002 in floats: bound 12, not 11)"),
+    (dict(exact_binary=True), "exact arithmetic on the float's binary value (Fraction(capacity_factor)) instead of "
+                              "the floating-point formula as written: where the float product rounds to a whole "
+                              "number the exact one lies just above it, and its ceiling is one more (1.6 * 5 / 2 "
+                              "is 4.0 in floats: bound 4; Fraction(1.6) * 5 / 2 is just above 4: 5)"),
     (dict(no_plus_one=True), "no +1 for this request (the bound counts the load AFTER it is placed)"),
     (dict(patched=True), "no +1 for this request, floored at 1 instead (the bound counts the load AFTER it is placed, "
                          "so it is never 0)"),

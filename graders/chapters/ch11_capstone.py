@@ -391,7 +391,29 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
                 computed.append(None)
             return forward(work, running)
 
+        postprocess = scheduler.postprocess
+
+        def checked(work, next_tokens):  # Scheduler.postprocess's signature
+            # the contract: a token for every item that reached its sequence's end, none for a chunk
+            # short of it (postprocess itself reads only the ones it needs and ignores the rest)
+            try:
+                ends = {w.seq.seq_id for w in work if w.end == w.seq.num_tokens}
+                short = {w.seq.seq_id: (w.end, w.seq.num_tokens) for w in work if w.end != w.seq.num_tokens}
+                # (only with every needed token there: a mapping keyed otherwise is told by postprocess)
+                extra = sorted(k for k in next_tokens if k in short) if ends <= set(next_tokens) else []
+            except Exception:  # noqa: BLE001 (not the expected shapes: postprocess itself says what is wrong)
+                extra = []
+            if extra:
+                k = extra[0]
+                raise run.fail(
+                    f"your engine_step handed postprocess a token for seq {k}, whose work item is short of its "
+                    f"end (it ends at {short[k][0]} of the sequence's {short[k][1]} tokens): an item short of its "
+                    f"end gives no token; next_tokens holds a token only for the items with w.end == "
+                    f"w.seq.num_tokens (this step: seq_ids {sorted(ends)}), got keys {sorted(next_tokens)}")
+            return postprocess(work, next_tokens)
+
         runner.forward = counting
+        scheduler.postprocess = checked
         run.active.append("your engine_step (ch11.5)")
         try:
             kind = step_fn(scheduler, runner)
@@ -402,6 +424,7 @@ def _recorder(llm, step_fn: Callable, run: _Run, seqs: dict, limit: int) -> Call
         finally:
             run.active.pop()
             del runner.forward  # the bound method again
+            del scheduler.postprocess
         if run.failure is not None:  # a piece failed and the step's code caught it
             raise _Stop(run.failure)
         run.lines.append(_render(run.step, kind, sched.events[marks[0]:], pool.events[marks[1]:], computed))
@@ -736,12 +759,15 @@ def _step_hint(case: Case, expected: tuple, got: tuple) -> Optional[str]:
         return ("return the step's kind: with nothing to run, scheduler.schedule() returns ('idle', []); return "
                 "'idle' at once, without calling runner.forward (there is no work to compute)")
     if "(returned " in line:
-        return ("return the step's kind: the first value scheduler.schedule() returned ('prefill', 'decode' or "
-                "'idle'; the engine counts its steps by it)")
+        return ("return the step's kind: the first value scheduler.schedule() returned ('prefill', 'decode', "
+                "'mixed' or 'idle'; the engine counts its steps by it)")
     if last.startswith("error") and "KeyError" in last and "(postprocess)" in last:
         return ("postprocess looks up next_tokens[w.seq.seq_id] for every row with w.end == w.seq.num_tokens: "
                 "key next_tokens by w.seq.seq_id (not the sequence's uid, not the row's index) and give every such "
                 "row its token, in prefill steps too")
+    if last.startswith("error") and "short of its end gives no token" in last:
+        return ("pick a token only for the items with w.end == w.seq.num_tokens: a prefill chunk short of its "
+                "sequence's end has no next token (its last row's logits predict a token the prompt already has)")
     if last.startswith("error") and "changed nothing" in last:
         return ("end the step with scheduler.postprocess(work, next_tokens): it records the computed KV and the "
                 "new tokens; without it the scheduler hands out the same work again")

@@ -7,14 +7,16 @@ list, a concatenated string, no check of a negative block size. ch11.2: no warm-
 resident (not running) uids warm, break instead of skip on the cap, skip instead of break on KV, KV
 checked before the cap, the base not counted, None never drained, the drain flag ignored, free
 blocks not decremented, one admission too many, arrival taken as seq_id order, resident
-adapters counted in the cap. ch11.3: >= instead of >, the cap check missing, a
+adapters counted in the cap, a repeated admitted uid counted again. ch11.3: >= instead of >, the cap check missing, a
 running uid counted as starving, the most-loaded adapter drained, ties by insertion order, ties by
 the uid's text, no threshold check. ch11.4: the bound without the +1, <= instead of <, a walk without
 wrap-around, replicas ignored (the same function as returning the first open instance), ties to the
-highest index, ties to the lowest index, no load check, the factor outside the ceiling.
+highest index, ties to the lowest index, no load check, the factor outside the ceiling, the bound
+in exact arithmetic (on the factor's decimal text or on its binary value).
 ch11.5 (the capstone: the step, and the learner's ch11.1-ch11.3 cells run in the engine, ``part``):
 chunks computed at position 0, the whole sequence computed again, the batch's uids as the running
-ones, running left out, tokens only in decode steps, tokens keyed by row, postprocess forgotten, the
+ones, running left out, tokens only in decode steps, a token for every item (chunks short of their
+end too), tokens keyed by row, postprocess forgotten, the
 kind not returned, every row reading the last row's logits; and in the needed cells: the adapter left
 out of the block key, unchained keys, the cap ignored, the base not counted, no warm-first order, a
 KV shortfall skipped, the most-loaded adapter drained, a drain never started, a drain that never
@@ -106,6 +108,18 @@ MUTANTS = [
     Mutant("ch11.2", "admitted-uid-not-added",
            (("        chosen.add(c.uid)\n", ""),),
            "add each admitted candidate's uid to the set the cap counts", "state"),
+    Mutant("ch11.2", "admitted-uid-counted-again",
+           (("    chosen, admitted = set(running_uids), []\n", "    chosen, admitted = list(set(running_uids)), []\n"),
+            ("        if len(chosen | {c.uid}) > max_loras_per_batch:\n",
+             "        if len(chosen) + (c.uid not in chosen) > max_loras_per_batch:\n"),
+            ("        chosen.add(c.uid)\n", "        chosen.append(c.uid)\n")),
+           "a uid admitted twice", "state"),
+    Mutant("ch11.5", "admitted-uid-counted-again-in-the-engine",
+           (("    chosen, admitted = set(running_uids), []\n", "    chosen, admitted = list(set(running_uids)), []\n"),
+            ("        if len(chosen | {c.uid}) > max_loras_per_batch:\n",
+             "        if len(chosen) + (c.uid not in chosen) > max_loras_per_batch:\n"),
+            ("        chosen.add(c.uid)\n", "        chosen.append(c.uid)\n")),
+           "a uid admitted twice", "state", part="ch11.2"),
     Mutant("ch11.2", "one-admission-too-many",
            (("        if len(admitted) == max_new_seqs:\n", "        if len(admitted) > max_new_seqs:\n"),),
            "one too many", "clause"),
@@ -145,6 +159,11 @@ MUTANTS = [
              "    from fractions import Fraction\n"
              "    bound = math.ceil(Fraction(str(capacity_factor)) * (sum(loads) + 1) / len(loads))\n"),),
            "the floating-point formula as written", "math"),
+    Mutant("ch11.4", "bound-in-exact-binary-arithmetic",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    from fractions import Fraction\n"
+             "    bound = math.ceil(Fraction(capacity_factor) * (sum(loads) + 1) / len(loads))\n"),),
+           "Fraction(capacity_factor)", "math"),
     Mutant("ch11.4", "factor-outside-the-ceiling",
            (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
              "    bound = capacity_factor * math.ceil((sum(loads) + 1) / len(loads))\n"),),
@@ -209,6 +228,9 @@ MUTANTS += [
     Mutant("ch11.5", "tokens-only-in-decode-steps",
            (("        if w.end == w.seq.num_tokens:", "        if kind == \"decode\":"),),
            "in prefill steps too", "clause"),
+    Mutant("ch11.5", "a-token-for-every-item",
+           (("        if w.end == w.seq.num_tokens:", "        if True:"),),
+           "an item short of its end gives no token", "clause"),
     Mutant("ch11.5", "tokens-keyed-by-row",
            (("            next_tokens[w.seq.seq_id] = ", "            next_tokens[i] = "),),
            "key next_tokens by w.seq.seq_id", "clause"),
