@@ -74,20 +74,28 @@ def answer_source(fn: Callable) -> str:
     """
     code = _first_code(fn)
     if code is None:
+        if inspect.isclass(fn):
+            raise TypeError(f"your class {fn.__name__} has no method written in your cell (its own or a base "
+                            "class's defined beside it): nothing to grade")
         raise TypeError(f"expected your function or class, got {type(fn).__name__}")
     lines = linecache.getlines(code.co_filename)
     return "".join(lines) if lines else inspect.getsource(fn)
 
 
 def _first_code(obj):
-    """The code object of a function, or of a class's first method (a class has none of its own)."""
+    """The code object of a function, or of a class's first method (a class has none of its own):
+    its own, else that of a base class defined in the same module (a learner's ``class
+    StaticLoRABatch(_Impl): pass`` keeps its methods in a helper class of the same cell)."""
     if inspect.isfunction(obj):
         return obj.__code__
     if inspect.isclass(obj):
-        for value in vars(obj).values():
-            value = getattr(value, "__func__", value)  # staticmethod / classmethod
-            if inspect.isfunction(value):
-                return value.__code__
+        for klass in inspect.getmro(obj):
+            if klass is not obj and klass.__module__ != obj.__module__:
+                continue  # a library's base (nn.Module): its file is not the answer's
+            for value in vars(klass).values():
+                value = getattr(value, "__func__", value)  # staticmethod / classmethod
+                if inspect.isfunction(value):
+                    return value.__code__
     return None
 
 

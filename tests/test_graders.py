@@ -425,3 +425,24 @@ def test_a_tensor_left_on_the_cpu_in_a_cuda_case_is_named_as_the_default_device(
     on_cuda = core._compare_tensor("returned value", torch.zeros(2, dtype=torch.int32), {"tensor": "t", "device": "cuda"},
                                    {"t": torch.zeros(2, dtype=torch.int32)}, case, torch.device("cpu"))
     assert "default device" not in on_cuda  # a CUDA tensor in a CPU case is another mistake
+
+
+class _HelperImpl:
+    def update(self):
+        return "the helper's method"
+
+
+class _AnswerThroughABase(_HelperImpl):
+    pass
+
+
+class _OnlyALibraryBase(torch.nn.Module):
+    pass
+
+
+def test_a_class_whose_methods_live_in_a_base_of_the_same_cell_is_graded_from_that_cell():
+    """A new learner's ``class StaticLoRABatch(_Impl): pass`` was refused as "expected your function
+    or class, got type"; the cell is found through the base class defined beside it."""
+    assert "class _AnswerThroughABase(_HelperImpl)" in graders.answer_source(_AnswerThroughABase)
+    with pytest.raises(TypeError, match="has no method written in your cell"):
+        graders.answer_source(_OnlyALibraryBase)
