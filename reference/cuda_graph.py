@@ -79,23 +79,35 @@ class SlotChangeTracker:
     """Whether any slot of a pool changed owner since the last :meth:`poll` (TensorRT-LLM's
     ``AdapterSlotManager.slots_changed``).
 
-    It reads the pool's event log (chapter 05): ``("load", uid, slot, tier)`` and
-    ``("evict", uid, slot)`` change ownership; ``("hit", ...)`` (an LRU refresh) and
-    ``("cpu_evict", uid)`` (a host copy dropped) do not. The first poll reports every event the pool
-    logged before the tracker was made, so a runner started on a warm pool copies its tables once.
-    """
+    It reads the pool's event log (chapter 05; ``reference.mem_pool`` lists every kind). A slot
+    changes owner when an adapter arrives in it or leaves it: ``("load", uid, slot, tier)``,
+    ``("evict", uid, slot)`` and ``("unload", uid, slot)`` with a slot (a resident adapter removed,
+    its slot zeroed and freed: ``LoRAMemoryPool.unload``, the serving engine's adapter removal).
+    ``("hit", uid, slot)`` (an LRU refresh), ``("cpu_evict", uid)`` (a host copy dropped) and
+    ``("unload", uid, None)`` (an adapter held only as a host copy removed) change no owner.
+    The first poll reports every event the pool logged before the tracker was made, so a runner
+    started on a warm pool copies its tables once.
 
-    OWNERSHIP_EVENTS = ("load", "evict")
+    The pool logs each "evict" in the same ``prepare_lora_batch`` call as the "load" into that slot,
+    so no poll sees one without the other; an "unload" frees a slot with no load after it (the
+    device tables would keep the removed adapter's rank for a slot the pool now reports as rank 0,
+    and the engine may pick that slot for its padding).
+    """
 
     def __init__(self, pool: LoRAMemoryPool) -> None:
         self.pool = pool
         self.seen = 0  # events of pool.events already looked at
 
+    @staticmethod
+    def changes_owner(event: tuple) -> bool:
+        """True for the events that change a slot's owner (see the class docstring)."""
+        return event[0] in ("load", "evict") or (event[0] == "unload" and event[2] is not None)
+
     def poll(self) -> bool:
         """True when a slot changed owner since the previous poll; then forgets it."""
         new = self.pool.events[self.seen:]
         self.seen = len(self.pool.events)
-        return any(event[0] in self.OWNERSHIP_EVENTS for event in new)
+        return any(self.changes_owner(event) for event in new)
 
 
 class StaticLoRABatch:

@@ -15,12 +15,15 @@ Three tiers: GPU slots (this pool's buffers, allocated once so their addresses n
 of host copies (at most ``max_loaded_loras``, LRU, always holding every adapter resident on the GPU that
 came through it) and "disk" (``adapter_source``, e.g. ``AdapterRegistry.load``).
 
-Event log ``pool.events`` (plain tuples, appended by ``prepare_lora_batch`` in the order things happen):
+Event log ``pool.events`` (plain tuples, appended in the order things happen), four kinds by ``prepare_lora_batch``:
     ("hit", uid, slot)              uid of the batch already resident in slot
     ("evict", uid, slot)            uid leaves slot to make room (its host copy may stay cached)
     ("cpu_evict", uid)              uid's host copy leaves the CPU cache (LRU over host copies)
     ("load", uid, slot, tier)       uid written into slot; tier "cpu" (CPU-cache hit), "disk" (CPU-cache
                                     miss, fetched from adapter_source) or "base" (None: zero-fill, rank 0)
+and one by ``unload`` (an adapter removed from the pool, the serving engine's adapter removal):
+    ("unload", uid, slot)           slot: the slot it was resident in (now zeroed and free), or None
+                                    when only its host copy was held
 ``events_to_json`` writes them with explicit tags: ``None`` -> {"base": true}, EMPTY_SLOT -> {"empty":
 true}. Running example, 2 slots, LRU, adapters A and B on disk:
     prepare_lora_batch({"A", None}) -> ("load", None, 0, "base"), ("load", "A", 1, "disk")

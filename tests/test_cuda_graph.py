@@ -380,6 +380,11 @@ def test_slot_change_tracker_sees_ownership_not_refreshes(adapters):
     assert tracker.poll()
     pool.prepare_lora_batch(["mlp", None])
     assert not tracker.poll()
+    pool.unload("qv")  # evicted earlier, only its host copy left: no slot changes owner
+    assert pool.events[-1] == ("unload", "qv", None) and not tracker.poll()
+    pool.unload("mlp")  # resident: its slot is zeroed and freed, with no load after it
+    assert pool.events[-1][:2] == ("unload", "mlp") and pool.events[-1][2] is not None
+    assert tracker.poll() and not tracker.poll()
 
 
 def test_padding_rows_write_only_the_scratch_row(base):

@@ -17,8 +17,9 @@ update whether anything changed. Every draw has a full bucket followed by a smal
 slots past the bucket), a first update with the flag off (the junk tables must stay), and one
 refused update of each kind. ch08.3: a real ``LoRAMemoryPool`` (tiny adapters, a CPU cache that
 drops host copies) replayed with polls between some calls, several calls between others, two polls
-in a row, an interval of hits only, a load followed by a hit, a host copy dropped alone, and a
-tracker made on a warm pool. ch08.4: static tensors left by an earlier step (real rows, tokens and
+in a row, an interval of hits only, a load followed by a hit, a host copy dropped alone, an unload
+of a resident adapter (a slot freed with no load after it) and of a host copy alone, and a tracker
+made on a warm pool. ch08.4: static tensors left by an earlier step (real rows, tokens and
 positions everywhere) or in the capture state, padding inside the bucket and none, a bucket below
 max_seqs, one to four tokens per sequence, cache rows out of order; compared on the first ``bucket``
 rows (what the bucket's graph reads).
@@ -652,6 +653,8 @@ def _drop_host_copy(pool: LoRAMemoryPool) -> None:
 def _apply(pool: LoRAMemoryPool, step: list) -> None:
     if step[0] == "batch":
         pool.prepare_lora_batch(step[1])
+    elif step[0] == "unload":
+        pool.unload(step[1])
     else:
         _drop_host_copy(pool)
 
@@ -662,8 +665,9 @@ def _show_event(e) -> str:
 
 def replay_tracker(cls, num_slots: int, max_loaded: int, warm: list, steps: list) -> list:
     """A pool of ``num_slots`` slots and ``max_loaded`` host copies; the ``warm`` steps run before
-    ``cls(pool)`` is made, then ``steps``: ["batch", uids] (prepare_lora_batch), ["drop"] (a host
-    copy dropped on its own) or ["poll"].
+    ``cls(pool)`` is made, then ``steps``: ["batch", uids] (prepare_lora_batch), ["unload", uid]
+    (``pool.unload``: a resident adapter's slot freed, or a host copy alone removed), ["drop"] (a
+    host copy dropped on its own) or ["poll"].
 
     Returns one line per poll: its number, the events the pool logged since the previous poll (the
     first poll: since the pool was made, warm steps included) and what poll() returned.
@@ -696,14 +700,15 @@ def replay_tracker(cls, num_slots: int, max_loaded: int, warm: list, steps: list
 
 def _tracker_case(name, num_slots, max_loaded, warm, steps) -> Case:
     def short(s):
-        return "poll" if s[0] == "poll" else "drop a host copy" if s[0] == "drop" else f"batch {s[1]!r}"
+        return ("poll" if s[0] == "poll" else "drop a host copy" if s[0] == "drop" else
+                f"pool.unload({s[1]!r})" if s[0] == "unload" else f"batch {s[1]!r}")
     shown = ", ".join(short(s) for s in steps[:8]) + (", ..." if len(steps) > 8 else "")
     before = f"{len(warm)} batch(es) before the tracker is made ({', '.join(short(s) for s in warm)}); " if warm else ""
     return Case(name, [num_slots, max_loaded, warm, steps],
                 f"pool of {num_slots} slots, {max_loaded} host copies; {before}then: {shown}", op="exact")
 
 
-B, P, D = "batch", ["poll"], ["drop"]
+B, P, D, U = "batch", ["poll"], ["drop"], "unload"
 
 
 def _tracker_edge() -> list[Case]:
@@ -721,6 +726,13 @@ def _tracker_edge() -> list[Case]:
                       [[B, ["A", "B"]], P, [B, ["C"]], [B, ["A", "B"]], P]),
         _tracker_case("host_copy_dropped_alone", 2, 4, [], [[B, ["A"]], [B, ["B"]], [B, ["C"]], P, D, P]),
         _tracker_case("warm_pool_first_poll_reports_earlier_loads", 2, 3, [[B, ["A", None]]], [P, P]),
+        # an adapter leaves its slot with no load after it; then the freed slot is loaded again
+        _tracker_case("unload_frees_a_slot", 2, 3, [], [[B, ["A", None]], P, [U, "A"], P, [B, ["B"]], P]),
+        # A evicted from its slot but its host copy kept: unloading it frees no slot; unloading an
+        # adapter the pool never held logs nothing (an interval of hits before: counting every event
+        # is told apart from counting every unload)
+        _tracker_case("unload_of_a_host_copy_only", 2, 4, [],
+                      [[B, ["A", None]], [B, ["B", None]], P, [B, ["B"]], P, [U, "A"], P, [U, "Z"], P]),
         _tracker_case("warm_pool_of_hits_only_after_a_load", 2, 3, [[B, ["A"]], [B, ["A"]]], [P, [B, ["A"]], P]),
         _tracker_case("no_poll_at_all", 2, 3, [[B, ["A"]]], [[B, ["B"]]]),
     ]
@@ -777,6 +789,22 @@ def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int) -> tuple
         random_batch(steps)
         if rng.random() < 0.5:
             steps.append(P)
+    for _ in range(12):  # until some host copy is not resident (more host copies than slots) ...
+        cached = [u for u in pool.cpu_cache if u not in pool.uid_to_buffer_id]
+        if cached:
+            break
+        batch(steps, [next(fresh)])
+    steps.append(P)
+    steps.append([U, cached[0]])  # ... and that adapter removed: no slot changes owner
+    pool.unload(cached[0])
+    steps.append(P)
+    gone = rng.choice([u for u in residents() if u is not None])  # a resident adapter removed: its
+    steps.append([U, gone])  # slot is freed, with no load after it
+    pool.unload(gone)
+    steps.append(P)
+    if rng.random() < 0.5:
+        batch(steps, [next(fresh)])  # the freed slot loaded again
+        steps.append(P)
     batch(steps, residents()[:1])
     steps.append(P)
     return warm, steps
@@ -798,6 +826,11 @@ def _tracker_variant(**wrong) -> type:
     """``SlotChangeTracker`` with one named mistake switched on (for hints)."""
     counted = ("load", "evict") + (("hit",) if wrong.get("hits") else ()) + (("cpu_evict",) if wrong.get("cpu") else ())
 
+    def changes(e) -> bool:
+        if e[0] == "unload":
+            return not wrong.get("unload_ignored") and (e[2] is not None or bool(wrong.get("unload_any")))
+        return e[0] in counted
+
     class Variant:
         def __init__(self, pool) -> None:
             self.pool = pool
@@ -814,8 +847,8 @@ def _tracker_variant(**wrong) -> type:
             if not wrong.get("never_advances"):
                 self.seen = len(self.pool.events)
             if wrong.get("last_only"):
-                return bool(new) and new[-1][0] in counted
-            return bool(new) if wrong.get("any_event") else any(e[0] in counted for e in new)
+                return bool(new) and changes(new[-1])
+            return bool(new) if wrong.get("any_event") else any(changes(e) for e in new)
     return Variant
 
 
@@ -825,15 +858,21 @@ _TRACKER_MISTAKES = [
                               "pool.events, not its end"),
     (dict(hits=True), "a hit is an LRU refresh: the slot keeps its owner, so the per-slot tables need no rewrite"),
     (dict(cpu=True), "cpu_evict drops a host copy (the CPU cache): no slot changes owner"),
-    (dict(any_event=True), "only load and evict events change a slot's owner: a hit is an LRU refresh and a "
-                           "cpu_evict drops a host copy"),
+    (dict(any_event=True), "only load, evict and unload-with-a-slot events change a slot's owner: a hit is an LRU "
+                           "refresh, a cpu_evict drops a host copy, and (\"unload\", uid, None) removes an adapter "
+                           "that held no slot"),
+    (dict(unload_ignored=True), "a slot changes owner when an adapter leaves it too, not only when one is loaded: "
+                                "(\"unload\", uid, slot) with a slot removed a resident adapter (its slot zeroed and "
+                                "freed, no load after it), so return True, as for an \"evict\""),
+    (dict(unload_any=True), "(\"unload\", uid, None) removed an adapter that held no slot (only its host copy was "
+                            "cached): no slot changed owner; only an unload that names a slot counts"),
     (dict(never_advances=True), "poll() forgets what it reported: remember how far you have read (the length of "
                                 "pool.events at this poll), or every later poll reports the same events again"),
     (dict(last_only=True), "look at every event since the previous poll, not only the last one: a load followed by "
                            "a hit changed an owner"),
     (dict(snapshot=True), "an adapter was evicted and loaded back since the previous poll: the slot table may look "
                           "as it did then, yet slots changed owner in between (and were rewritten); answer from the "
-                          "load and evict events, not by comparing snapshots of the slots"),
+                          "load, evict and unload events, not by comparing snapshots of the slots"),
 ]
 
 
@@ -859,11 +898,12 @@ def _tracker_hint(case: Case, expected, got) -> Optional[str]:
     events = e.split("events ", 1)[1].rsplit(") -> ", 1)[0]
     kinds = [x.split(",")[0].strip("('") for x in events.split("[", 1)[1].split("), (")] if "(" in events else []
     if e.endswith("-> True"):
-        return ("a load or an evict event since the previous poll means a slot changed owner: return True (these "
-                f"events: {', '.join(kinds)})")
+        return ("a load, an evict or an unload that names a slot since the previous poll means a slot changed owner: "
+                f"return True (these events: {', '.join(kinds)})")
     if not kinds:
         return "nothing happened since the previous poll (no event), so no slot changed owner: return False"
-    return f"only load and evict events change a slot's owner (these events: {', '.join(kinds)}): return False"
+    return (f"only load, evict and unload-with-a-slot events change a slot's owner (these events: {', '.join(kinds)}): "
+            "return False")
 
 
 # ---------------------------------------------------------------------------------------------

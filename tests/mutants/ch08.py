@@ -5,15 +5,19 @@ discipline, padding, the flag, the slot-sorted view, validation order; which eve
 the log was read.
 
 Not in the catalogue, because no trace of the book's pool tells it apart from the solution: a
-tracker that counts only "load" events (the pool logs every "evict" in the same miss as the load
-into that slot). "cpu_evict" is also logged only next to a load by the pool itself, so the graders'
-traces drop host copies on their own too (memory pressure), where counting it fails."""
+tracker that counts "load" and "unload"-with-a-slot but not "evict" (the pool logs every "evict" in
+the same prepare_lora_batch call as the load into that slot, so no poll sees one without the other;
+the exercise text says so). A tracker that counts only "load" is caught by the unload of a resident
+adapter (a slot freed with no load after it): "only-loads-count" below. "cpu_evict" is also logged
+only next to a load by the pool itself, so the graders' traces drop host copies on their own too
+(memory pressure), where counting it fails."""
 from graders.course.mutation import Mutant
 
 _PAD_CHECK = ("        if lora_ranks[pad_slot] != 0:\n"
               "            raise ValueError(f\"pad slot {pad_slot} has rank {lora_ranks[pad_slot]}, not 0\")\n")
 _COPY = "            self.buffers[name].copy_(st[name], non_blocking=True)\n"
-_EVENTS = 'return any(event[0] in ("load", "evict") for event in new)'
+_EVENTS = 'return any(event[0] in ("load", "evict") or (event[0] == "unload" and event[2] is not None) for event in new)'
+_UNLOAD = ' or (event[0] == "unload" and event[2] is not None)'
 
 MUTANTS = [
     # ch08.1 bucket_for
@@ -85,16 +89,18 @@ MUTANTS = [
     # ch08.3 SlotChangeTracker
     Mutant("ch08.3", "starts-at-the-end-of-the-log", (("        self.seen = 0", "        self.seen = len(pool.events)"),),
            "the first poll reports the events logged before the tracker was made", "state", plausible=True),
-    Mutant("ch08.3", "hits-count-as-changes", ((_EVENTS, 'return any(event[0] in ("load", "evict", "hit") for event in new)'),),
+    Mutant("ch08.3", "hits-count-as-changes", (('("load", "evict")' + _UNLOAD, '("load", "evict", "hit")' + _UNLOAD),),
            "a hit is an LRU refresh", "clause"),
-    Mutant("ch08.3", "cpu-evict-counts", ((_EVENTS, 'return any(event[0] in ("load", "evict", "cpu_evict") for event in new)'),),
+    Mutant("ch08.3", "cpu-evict-counts", (('("load", "evict")' + _UNLOAD, '("load", "evict", "cpu_evict")' + _UNLOAD),),
            "cpu_evict drops a host copy", "clause"),
     Mutant("ch08.3", "never-advances", (("        self.seen = len(self.pool.events)\n", ""),),
            "poll() forgets what it reported", "state"),
-    Mutant("ch08.3", "only-the-last-event", ((_EVENTS, 'return bool(new) and new[-1][0] in ("load", "evict")'),),
+    Mutant("ch08.3", "only-the-last-event",
+           ((_EVENTS, 'return bool(new) and (new[-1][0] in ("load", "evict") or (new[-1][0] == "unload" and new[-1][2] is not None))'),),
            "not only the last one", "state"),
     Mutant("ch08.3", "any-event-counts", ((_EVENTS, "return bool(new)"),), "a hit is an LRU refresh", "clause"),
-    Mutant("ch08.3", "returns-the-events", ((_EVENTS, 'return [e for e in new if e[0] in ("load", "evict")]'),),
+    Mutant("ch08.3", "returns-the-events",
+           ((_EVENTS, 'return [e for e in new if e[0] in ("load", "evict") or (e[0] == "unload" and e[2] is not None)]'),),
            "poll() returns a bool", "clause"),
 
     # ch08.4 write_decode_inputs
@@ -161,4 +167,14 @@ MUTANTS += [
     Mutant("ch08.1", "first-fit-and-strict",
            (("b >= num_seqs", "b > num_seqs"), ("    return min(fits)", "    return fits[0]")),
            "buckets come in any order", "clause"),
+]
+
+# issue #33: a tracker that counts only loads scored 3/3 (every "evict" comes with its "load"); the
+# pool's unload (a slot freed with no load after it) is now in the exercise's events and its traces
+MUTANTS += [
+    Mutant("ch08.3", "only-loads-count", ((_EVENTS, 'return any(event[0] == "load" for event in new)'),),
+           "a slot changes owner when an adapter leaves it too", "clause"),
+    Mutant("ch08.3", "unload-ignored", ((_UNLOAD, ""),), "a slot changes owner when an adapter leaves it too", "clause"),
+    Mutant("ch08.3", "unload-of-a-host-copy-counts", ((_UNLOAD, ' or event[0] == "unload"'),),
+           "removed an adapter that held no slot", "clause"),
 ]

@@ -413,9 +413,12 @@ for g in sweep["best"]:
 # every step would be correct but wasteful; TensorRT-LLM's `AdapterSlotManager` keeps a
 # `slots_changed` flag, set when a slot's adapter changes, and its CUDA-graph LoRA parameters
 # (`CudaGraphLoraParams`) rewrite the per-slot pointers and sizes only then. Here the pool's event
-# log (chapter 05) tells: `("load", uid, slot, tier)` and `("evict", uid, slot)` change ownership;
-# `("hit", uid, slot)` (an LRU refresh) and `("cpu_evict", uid)` (a host copy dropped from the CPU
-# cache) do not.
+# log (chapter 05) tells. A slot changes owner when an adapter arrives in it or leaves it:
+# `("load", uid, slot, tier)`, `("evict", uid, slot)`, and `("unload", uid, slot)` with a slot
+# (`pool.unload(uid)`, how a server removes an adapter, chapter 11: the slot is zeroed and freed,
+# rank 0, and no load follows). `("hit", uid, slot)` (an LRU refresh), `("cpu_evict", uid)` (a host
+# copy dropped from the CPU cache) and `("unload", uid, None)` (an adapter removed that held no slot,
+# only a host copy) change no owner.
 
 # %%
 def tiny_adapter(uid):
@@ -427,19 +430,37 @@ for batch in (["A"], ["A"], ["B", None], ["C"]):
     start = len(small_pool.events)
     small_pool.prepare_lora_batch(batch)
     print(f"prepare_lora_batch({batch}): events {small_pool.events[start:]}")
+for uid in ("C", "B"):  # C holds a slot; B was evicted, only its host copy is left
+    start = len(small_pool.events)
+    small_pool.unload(uid)
+    print(f"unload({uid!r}): events {small_pool.events[start:]}")
 
 # %% [markdown]
 # ### Exercise ch08.3: `SlotChangeTracker`
 #
 # Write the class `SlotChangeTracker` with `__init__(self, pool)` and `poll(self) -> bool`: `poll()`
-# returns True when `pool.events` gained a `"load"` or an `"evict"` event since the previous poll,
-# else False (a Python bool). The **first** poll looks at every event the pool logged since it was
-# made, before the tracker existed too: a runner started on a warm pool must copy its tables once.
-# Hits and `cpu_evict` events change no owner. Read the events (`event[0]` is the kind); do not
-# change the pool.
+# returns True when `pool.events` gained an event that changes a slot's owner since the previous
+# poll, else False (a Python bool). The events a pool logs, all five kinds (`event[0]` is the kind):
+#
+# | event | from | changes a slot's owner |
+# |---|---|---|
+# | `("load", uid, slot, tier)` | `prepare_lora_batch`: uid written into slot | yes |
+# | `("evict", uid, slot)` | `prepare_lora_batch`: uid leaves slot to make room | yes |
+# | `("unload", uid, slot)`, slot an int | `pool.unload(uid)`: a resident adapter removed, its slot zeroed and freed | yes |
+# | `("unload", uid, None)` | `pool.unload(uid)`: an adapter that held no slot (only a host copy) removed | no |
+# | `("hit", uid, slot)` | `prepare_lora_batch`: uid already resident (an LRU refresh) | no |
+# | `("cpu_evict", uid)` | a host copy dropped from the CPU cache | no |
+#
+# The **first** poll looks at every event the pool logged since it was made, before the tracker
+# existed too: a runner started on a warm pool must copy its tables once. Read the events; do not
+# change the pool. (The pool logs each `"evict"` in the same `prepare_lora_batch` call as the
+# `"load"` into that slot, so no poll sees an evict without a load; an `"unload"` with a slot is the
+# one change that no load follows.)
 #
 # The grader replays traces on a real `LoRAMemoryPool` (tiny adapters, a CPU cache that drops host
-# copies, the base model loading too) with polls between some calls and several calls between
+# copies, the base model loading too) with `prepare_lora_batch` calls, `pool.unload` calls (of
+# resident adapters, of adapters held only as host copies, of adapters the pool never held: no
+# event) and host copies dropped on their own, polls between some calls and several calls between
 # others, two polls in a row, and trackers made on warm pools; the report shows the first poll
 # whose answer differs, with the events since the previous poll.
 
@@ -457,7 +478,7 @@ class SlotChangeTracker:
         ### BEGIN SOLUTION
         new = self.pool.events[self.seen:]
         self.seen = len(self.pool.events)
-        return any(event[0] in ("load", "evict") for event in new)
+        return any(event[0] in ("load", "evict") or (event[0] == "unload" and event[2] is not None) for event in new)
         ### END SOLUTION
 
 
