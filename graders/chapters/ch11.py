@@ -20,7 +20,9 @@ counting admissions only, a drained adapter (and the base drained as None; None 
 the flag is off), a uid running twice, each error. ch11.3: the docstring example, waited equal to
 the threshold and one past it, a free slot, more running than the cap, a starving uid that runs,
 a starving base request, ties broken by uid_sort_key (base first, ints by value, int before str)
-against the dict's insertion order, each error. ch11.4: idle instances, the bound's "+1" (the first
+against the dict's insertion order, each error; every group has int uids tied whose text order
+differs from their value order (9 before 10), inserted so that the first inserted, the smallest as
+text and the largest are three other uids. ch11.4: idle instances, the bound's "+1" (the first
 instance of the walk exactly one below the bound), capacity factors 1, 1.25, 1.5, 2 and large, a
 key past every ring point (the walk wraps), replicas 2 and 3 with the lighter one second in the
 walk, ties to the earlier one in the walk where that is the higher index, replicas taken after the
@@ -476,6 +478,13 @@ def _drain_families(rng: random.Random, tag: str) -> list[Case]:
     u = rng.sample([x for x in _UIDS if x is not None and not isinstance(x, int)], 4)
     t = rng.randint(0, 6)
     lo, hi = rng.randint(1, 8), rng.randint(10, 40)
+    # four int uids tied on lo, whose text order differs from their value order: the smallest value
+    # (one digit, 3-9) is drained; the smallest as text ("1x") is another, the largest ("1xy")
+    # another, the first inserted (20-99) another, and a busier uid beside them
+    smallest = rng.randint(3, 9)
+    text_first = rng.randint(10, 19)
+    largest = 10 * text_first + rng.randint(0, 9)
+    first = rng.randint(20, 99)
     c = _drain_case
     return [
         c(f"{tag}_smallest_drained", [_w(1, u[2], t + 1)], [(u[0], hi), (u[1], lo)], 2, t),
@@ -484,7 +493,8 @@ def _drain_families(rng: random.Random, tag: str) -> list[Case]:
         c(f"{tag}_over_cap", [_w(1, u[3], t + 5)], [(u[0], hi), (u[1], lo), (u[2], lo + 1)], 2, t),
         c(f"{tag}_uid_runs", [_w(1, u[0], t + 5)], [(u[0], hi), (u[1], lo)], 2, t),
         c(f"{tag}_tie_base", [_w(1, u[2], t + 3)], [(u[1], lo), (None, lo)], 2, t),
-        c(f"{tag}_tie_ints", [_w(1, u[2], t + 3)], [(10 * rng.randint(1, 9), lo), (rng.randint(2, 9), lo)], 2, t),
+        c(f"{tag}_tie_ints_by_value_not_as_text", [_w(1, u[3], t + 3)],
+          [(first, lo), (largest, lo), (smallest, lo), (text_first, lo), (u[0], hi)], 5, t),
         c(f"{tag}_tie_strs", [_w(1, u[3], t + 3)], sorted([(u[0], lo), (u[1], lo), (u[2], hi)],
                                                             key=lambda p: str(p[0]), reverse=True), 3, t),
         c(f"{tag}_base_starves", [_w(1, None, t + 2)], [(u[0], hi), (u[1], lo)], 2, t),

@@ -292,3 +292,15 @@ MUTANTS += [
              "    bound = int(capacity_factor * (sum(loads) + 1) / len(loads)) + 1\n"),),
            "int(x) + 1 as the ceiling", "math"),
 ]
+
+# issue #33: ties by the uid's text scored full marks in the random or hidden group under about one
+# secret in four (its int tie, 10*k against one digit, differed as text only when k was the smaller
+# digit); every group now ties int uids whose text order differs from their value order. This one
+# keeps uid_sort_key's base-first and type-name order and compares only the values as text, so only
+# int ties tell it apart
+MUTANTS += [
+    Mutant("ch11.3", "ties-by-type-then-text",
+           ((_TIE, "    victim = min(running_remaining, key=lambda u: (running_remaining[u], u is not None, "
+                   "type(u).__name__, str(u)))\n"),),
+           "not by the uids as text", "clause"),
+]

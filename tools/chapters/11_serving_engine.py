@@ -425,9 +425,9 @@ for threshold in (None, 4):
 # ```
 #
 # `uid_sort_key` (from `reference.mem_pool`, imported in the cell) orders any uids: the base model
-# (None) first, then by type name, then by value. Raise `ValueError` when `threshold < 0` or
-# `max_loras_per_batch < 1`. Example: cap 2, running `{a: 30, b: 4}`, waiting `[c waited 5]`,
-# threshold 4: `(True, "b")`.
+# (None) first, then by type name, then by value (ints as numbers: 9 before 10, though "10" < "9" as
+# text). Raise `ValueError` when `threshold < 0` or `max_loras_per_batch < 1`. Example: cap 2,
+# running `{a: 30, b: 4}`, waiting `[c waited 5]`, threshold 4: `(True, "b")`.
 
 # %% exercise="ch11.3" role="answer"
 from reference.mem_pool import uid_sort_key
