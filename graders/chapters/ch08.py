@@ -22,7 +22,8 @@ of a resident adapter (a slot freed with no load after it) and of a host copy al
 made on a warm pool. ch08.4: static tensors left by an earlier step (real rows, tokens and
 positions everywhere) or in the capture state, padding inside the bucket and none, a bucket below
 max_seqs, one to four tokens per sequence, cache rows out of order; compared on the first ``bucket``
-rows (what the bucket's graph reads).
+rows of the memory the tensors were given (what the bucket's graph reads), and whether each tensor
+still has that memory (``t.data = new`` or ``t.set_(new)`` swap it, where a captured graph never looks).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from graders.chapters.hints import first_difference, symptom_hint
+from graders.chapters.hints import first_difference, name_matches, symptom_hint
 from graders.machine.exercise import Case, Exercise
 from reference.batch_info import slot_sorted_view
 from reference.cuda_graph import SlotChangeTracker, StaticLoRABatch, bucket_for
@@ -925,15 +926,31 @@ def write_decode_inputs(input_ids, positions, cache_rows, bucket, scratch_row, s
         dst[:bucket].copy_(src)
 
 
+_STATIC_NAMES = ("static_ids", "static_positions", "static_rows")
+#: the first value of drive_write_inputs when every static tensor still has the memory it was given
+_KEPT = "each with the memory and shape it was given"
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 def drive_write_inputs(fn, input_ids, positions, cache_rows, bucket, scratch_row, static: list):
     """Call the learner's function on the static tensors ``static`` = [ids, positions, rows] and
-    return their first ``bucket`` rows (what the bucket's graph reads), not what it returns: a
-    version that builds new tensors changes nothing a captured graph sees. (The static tensors come
-    as one list so that the graders' "inputs unchanged" check leaves them alone: writing them is the
+    return what the bucket's captured graph reads: whether each tensor still has the memory it was
+    given (``_KEPT``, or the tensors that were given other memory: ``t.data = new``, ``t.set_(new)``,
+    a reallocating ``resize_``), then the first ``bucket`` rows of that original memory, not what the
+    function returns nor what the tensor objects hold after a swap: a version that builds new
+    tensors, or swaps them in, changes nothing a captured graph sees. (The static tensors come as
+    one list so that the graders' "inputs unchanged" check leaves them alone: writing them is the
     exercise.)"""
     static_ids, static_positions, static_rows = static
+    given = [t.view(t.shape) for t in static]  # other tensor objects on the same memory: a swap leaves them there
+    where = [_where(t) for t in static]
     fn(input_ids, positions, cache_rows, bucket, scratch_row, static_ids, static_positions, static_rows)
-    return static_ids[:bucket].clone(), static_positions[:bucket].clone(), static_rows[:bucket].clone()
+    moved = [name for name, t, w in zip(_STATIC_NAMES, static, where) if _where(t) != w]
+    kept = _KEPT if not moved else f"given other memory or another shape: {', '.join(moved)}"
+    return (kept, *(t[:bucket].clone() for t in given))
 
 
 def _inputs_case(name, rng: random.Random, max_seqs, tps, n, bucket, junk=True, scratch=None) -> Case:
@@ -983,30 +1000,53 @@ def _inputs_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
+_REBOUND = ("{name} still holds the earlier step's values in every row of the bucket: it was not written. Write "
+            "into the tensor you were given, in place ({name}[:bucket].copy_(new) or slice assignment): "
+            "`{name} = new` only rebinds your local name, and the captured graph keeps reading the tensor it was given")
+_WHAT = {"static_ids": "static_ids[q] is input_ids[q], token 0 in the padding rows",
+         "static_positions": "static_positions[q, j] is positions[q] + j, position 0 in the padding rows",
+         "static_rows": "static_rows[q] is cache_rows[q], the scratch row {scratch} in the padding rows"}
+
+
 def _inputs_hint(case: Case, expected, got) -> Optional[str]:
+    """From the symptom: a tensor given other memory; tensors left exactly as they were (not
+    written: a rebound local name); padding rows left as they were; then which values differ."""
     ids, pos, rows, bucket, scratch = case.args[:5]
     n = len(ids)
-    if not (isinstance(got, tuple) and len(got) == 3 and all(isinstance(g, torch.Tensor) for g in got)):
+    if not (isinstance(got, tuple) and len(got) == 4 and isinstance(got[0], str)
+            and all(isinstance(g, torch.Tensor) for g in got[1:])):
         return None
+    if got[0] != _KEPT:
+        moved = got[0].rsplit(": ", 1)[-1]
+        first = moved.split(", ")[0]
+        has = "has" if ", " not in moved else "have"
+        return (f"you replaced the static buffer: {moved} now {has} other memory (`{first}.data = new`, "
+                f"`{first}.set_(new)` or a resize_ swap a tensor's memory); a captured graph keeps reading the old "
+                f"memory, at the address it recorded, which still holds the earlier step's values. Update it in place "
+                f"with copy_ or slice assignment ({first}[:bucket].copy_(new) or {first}[:bucket] = new)")
+    expected, got = expected[1:], got[1:]
     old = [a[:bucket] for a in case.args[5]]
     if all(torch.equal(g, a) for g, a in zip(got, old)):
         return ("the static tensors you were given are unchanged: write into them in place (copy_ or slice "
-                "assignment); the captured graph reads those tensors, not new ones")
-    # a tensor left as it was (where the contract changes its real rows: not a coincidence)
-    unchanged = [torch.equal(g, a) and not torch.equal(x[:n], a[:n]) for g, a, x in zip(got, old, expected)]
+                "assignment); the captured graph reads those tensors, not new ones (`static_ids = new` only "
+                "rebinds your local name)")
     e_ids, e_pos, e_rows = expected
     g_ids, g_pos, g_rows = got
     if n < bucket and all(torch.equal(g[n:], a[n:]) and not torch.equal(x[n:], a[n:]) for g, a, x in zip(got, old, expected)):
-        return (f"padding rows (n .. bucket-1) still hold an earlier step's values: write them too (token 0 at position "
-                f"0 on the scratch row {scratch}; any other cache row belongs to a real sequence, whose cache the "
-                "padding's key/value writes would overwrite)")
-    if unchanged[2]:
-        return ("static_rows still holds the earlier step's rows: write it too (static_rows[q] is cache_rows[q] for "
-                f"the real sequences, the scratch row {scratch} for the padding)")
-    if unchanged[1]:
-        return "static_positions still holds the earlier step's positions: write it too"
-    if unchanged[0]:
-        return "static_ids still holds the earlier step's tokens: write it too"
+        return (f"padding rows (n .. bucket-1) still hold an earlier step's values: write them too, into the tensors "
+                f"you were given (token 0 at position 0 on the scratch row {scratch}; any other cache row belongs to "
+                "a real sequence, whose cache the padding's key/value writes would overwrite)")
+    # a tensor left exactly as it was where the contract changes it: not written at all (a rebound
+    # local name), certain when its real rows change too; when they happen to keep their values, its
+    # padding rows alone left unwritten returns the same
+    for name, g, a, x in zip(_STATIC_NAMES, got, old, expected):
+        if torch.equal(g, a) and not torch.equal(x, a):
+            rebound = _REBOUND.format(name=name) + " (" + _WHAT[name].format(scratch=scratch) + ")"
+            if not torch.equal(x[:n], a[:n]):
+                return rebound
+            return name_matches([rebound, f"the padding rows (n .. bucket-1) of {name} still hold the earlier step's "
+                                          f"values (its real rows happen to hold theirs already): write them too ("
+                                          + _WHAT[name].format(scratch=scratch) + ")"])
     if not torch.equal(g_rows[:n], e_rows[:n]):
         return "static_rows[q] is cache_rows[q] for the real sequences"
     if not torch.equal(g_rows, e_rows):
@@ -1037,5 +1077,6 @@ EXERCISES = [
                                                "[static_ids, static_positions, static_rows]"),
              functools.partial(drive_write_inputs, write_decode_inputs), _inputs_edge, _inputs_random, _inputs_hint,
              driver=drive_write_inputs, grade_on="cpu",
-             result_names=("static_ids[:bucket]", "static_positions[:bucket]", "static_rows[:bucket]")),
+             result_names=("memory of the static tensors", "static_ids[:bucket]", "static_positions[:bucket]",
+                           "static_rows[:bucket]")),
 ]

@@ -178,3 +178,18 @@ MUTANTS += [
     Mutant("ch08.3", "unload-of-a-host-copy-counts", ((_UNLOAD, ' or event[0] == "unload"'),),
            "removed an adapter that held no slot", "clause"),
 ]
+
+# issue #33 ("feedback that misleads"): a static tensor swapped for new memory (`t.data = new`) scored
+# 3/3, its values read through the tensor object; one rebound by name was hinted as a padding mistake
+# where its real rows happened to keep their values. The driver reads the memory the tensors were
+# given and says which tensors were given other memory; hints come from that symptom
+MUTANTS += [
+    Mutant("ch08.4", "static-memory-swapped",
+           (("        dst[:bucket].copy_(src)", "        dst.data = torch.cat([src, dst[bucket:]])"),),
+           "you replaced the static buffer", "state"),
+    Mutant("ch08.4", "rows-rebound-by-name",
+           (("    for dst, src in ((static_ids, ids), (static_positions, pos), (static_rows, rows)):\n"
+             "        dst[:bucket].copy_(src)\n",
+             "    static_ids[:bucket] = ids\n    static_positions[:bucket] = pos\n    static_rows = rows\n"),),
+           "only rebinds your local name", "state"),
+]

@@ -587,9 +587,14 @@ print("backend:", backend, "| graphs captured:", device.type == "cuda")
 # - padding sequences `n .. bucket-1`: token id 0 at position 0 for all `tokens_per_seq` tokens, and
 #   cache row `scratch_row`, whatever the tensors held before.
 #
+# In place means into the memory you were given (`copy_` or slice assignment): a captured graph
+# recorded those addresses. `static_ids = new` only rebinds your local name, and `static_ids.data =
+# new` or `static_ids.set_(new)` hands the tensor object other memory, which the graph never reads.
+#
 # Rows past the bucket are not read by the bucket's graph and are not graded. The grader's static
 # tensors start as an earlier, larger step left them (real rows, tokens and positions) or in the
-# capture state, and it compares the first `bucket` rows of the tensors it gave you.
+# capture state; it checks that each keeps the memory it was given and compares the first `bucket`
+# rows of that memory.
 
 # %% exercise="ch08.4" role="answer"
 import torch
