@@ -90,3 +90,16 @@ def pytest_runtest_logreport(report):
     if finished:
         with open(_DONE, "a") as f:
             f.write(f"{report.outcome}\t{report.nodeid}\n")
+
+
+_STARTED = os.environ.get("LORA_BOOK_STARTED")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """LORA_BOOK_STARTED=FILE: each worker appends the time and id of every test it starts, so a device
+    call interrupted at its deadline shows which tests were still running (and for how long)."""
+    if _STARTED:
+        import time
+
+        with open(_STARTED, "a") as f:
+            f.write(f"{time.time():.0f}\t{os.environ.get('PYTEST_XDIST_WORKER', '-')}\t{nodeid}\n")
