@@ -164,7 +164,8 @@ FAULTS = [
                 t = (x[rows].float() @ A_stack[slot, :r].float().T)
                 out[rows] = (out[rows].float() + batch_info.scalings[slot] * (t @ B_stack[slot, :, :r].float().T)).to(out.dtype)
             return out
-        """, "created a tensor on torch's default device (meta), not on the inputs' (cpu): `arange` at answer cell line"),
+        """, ("created a tensor on torch's default device (meta), not on the inputs' (cpu): `arange` at answer cell line",
+              "created a tensor on torch's default device (meta), not on the inputs' (cuda): `arange` at answer cell line")),
     ("ch06.2", None, """
         import re
         def targets_module(target_modules, path):
@@ -243,13 +244,16 @@ FAULTS = [
             out = torch.zeros(seg_lens.shape[0] + 1, dtype=torch.int32, device=seg_lens.device)
             out[1:] = torch.cumsum(seg_lens, 0)
             return out
-        """, "at case 'no_segments, default device elsewhere'"),
+        """, ("at case 'no_segments, default device elsewhere'",
+              # on a GPU the inputs are on CUDA and the default device is the CPU: the plain case fails
+              "FAILED at case 'no_segments': seg_lens [] (int32)\n    returned value: tensor on cpu, expected on cuda")),
     # the device mismatch torch raises comes after the line that made the tensor
     ("ch02.1", None, """
         def seg_indptr_from_seg_lens(seg_lens):
             return torch.cat([torch.tensor([0], dtype=torch.int32), seg_lens.cumsum(0).int()])
-        """, "created a tensor on torch's default device (meta), not on the inputs' (cpu): `tensor` at answer cell "
-             "line 3"),
+        """, ("created a tensor on torch's default device (meta), not on the inputs' (cpu): `tensor` at answer cell "
+              "line 3",
+              "lands on torch's default device, the CPU here")),
     ("ch02.8", None, """
         def stable_sort_by_slot(token_slots):
             perm = torch.sort(token_slots, descending=True).indices.flip(0)  # sorted, not stable
@@ -259,7 +263,8 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("exercise_id, learner, inline, phrase", FAULTS,
-                         ids=[f"{f[0]}-{(f[3] or 'correct variant')[:24]}" for f in FAULTS])
+                         ids=[f"{f[0]}-{((f[3][0] if isinstance(f[3], tuple) else f[3]) or 'correct variant')[:24]}"
+                              for f in FAULTS])
 def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, inline, phrase):
     source = _submission(learner, exercise_id) if learner else textwrap.dedent(inline)
     result = graders.grade_source(exercise_id, source)
@@ -268,6 +273,8 @@ def test_planted_fault_is_rejected_with_a_clear_message(exercise_id, learner, in
         return
     assert result.score < graders.total_points(exercise_id), result.report
     assert not result.groups["edge"], result.report
+    if isinstance(phrase, tuple):  # (on the CPU, on CUDA): a GPU run grades on CUDA, where the report differs
+        phrase = phrase[torch.cuda.is_available()]
     assert phrase in result.report, result.report
 
 
