@@ -252,6 +252,30 @@ def test_a_missed_slot_change_flag_serves_a_stale_adapter(base, adapters):
     assert (stale - want).abs().max() > 1e-3 * want.abs().max(), "the stale scaling went unnoticed"
 
 
+def test_a_pool_log_trimmed_between_steps_loses_no_slot_change(base, adapters):
+    """A long-running server empties the pool's event log between requests. Emptied under the slot
+    tracker (which reads from its last position), the next load went unseen and the graphs kept the
+    evicted adapter's rank and scaling (the GPU server's adapter tokens differed from PEFT's);
+    ``trim_pool_events`` lets the tracker poll first and start again at the log's beginning."""
+    def run(trim):
+        eager = _runner(base, _pool(adapters, 2))
+        graph = _runner(base, _pool(adapters, 2), graph=True)
+        out = []
+        for k, work in enumerate(([SeqWork([1, 2, 3], 0, [0], "all")], [SeqWork([4], 3, [0], "all")],
+                                  [SeqWork([5, 6], 0, [1], "one")], [SeqWork([7], 2, [1], "one")])):
+            out.append((graph.forward(work), eager.forward(work)))
+            if k == 1:  # "all" finished: the log is emptied before "one" replaces it in slot 1
+                trim(graph)
+        return out[-1]
+
+    def emptied_under_the_tracker(graph):
+        del graph.pool.events[:]
+
+    _close(*run(lambda graph: graph.graph_runner.trim_pool_events()), "with the log trimmed through the runner")
+    stale, want = run(emptied_under_the_tracker)
+    assert (stale - want).abs().max() > 1e-3 * want.abs().max(), "a log emptied under the tracker went unnoticed"
+
+
 # ---- GPU only: what a replay does ------------------------------------------------------------------
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", BACKENDS)

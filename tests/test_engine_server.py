@@ -95,7 +95,10 @@ def served(tmp_path_factory):
     cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
            "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
            "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
-           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE)]
+           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE),
+           # decode through the graph runner on the CPU too (its static path): a GPU serves every decode
+           # step that way, and a log trimmed under its slot tracker once went unseen on the CPU
+           "--cuda-graph", "on"]
     # ROOT first, then whatever the environment had (the GPU run's packages live on PYTHONPATH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

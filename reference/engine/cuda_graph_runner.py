@@ -197,6 +197,8 @@ class PagedDecodeGraphRunner:
         self.inputs = StaticDecodeInputs(top, self.max_blocks, bs, runner.scratch_block, self.device)
         self.static = None if self.pool is None else StaticLoRABatch(self.pool.num_slots, top, 1, self.device)
         self.tracker = None if self.pool is None else SlotChangeTracker(self.pool)
+        # an owner change the tracker saw before the pool's log was emptied (:meth:`trim_pool_events`)
+        self._owner_changed = False
         self.base_info: dict[int, LoRABatchInfo] = {}  # bucket -> batch info of the base-only graph
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.mempool = None  # one graph memory pool shared by every bucket
@@ -258,6 +260,7 @@ class PagedDecodeGraphRunner:
             self.static.update([], top, pad, self.pool.lora_ranks_host, self.pool.scalings_host,
                                ownership_changed=True)
             self.tracker.poll()
+            self._owner_changed = False
             for bucket in self.buckets:
                 info = self.static.batch_info(bucket)
                 self.base_info[bucket] = LoRABatchInfo(**{**vars(info), "has_active_lora": False})
@@ -280,6 +283,21 @@ class PagedDecodeGraphRunner:
             self.mempool = graph.pool()
         return graph, out
 
+    def trim_pool_events(self) -> None:
+        """Empty the pool's event log (``pool.events``) without losing an owner change.
+
+        The tracker reads the log from the position of its last poll; a log emptied under it (a
+        long-running server trims it between requests) would hide every later load until the log
+        grew past that position again, and the graphs would keep a reloaded slot's old rank and
+        scaling. So the tracker polls first (a change it finds is kept for the next :meth:`run`),
+        the log is emptied, and the tracker starts again at its beginning.
+        """
+        if self.tracker is not None:
+            self._owner_changed |= self.tracker.poll()
+        del self.pool.events[:]
+        if self.tracker is not None:
+            self.tracker.seen = 0
+
     # ---- one decode step ----------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, work: Sequence[SeqWork], uid_to_slot: Mapping[Hashable, int]) -> torch.Tensor:
@@ -299,8 +317,10 @@ class PagedDecodeGraphRunner:
             ranks = self.pool.lora_ranks_host
             slots = [uid_to_slot[w.uid] for w in work]
             lora = any(ranks[s] > 0 for s in slots)
+            changed = self.tracker.poll() or self._owner_changed
+            self._owner_changed = False
             self.static.update(slots, bucket, self.pad_slot(), ranks, self.pool.scalings_host,
-                               ownership_changed=self.tracker.poll())
+                               ownership_changed=changed)
         self.inputs.update(work, bucket)
         graph, out = self.graphs[(bucket, lora)]
         if graph is not None:

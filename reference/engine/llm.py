@@ -443,6 +443,21 @@ class LLM:
         """Whether some request added by :meth:`add_request` is still waiting or running."""
         return self.scheduler.has_unfinished()
 
+    def trim_event_logs(self) -> bool:
+        """Empty the pool's and the scheduler's event logs when no request is unfinished (no step
+        counts from a mark into them then); a long-running server calls it so they stay bounded.
+        The decode graphs' slot tracker keeps an owner change it had not yet seen
+        (``PagedDecodeGraphRunner.trim_pool_events``). Returns whether the logs were emptied."""
+        if self.has_unfinished():
+            return False
+        trim = getattr(self.runner.graph_runner, "trim_pool_events", None)
+        if trim is not None:
+            trim()
+        else:
+            del self.pool.events[:]
+        del self.scheduler.events[:]
+        return True
+
     def _abort(self, seqs: list[Sequence]) -> None:
         """Drop these unfinished sequences from the queues and release their blocks."""
         sched = self.scheduler

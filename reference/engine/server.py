@@ -398,9 +398,7 @@ class _Metrics:
         for e in events[self._pool_seen:]:
             if e[0] != "hit":
                 self.lora_events.labels(e[0]).inc()
-        if not llm.has_unfinished():  # nobody counts from a mark into the log now: trim it
-            del events[:]
-            del llm.scheduler.events[:]
+        llm.trim_event_logs()  # between requests only; the graphs' slot tracker keeps what it had not seen
         self._pool_seen = len(events)
         self.refresh(llm)
 
@@ -803,6 +801,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-adapters", type=int, default=None, help="adapters registered at once (None: any)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=None)
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="auto",
+                    help="decode steps through the graph runner: auto = CUDA graphs on a GPU, eager elsewhere; "
+                         "on = also on the CPU (the same static buffers, called without capture: how the tests "
+                         "check the graph path); off = eager (vLLM's --enforce-eager)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
@@ -813,7 +815,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = EngineConfig(max_loras_per_batch=args.max_loras + 1, max_lora_rank=args.max_lora_rank,
                        max_loaded_loras=args.max_cpu_loras, num_kv_blocks=args.num_kv_blocks,
                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(args.model, cfg, dtype=getattr(torch, args.dtype), device=device)
     for spec in [*args.lora_modules, *args.adapter]:
