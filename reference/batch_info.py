@@ -58,9 +58,12 @@ class LoRABatchInfo:
     # chunked: MoE LoRA needs request boundaries (virtual experts are per request), the kernels don't.
     req_seg_indptr: Optional[torch.Tensor] = None  # [bs + 1] int32: request i is x rows [p[i], p[i+1])
     req_weight_indices: Optional[torch.Tensor] = None  # [bs] int32, slot of each request
-    # host: the BGMV expand's schedule for this batch ("token" or "sorted", reference.ops.bgmv_expand),
-    # chosen by whoever built the batch from host values (a CUDA-graph runner picks the graph by it)
+    # host: the BGMV expand's and shrink's schedules for this batch ("token" or "sorted": per token or
+    # grouped by slot over the slot-sorted view; reference.ops.bgmv_expand / bgmv_shrink), chosen by
+    # whoever built the batch from host values (reference.ops.decode_schedule: a CUDA-graph runner
+    # picks its graph by them); "sorted" needs the permutation
     expand_schedule: str = "token"
+    shrink_schedule: str = "token"
 
     @property
     def num_tokens(self) -> int:

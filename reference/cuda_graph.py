@@ -40,7 +40,7 @@ import torch
 from reference.batch_info import LoRABatchInfo, slot_sorted_view
 from reference.layers import LoRAContext
 from reference.mem_pool import LoRAMemoryPool
-from reference.ops.bgmv_expand import choose_expand_schedule
+from reference.ops.decode_schedule import DECODE_SCHEDULES, choose_decode_schedule, reachable_schedules, schedule_parts
 from reference.static_llama import StaticKVLlama
 
 __all__ = ["default_buckets", "bucket_for", "SlotChangeTracker", "StaticLoRABatch", "DecodeGraphRunner"]
@@ -120,8 +120,9 @@ class StaticLoRABatch:
         seg_indptr [num_slots + 1] int32, seg_lens [num_slots] int32, weight_indices [num_slots]
             int32 (= arange), permutation [max_tokens] int64: the slot-sorted view (TensorRT-LLM's
             per-slot counts, offsets and sorted token ids), read by SGMV when tokens_per_seq > 1
-            and, at one token per sequence, by the decode expand's "sorted" schedule
-            (``reference.ops.bgmv_expand``: one B tile per slot for all of its tokens).
+            and, at one token per sequence, by the decode ops' "sorted" schedules
+            (``reference.ops.bgmv_expand`` / ``bgmv_shrink``: one B or A tile per slot for all of
+            its tokens).
     Each has a pinned host twin (``staging``); :meth:`update` fills the twins on the host and
     copies them with ``non_blocking`` copies, so no device buffer is ever reallocated and no device
     value is read.
@@ -150,7 +151,7 @@ class StaticLoRABatch:
         self.staging = {k: torch.zeros(n, dtype=dt, pin_memory=pin) for k, (n, dt) in specs.items()}
         self.buffers["weight_indices"].copy_(torch.arange(num_slots, dtype=torch.int32))
         self.buffers["permutation"].copy_(torch.arange(max_tokens, dtype=torch.int64))
-        self._views: dict[tuple[int, str], LoRABatchInfo] = {}  # (bucket, expand_schedule) -> view
+        self._views: dict[tuple[int, str], LoRABatchInfo] = {}  # (bucket, decode schedule) -> view
         # the host must not refill the staging while the last step's copies may still read it
         self._copied = torch.cuda.Event() if pin else None
 
@@ -201,31 +202,32 @@ class StaticLoRABatch:
         if self._copied is not None:
             self._copied.record()
 
-    def batch_info(self, bucket: int, expand_schedule: str = "token") -> LoRABatchInfo:
+    def batch_info(self, bucket: int, schedule: str = "token") -> LoRABatchInfo:
         """The batch info a graph of ``bucket`` sequences is captured with (views, made once).
 
         ``has_active_lora`` is True: the LoRA launches are part of the graph whatever the batch.
         Padding sequences (from n to the bucket) sit in the pad slot's segment of the slot-sorted
-        view that :meth:`update` wrote for this bucket. ``expand_schedule`` ("token" or "sorted")
-        is the decode expand's schedule the graph is captured with (``reference.ops.bgmv_expand``);
-        both views read the same buffers. Raises ValueError for a bucket outside 1..max_seqs or
-        another schedule.
+        view that :meth:`update` wrote for this bucket. ``schedule`` ("token", "sorted" or
+        "grouped", ``reference.ops.decode_schedule``) is the decode schedule the graph is captured
+        with: the view's ``shrink_schedule`` and ``expand_schedule``; every view reads the same
+        buffers. Raises ValueError for a bucket outside 1..max_seqs or another schedule.
         """
         if bucket > self.max_seqs or bucket < 1:
             raise ValueError(f"bucket {bucket} outside 1..{self.max_seqs}")
-        if expand_schedule not in ("token", "sorted"):
-            raise ValueError(f"expand_schedule must be 'token' or 'sorted', got {expand_schedule!r}")
-        key = (bucket, expand_schedule)
+        if schedule not in DECODE_SCHEDULES:
+            raise ValueError(f"schedule must be one of {DECODE_SCHEDULES} (a decode schedule), got {schedule!r}")
+        key = (bucket, schedule)
         if key not in self._views:
             b = self.buffers
             tokens = bucket * self.tokens_per_seq
             decode = self.tokens_per_seq == 1
+            shrink, expand = schedule_parts(schedule)
             self._views[key] = LoRABatchInfo(
                 bs=bucket, num_segments=self.num_slots, max_len=1 if decode else tokens,
                 has_active_lora=True, seg_lens=b["seg_lens"], seg_indptr=b["seg_indptr"],
                 weight_indices=b["weight_indices"], lora_ranks=b["lora_ranks"], scalings=b["scalings"],
                 permutation=b["permutation"][:tokens],
-                token_slots=b["token_slots"][:tokens], expand_schedule=expand_schedule)
+                token_slots=b["token_slots"][:tokens], shrink_schedule=shrink, expand_schedule=expand)
         return self._views[key]
 
     def data_ptrs(self) -> dict[str, int]:
@@ -246,12 +248,15 @@ class DecodeGraphRunner:
     bookkeeping going for every step (``prepare_lora_batch``, base model kept resident: its slot, of
     rank 0, is where padding rows point), writes the static buffers in place and replays.
 
-    At one token per sequence, a bucket where ``expand_rule`` can choose the decode expand's
-    "sorted" schedule also gets a third graph, its LoRA launches captured with that schedule (key
-    ``(bucket, "sorted")``; the others are ``(bucket, True)`` and ``(bucket, False)``): a graph
-    cannot change its kernels, so the choice by batch shape (``expand_rule(tokens, distinct
-    adapters, the pool's max rank)``, host values) is a choice of graph. ``last_key`` is the key of
-    the graph the last step replayed.
+    At one token per sequence, the LoRA graph comes in one version per decode schedule that
+    ``expand_rule`` can pick for the bucket's steps (``reference.ops.decode_schedule``: "token",
+    "sorted" (the expand grouped by slot), "grouped" (the shrink too)): key ``(bucket, True)`` for
+    "token", ``(bucket, "sorted")`` and ``(bucket, "grouped")``, beside the base-only
+    ``(bucket, False)``. A graph cannot change its kernels, so the choice by batch shape
+    (``expand_rule(tokens, distinct adapters, the pool's max rank)``, host values) is a choice of
+    graph; a bucket captures only the schedules the rule picks for some step of its sizes
+    (:func:`~reference.ops.decode_schedule.reachable_schedules`). ``last_key`` is the key of the
+    graph the last step replayed.
 
     On CUDA the layers' ops must launch without reading the device (the Triton backend); the torch
     references read segment tables on the host and cannot be captured. Without CUDA (or with
@@ -264,9 +269,10 @@ class DecodeGraphRunner:
         buckets: batch sizes to capture (default :func:`default_buckets`).
         tokens_per_seq: tokens each sequence decodes per step (> 1: speculative verification).
         use_graphs: capture CUDA graphs (default: when the model is on a CUDA device).
-        expand_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" (default
-            ``reference.ops.bgmv_expand.choose_expand_schedule``, measured on an H200); a bucket
-            gets its sorted graph when the rule picks "sorted" for all its tokens on one adapter.
+        expand_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" | "grouped", the
+            decode schedule of a step (default
+            ``reference.ops.decode_schedule.choose_decode_schedule``, the committed H200 runs'
+            table; the name is from when it chose the expand's schedule alone).
     Raises:
         ValueError: a bucket outside 1..max_seqs.
     """
@@ -274,7 +280,7 @@ class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, pool: LoRAMemoryPool, context: LoRAContext, *,
                  max_seqs: int, max_len: int, buckets: Optional[Sequence[int]] = None,
                  tokens_per_seq: int = 1, use_graphs: Optional[bool] = None,
-                 expand_rule: Callable[[int, int, int], str] = choose_expand_schedule) -> None:
+                 expand_rule: Callable[[int, int, int], str] = choose_decode_schedule) -> None:
         self.pool, self.context = pool, context
         self.llm = StaticKVLlama(model, max_seqs, max_len)
         device = self.llm.k_cache.device
@@ -299,9 +305,9 @@ class DecodeGraphRunner:
 
     # ---- capture ---------------------------------------------------------------------------
     def _step(self, bucket: int, lora) -> torch.Tensor:
-        """``lora``: True (token-schedule expand), "sorted" or False (base only)."""
+        """``lora``: True (the "token" schedule), "sorted", "grouped" or False (base only)."""
         if lora:
-            info = self.static.batch_info(bucket, "sorted" if lora == "sorted" else "token")
+            info = self.static.batch_info(bucket, "token" if lora is True else lora)
         else:
             info = self.base_info[bucket]
         self.context.set_batch(info)
@@ -309,9 +315,10 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's graphs (two, or three where ``expand_rule`` can pick "sorted"), largest
-        bucket first (later, smaller graphs reuse the shared pool's memory). The padding state the
-        capture runs on: every row on the scratch row of the KV cache and on the pad slot."""
+        """Capture every bucket's graphs (the base-only one and a LoRA one per schedule ``expand_rule``
+        can pick for it: :meth:`schedules`), largest bucket first (later, smaller graphs reuse the
+        shared pool's memory). The padding state the capture runs on: every row on the scratch row
+        of the KV cache and on the pad slot."""
         pad = self._pad_slot(self.pool.prepare_lora_batch([], running=[None]))
         self.static.update([], self.max_seqs, pad, self.pool.lora_ranks_host, self.pool.scalings_host,
                            ownership_changed=True)
@@ -320,9 +327,8 @@ class DecodeGraphRunner:
             info = self.static.batch_info(bucket)
             self.base_info[bucket] = LoRABatchInfo(**{**vars(info), "has_active_lora": False})
         for bucket in reversed(self.buckets):
-            sorted_too = (self.tokens_per_seq == 1
-                          and self.expand_rule(bucket, 1, self.pool.max_lora_rank) == "sorted")
-            for lora in (True, "sorted", False) if sorted_too else (True, False):
+            loras = [True if s == "token" else s for s in DECODE_SCHEDULES if s in self.schedules(bucket)]
+            for lora in (*loras, False):
                 if not self.use_graphs:
                     self.graphs[(bucket, lora)] = (None, None)
                     continue
@@ -338,6 +344,16 @@ class DecodeGraphRunner:
                     self.mempool = graph.pool()
                 self.graphs[(bucket, lora)] = (graph, out)
         torch.cuda.synchronize(self.device) if self.use_graphs else None
+
+    def schedules(self, bucket: int) -> set[str]:
+        """The decode schedules ``expand_rule`` picks for some step this bucket serves (its sizes from
+        the next smaller bucket's + 1, any number of adapters): the LoRA graphs it captures. More
+        than one token per sequence: "token" only (the layers run SGMV then, whatever the schedule)."""
+        if self.tokens_per_seq != 1:
+            return {"token"}
+        smaller = [b for b in self.buckets if b < bucket]
+        return {"token"} | reachable_schedules(max(smaller, default=0) + 1, bucket, self.pool.max_lora_rank,
+                                               self.expand_rule)
 
     # ---- one decode step -------------------------------------------------------------------
     def _pad_slot(self, uid_to_slot: dict) -> int:
@@ -368,9 +384,10 @@ class DecodeGraphRunner:
         ranks = self.pool.lora_ranks_host
         adapters = len({s for s in slots if ranks[s] > 0})
         lora = adapters > 0
-        if (lora and (bucket, "sorted") in self.graphs
-                and self.expand_rule(n * tps, adapters, self.pool.max_lora_rank) == "sorted"):
-            lora = "sorted"
+        if lora and tps == 1:
+            schedule = self.expand_rule(n, adapters, self.pool.max_lora_rank)
+            if schedule != "token" and (bucket, schedule) in self.graphs:
+                lora = schedule
         self.static.update(slots, bucket, self._pad_slot(uid_to_slot), ranks, self.pool.scalings_host,
                            ownership_changed=self.tracker.poll())
         self._write_inputs(input_ids, positions, cache_rows, bucket)

@@ -115,7 +115,9 @@ def get_backend(backend: Union[str, LoRABackend]) -> LoRABackend:
     the CPU): SGMV for segments, BGMV for one-token-per-segment batches, whose shrink is split over
     the hidden size by batch shape (``ops.decode_splits``: split-K fills the GPU at decode; a
     hidden size under 1024 is never split, so the CPU tests' small models run unsplit unless a
-    backend asks). "triton_fused": the same
+    backend asks); the BGMV ops run the schedules the batch names (``shrink_schedule``,
+    ``expand_schedule``: per token, or grouped by slot; ``reference.ops.decode_schedule`` says which
+    a graph runner picks per step). "triton_fused": the same
     shrinks, and each bias-free projection's base GEMM is ``ops.lora_gemm`` with the expand in its
     epilogue (no expand kernel; the base rows come from the Triton GEMM, also when the batch has no
     adapter). "torch_fused": its torch reference. A LoRABackend is returned as it is. Raises

@@ -34,7 +34,7 @@ def test_per_request_segments():
         seg_lens=[3, 10, 5], seg_indptr=[0, 3, 13, 18], weight_indices=[2, 0, 1],
         lora_ranks=[0, 4, 8], scalings=[0.0, 0.5, 2.0], permutation=None,
         token_slots=[2] * 3 + [0] * 10 + [1] * 5,
-        req_seg_indptr=[0, 3, 13, 18], req_weight_indices=[2, 0, 1], expand_schedule="token")
+        req_seg_indptr=[0, 3, 13, 18], req_weight_indices=[2, 0, 1], expand_schedule="token", shrink_schedule="token")
     dtypes = {k: v.dtype for k, v in vars(info).items() if isinstance(v, torch.Tensor)}
     assert dtypes == {k: torch.int32 for k in dtypes} | {"scalings": torch.float32}
     assert info.num_tokens == 18
@@ -74,7 +74,7 @@ def test_empty_batch():
     assert _fields(info) == dict(
         bs=0, num_segments=0, max_len=0, has_active_lora=False, seg_lens=[], seg_indptr=[0],
         weight_indices=[], lora_ranks=RANKS, scalings=SCALINGS, permutation=None, token_slots=[],
-        req_seg_indptr=[0], req_weight_indices=[], expand_schedule="token")
+        req_seg_indptr=[0], req_weight_indices=[], expand_schedule="token", shrink_schedule="token")
     assert _build([], [], sort_by_slot=True, chunk_size=2).num_segments == 0
 
 

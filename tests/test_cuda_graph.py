@@ -228,56 +228,45 @@ def test_a_missed_change_flag_serves_a_stale_adapter(base, adapters, peft_model)
     assert (stale - want).abs().max() > 1e-3 * want.abs().max(), "the stale tables went unnoticed"
 
 
-def _grouped_split_backend():
-    """Triton with the shrink split in 2 (this model's hidden size is never split by default) and
-    grouped by slot in the sorted graph: the layers then sum the partials once per packed module."""
-    from reference import ops
+def _split_backend():
+    """Triton with the shrink split in 2 (this model's hidden size is never split by default): in the
+    sorted and grouped graphs the layers then sum the partials once per packed module."""
     from reference.layers import get_backend
 
-    def shrink(x, A_stack, batch_info, out, stack_num=1):
-        return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num, schedule=batch_info.expand_schedule)
-    return get_backend("triton")._replace(name="grouped_split", decode_shrink=shrink,
-                                          split_k=lambda tokens, in_features, width: 2)
+    return get_backend("triton")._replace(name="triton_split", split_k=lambda tokens, in_features, width: 2)
 
 
-@pytest.mark.parametrize("backend", ["triton", "grouped_split"])
-def test_a_batch_with_many_tokens_per_adapter_replays_the_sorted_graph(backend, base, adapters, peft_model):
-    """Bucket 64 has a third graph, its expand on the slot-sorted view. 64 sequences on 4 adapters
-    (16 tokens each, interleaved so sorted order is not batch order, base rows among them) replay
-    it; 48 sequences in the same bucket (under SORTED_MIN_TOKENS) replay the token graph. Both
-    match PEFT; the Triton kernels run (in the interpreter on the CPU). "grouped_split": the same
-    with split-K partials and, in the sorted graph, the slot-grouped shrink."""
-    from reference.ops.bgmv_expand import SORTED_MIN_RANK, choose_expand_schedule
-
-    backend = _grouped_split_backend() if backend == "grouped_split" else backend
+@pytest.mark.parametrize("backend, schedule", [("triton", "sorted"), ("triton_split", "sorted"),
+                                               ("triton_split", "grouped")])
+def test_a_batch_with_many_tokens_per_adapter_replays_its_schedules_graph(backend, schedule, base, adapters,
+                                                                          peft_model):
+    """Bucket 64 has a third graph, its expand ("sorted") or its shrink and expand ("grouped") on the
+    slot-sorted view, which a rule picks at 64 tokens and 8 per adapter (the committed table picks
+    "sorted" there from rank 64; this pool's max rank is 8). 64 sequences on 4 adapters (16 tokens
+    each, interleaved so sorted order is not batch order, base rows among them) replay it; 48
+    sequences in the same bucket replay the token graph. Both match PEFT; the Triton kernels run (in
+    the interpreter on the CPU)."""
+    backend = _split_backend() if backend == "triton_split" else backend
     model, pool, context = _served(base, adapters, backend, num_slots=5)
-    # the default rule takes "sorted" from rank 64 only (measured); this pool's max rank is 8
     runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,),
-                               expand_rule=lambda T, D, r: choose_expand_schedule(T, D, SORTED_MIN_RANK))
+                               expand_rule=lambda T, D, r: schedule if T >= 64 and T >= 8 * D else "token")
     names = list(ADAPTERS)
-    for n, want in ((64, "sorted"), (48, True)):
+    for n, want in ((64, schedule), (48, True)):
         uids = [None if i % 9 == 4 else names[(5 * i) % 4] for i in range(n)]
         tokens = [(7 * i + n) % CFG["vocab_size"] for i in range(n)]
         logits = runner.decode([[t] for t in tokens], [0] * n, range(n), uids)[:, 0]
         assert runner.last_key == (64, want), runner.last_key
         for k in range(0, n, 5):
             _close(logits[k], _peft_next_logits(peft_model, [tokens[k]], uids[k]), f"{n} sequences, row {k} ({uids[k]})")
-    assert set(runner.graphs) == {(64, True), (64, "sorted"), (64, False)}
+    assert set(runner.graphs) == {(64, True), (64, schedule), (64, False)}
 
 
-def test_expand_schedule_by_batch_shape():
-    from reference.ops.bgmv_expand import (SORTED_MIN_RANK, SORTED_MIN_TOKENS, SORTED_MIN_TOKENS_PER_ADAPTER,
-                                           choose_expand_schedule)
+def test_the_default_rule_is_the_decode_schedule_table():
+    """The runner's default rule is the committed table's (reference.ops.decode_schedule, whose own
+    tests check it against the runs)."""
+    from reference.ops.decode_schedule import choose_decode_schedule
 
-    per, T, r = SORTED_MIN_TOKENS_PER_ADAPTER, SORTED_MIN_TOKENS, SORTED_MIN_RANK
-    assert choose_expand_schedule(T, T // per, r) == "sorted"
-    assert choose_expand_schedule(T, T // per + 1, r) == "token"
-    assert choose_expand_schedule(T - 1, 1, r) == "token"
-    assert choose_expand_schedule(4 * T, 1, 2 * r) == "sorted"
-    assert choose_expand_schedule(4 * T, 1, r // 2) == "token"  # small ranks: re-reads of B are cheap
-    assert choose_expand_schedule(T, 0, r) == "token"  # base only: no LoRA launch anyway
-    assert (choose_expand_schedule(64, 8, 64), choose_expand_schedule(64, 16, 64),
-            choose_expand_schedule(64, 8, 16)) == ("sorted", "token", "token")  # the docstring's examples
+    assert DecodeGraphRunner.__init__.__kwdefaults__["expand_rule"] is choose_decode_schedule
 
 
 def test_no_sorted_graph_where_the_rule_never_picks_it(base, adapters):
@@ -306,11 +295,12 @@ def test_the_expand_follows_the_batch_schedule():
 
 def test_static_batch_views_carry_their_schedule():
     static = StaticLoRABatch(3, 8)
-    token, sorted_ = static.batch_info(8), static.batch_info(8, "sorted")
-    assert (token.expand_schedule, sorted_.expand_schedule) == ("token", "sorted")
-    assert token.token_slots.data_ptr() == sorted_.token_slots.data_ptr()  # one set of buffers
+    token, sorted_, grouped = static.batch_info(8), static.batch_info(8, "sorted"), static.batch_info(8, "grouped")
+    assert (token.expand_schedule, sorted_.expand_schedule, grouped.expand_schedule) == ("token", "sorted", "sorted")
+    assert (token.shrink_schedule, sorted_.shrink_schedule, grouped.shrink_schedule) == ("token", "token", "sorted")
+    assert token.token_slots.data_ptr() == sorted_.token_slots.data_ptr() == grouped.token_slots.data_ptr()
     assert static.batch_info(8, "sorted") is sorted_
-    with pytest.raises(ValueError, match="expand_schedule"):
+    with pytest.raises(ValueError, match="schedule"):
         static.batch_info(8, "slot")
 
 

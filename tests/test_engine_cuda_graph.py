@@ -160,6 +160,41 @@ def test_graph_decode_equals_eager_across_buckets_blocks_adapters_and_slot_chang
     assert eager.kv_cache.k[:, eager.scratch_block].isnan().all(), "the eager path never touches the scratch block"
 
 
+@pytest.mark.parametrize("schedule", ["sorted", "grouped"])
+def test_graph_decode_replays_the_decode_schedule_its_rule_picks(schedule, base, adapters):
+    """The engine decodes through chapter 08's decode schedules (issue #35): ``schedule_rule`` (by
+    default ``reference.ops.decode_schedule.choose_decode_schedule``) picks each step's from its real
+    rows and distinct adapters; a bucket captures a LoRA graph per schedule the rule can pick for its
+    sizes. Here the rule forces ``schedule`` from 2 rows: bucket 1 keeps its two graphs, the others get
+    a third; the layers' decode ops see the views of the schedule replayed (a spy around the torch
+    references); the logits stay the eager path's."""
+    from reference.layers import get_backend
+    from reference.ops import torch_ref
+    from reference.ops.decode_schedule import choose_decode_schedule, schedule_parts
+
+    seen = set()
+
+    def spy(op):
+        def run(*args, **kwargs):
+            seen.add((args[2].shrink_schedule, args[2].expand_schedule))
+            return op(*args, **kwargs)
+        return run
+
+    backend = get_backend("torch")._replace(name="spy", decode_shrink=spy(torch_ref.bgmv_shrink),
+                                            decode_expand=spy(torch_ref.bgmv_expand))
+    eager = _runner(base, _pool(adapters, 4))
+    graph = _runner(base, _pool(adapters, 4), backend)
+    g = enable_graph_decode(graph, max(BUCKETS), BUCKETS,
+                            schedule_rule=lambda tokens, adapters, rank: schedule if tokens >= 2 else "token")
+    _trace(eager, graph)
+    assert set(g.graphs) == {(b, lora) for b in BUCKETS for lora in (True, False)} | {(b, schedule) for b in (2, 4, 8)}
+    # the trace's steps of 2+ rows with an adapter (its one 2-row step is base-only: [5, 1])
+    assert {b for (b, lora) in g.replays if lora == schedule} == {4, 8}, g.replays
+    assert {lora for (b, lora) in g.replays if b == 1} <= {True, False}
+    assert schedule_parts(schedule) in seen and ("token", "token") in seen
+    assert enable_graph_decode(_runner(base, _pool(adapters, 4)), 2).schedule_rule is choose_decode_schedule
+
+
 def test_static_buffers_never_move_and_base_only_steps_replay_the_base_graph(base, adapters):
     graph = _runner(base, _pool(adapters, 4), graph=True)
     g = graph.graph_runner

@@ -18,7 +18,9 @@ never change shape (chapter 08). For a paged cache that means (vLLM's and SGLang
 - the LoRA metadata lives in chapter 08's :class:`~reference.cuda_graph.StaticLoRABatch`: the
   rows' slots, padding rows on a rank-0 slot, per-slot ranks and scalings rewritten only when
   :class:`~reference.cuda_graph.SlotChangeTracker` says a slot changed owner; each bucket has a
-  LoRA graph (``has_active_lora`` frozen True) and a base-only graph;
+  base-only graph and a LoRA graph (``has_active_lora`` frozen True) per decode schedule the rule
+  can pick for its steps (chapter 08's :func:`~reference.ops.decode_schedule.choose_decode_schedule`,
+  as its runner does: the per-token ops, or the expand, or shrink and expand, grouped by slot);
 - each step writes the host values into pinned staging and copies each buffer with one
   ``non_blocking`` copy (no device read, no device allocation), replays, and returns the logits of
   the real rows only.
@@ -47,12 +49,13 @@ copying the batch into the static buffers; LoRA batch info prepared before repla
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
 from reference.batch_info import LoRABatchInfo
 from reference.cuda_graph import SlotChangeTracker, StaticLoRABatch, bucket_for, default_buckets
+from reference.ops.decode_schedule import DECODE_SCHEDULES, choose_decode_schedule, reachable_schedules
 from reference.engine.model_runner import AttentionMetadata, ModelRunner, SeqWork
 
 __all__ = ["StaticDecodeInputs", "PagedDecodeGraphRunner", "enable_graph_decode"]
@@ -157,7 +160,8 @@ class StaticDecodeInputs:
 
 class PagedDecodeGraphRunner:
     """Decode steps of a :class:`~reference.engine.model_runner.ModelRunner` through captured CUDA
-    graphs, one pair per batch-size bucket (LoRA and base-only), over its paged KV cache.
+    graphs per batch-size bucket (base-only, and LoRA in each decode schedule the rule can pick for
+    the bucket), over its paged KV cache.
 
     The runner's ``forward`` asks :meth:`eager_reason` whether a step can take this path and then
     calls :meth:`run`; the pool has been prepared for the step already (one ``prepare_lora_batch``
@@ -169,19 +173,25 @@ class PagedDecodeGraphRunner:
         buckets: batch sizes to capture (default :func:`~reference.cuda_graph.default_buckets`).
         use_graphs: capture CUDA graphs (default: when the runner's device is CUDA); without them
             the static path is called directly (the CPU's way to test it).
+        schedule_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" | "grouped", a
+            step's decode schedule (default :func:`~reference.ops.decode_schedule.choose_decode_schedule`,
+            the rule of chapter 08's runner).
     Attributes:
         max_blocks: columns of the static block tables: ceil(min(max_positions, num_blocks *
             block_size) / block_size), every block a sequence can hold.
-        replays: Counter of (bucket, lora) graphs replayed (called, without CUDA graphs); ``steps``
+        replays: Counter of (bucket, lora) graphs replayed (called, without CUDA graphs): lora is
+            False (base only), True (the "token" schedule), "sorted" or "grouped"; ``steps``
             is their total. padding_rows: padding rows replayed in all. eager: Counter of the
             reasons steps were sent back to the eager path.
-        graphs: (bucket, lora) -> (CUDAGraph or None, its output logits [bucket, vocab] float32 or None).
+        graphs: (bucket, lora) -> (CUDAGraph or None, its output logits [bucket, vocab] float32 or None);
+            a bucket's LoRA schedules are :meth:`schedules`.
     Raises:
         ValueError: max_seqs < 1; a bucket outside 1..max_seqs; use_graphs on a device that is not CUDA.
     """
 
     def __init__(self, runner: ModelRunner, max_seqs: int, buckets: Optional[Sequence[int]] = None,
-                 use_graphs: Optional[bool] = None) -> None:
+                 use_graphs: Optional[bool] = None,
+                 schedule_rule: Callable[[int, int, int], str] = choose_decode_schedule) -> None:
         if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
         self.runner, self.pool, self.context, self.device = runner, runner.pool, runner.context, runner.device
@@ -199,8 +209,9 @@ class PagedDecodeGraphRunner:
         self.tracker = None if self.pool is None else SlotChangeTracker(self.pool)
         # an owner change the tracker saw before the pool's log was emptied (:meth:`trim_pool_events`)
         self._owner_changed = False
+        self.schedule_rule = schedule_rule
         self.base_info: dict[int, LoRABatchInfo] = {}  # bucket -> batch info of the base-only graph
-        self.graphs: dict[tuple[int, bool], tuple] = {}
+        self.graphs: dict[tuple[int, object], tuple] = {}
         self.mempool = None  # one graph memory pool shared by every bucket
         self.replays, self.eager, self.padding_rows = Counter(), Counter(), 0
 
@@ -235,19 +246,29 @@ class PagedDecodeGraphRunner:
         return reason
 
     # ---- capture ------------------------------------------------------------------------------
-    def _step(self, bucket: int, lora: bool) -> torch.Tensor:
-        """The captured function: logits [bucket, vocab] float32 from the static buffers."""
+    def schedules(self, bucket: int) -> set[str]:
+        """The decode schedules the rule picks for some step this bucket serves (its sizes from the
+        next smaller bucket's + 1, any number of adapters); "token" always (host calls only)."""
+        smaller = [b for b in self.buckets if b < bucket]
+        return {"token"} | reachable_schedules(max(smaller, default=0) + 1, bucket, self.pool.max_lora_rank,
+                                               self.schedule_rule)
+
+    def _step(self, bucket: int, lora) -> torch.Tensor:
+        """The captured function: logits [bucket, vocab] float32 from the static buffers. ``lora``:
+        False (base only), True (the "token" schedule), "sorted" or "grouped"."""
         if self.static is not None:
-            self.context.set_batch(self.static.batch_info(bucket) if lora else self.base_info[bucket])
+            self.context.set_batch(self.static.batch_info(bucket, "token" if lora is True else lora) if lora
+                                   else self.base_info[bucket])
         # the KV splits are frozen per bucket, for the longest context a row can have
         meta = self.runner.split_decode(self.inputs.metadata(bucket), self.max_blocks * self.inputs.block_size)
         return self.runner.run_model(self.inputs.buffers["input_ids"][:bucket], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's graphs (LoRA and base-only), largest bucket first into one shared
-        memory pool (nano-vllm's order: smaller graphs reuse the largest one's memory). Capture runs
-        on padding only: every row writes and reads the scratch block, on a rank-0 slot.
+        """Capture every bucket's graphs (base-only, and LoRA in each of its :meth:`schedules`),
+        largest bucket first into one shared memory pool (nano-vllm's order: smaller graphs reuse the
+        largest one's memory). Capture runs on padding only: every row writes and reads the scratch
+        block, on a rank-0 slot.
         Raises:
             ValueError: every slot of the pool holds an adapter (no rank-0 slot for the padding).
         """
@@ -265,12 +286,14 @@ class PagedDecodeGraphRunner:
                 info = self.static.batch_info(bucket)
                 self.base_info[bucket] = LoRABatchInfo(**{**vars(info), "has_active_lora": False})
         for bucket in reversed(self.buckets):
-            for lora in (True, False) if self.static is not None else (False,):
+            loras = ([True if s == "token" else s for s in DECODE_SCHEDULES if s in self.schedules(bucket)]
+                     if self.static is not None else [])
+            for lora in (*loras, False):
                 self.graphs[(bucket, lora)] = self._capture_one(bucket, lora) if self.use_graphs else (None, None)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
 
-    def _capture_one(self, bucket: int, lora: bool) -> tuple:
+    def _capture_one(self, bucket: int, lora) -> tuple:
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
@@ -306,7 +329,8 @@ class PagedDecodeGraphRunner:
 
         ``uid_to_slot``: the step's ``pool.prepare_lora_batch`` answer. Captures first if nothing
         was captured yet. Updates the static buffers in place (no device read), then replays the
-        bucket's LoRA graph, or its base-only graph when every row is on a rank-0 slot.
+        bucket's LoRA graph of the step's decode schedule (the rule's, from the real rows' count and
+        distinct adapters), or its base-only graph when every row is on a rank-0 slot.
         """
         if not self.graphs:
             self.capture()
@@ -316,7 +340,12 @@ class PagedDecodeGraphRunner:
         if self.static is not None:
             ranks = self.pool.lora_ranks_host
             slots = [uid_to_slot[w.uid] for w in work]
-            lora = any(ranks[s] > 0 for s in slots)
+            adapters = len({s for s in slots if ranks[s] > 0})
+            lora = adapters > 0
+            if lora:
+                schedule = self.schedule_rule(n, adapters, self.pool.max_lora_rank)
+                if schedule != "token" and (bucket, schedule) in self.graphs:
+                    lora = schedule
             changed = self.tracker.poll() or self._owner_changed
             self._owner_changed = False
             self.static.update(slots, bucket, self.pad_slot(), ranks, self.pool.scalings_host,
@@ -333,14 +362,17 @@ class PagedDecodeGraphRunner:
 
 
 def enable_graph_decode(runner: ModelRunner, max_seqs: int, buckets: Optional[Sequence[int]] = None,
-                        use_graphs: Optional[bool] = None) -> PagedDecodeGraphRunner:
+                        use_graphs: Optional[bool] = None,
+                        schedule_rule: Callable[[int, int, int], str] = choose_decode_schedule
+                        ) -> PagedDecodeGraphRunner:
     """Serve ``runner``'s decode steps of up to ``max_seqs`` sequences through a
     :class:`PagedDecodeGraphRunner` (returned, and kept as ``runner.graph_runner``); every other step
     stays eager. ``use_graphs`` (default: on CUDA) captures CUDA graphs; without them the static
-    path is called as it is. The graphs are captured by the returned runner's ``capture()``.
+    path is called as it is; ``schedule_rule`` picks each step's decode schedule (see the class).
+    The graphs are captured by the returned runner's ``capture()``.
 
     Raises:
         ValueError: see :class:`PagedDecodeGraphRunner`.
     """
-    runner.graph_runner = PagedDecodeGraphRunner(runner, max_seqs, buckets, use_graphs)
+    runner.graph_runner = PagedDecodeGraphRunner(runner, max_seqs, buckets, use_graphs, schedule_rule)
     return runner.graph_runner

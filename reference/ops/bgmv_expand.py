@@ -29,10 +29,11 @@ Two schedules, same result:
   decode batch carries that view (``reference.cuda_graph.StaticLoRABatch``; TensorRT-LLM's per-slot
   counts, offsets and sorted token ids; vLLM sorts token indices by lora id the same way).
 
-Which one: :func:`choose_expand_schedule`, from host values (tokens, distinct adapters, the
-pool's max rank), so a CUDA-graph runner captures both and replays the one that fits the step
-(``schedule=None`` reads the batch's ``expand_schedule``, "token" unless its builder chose).
-Measured on an H200 in the whole 8-layer decode step, one run
+Which one: the expand's part of the step's decode schedule (``reference.ops.decode_schedule``,
+a table of measured whole steps; :func:`choose_expand_schedule` gives that part), from host values
+(tokens, distinct adapters, the pool's max rank), so a CUDA-graph runner captures both and replays
+the one that fits the step (``schedule=None`` reads the batch's ``expand_schedule``, "token" unless
+its builder chose). Measured on an H200 in the whole 8-layer decode step, one run
 (``benchmarks/results/decode_step_schedule_h200.json``, LoRA overhead over the base step): at rank
 64 "sorted" wins at 8 or more tokens per adapter (64 x 8: +35.0% against +39.4%; 256 x 32: +41.3%
 against +53.8%) and not at 4 or 2 (64 x 16: +41.2% against +40.7%; 64 x 32: +54.8% against
@@ -63,29 +64,20 @@ import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import check_same_device, load_summed, next_pow2_at_least, shrink_rows
+from reference.ops.decode_schedule import choose_decode_schedule, schedule_parts
 from reference.ops.sgmv_expand import _slice_bound, sgmv_expand, slice_bounds
 
-__all__ = ["bgmv_expand", "choose_expand_schedule", "SORTED_MIN_RANK", "SORTED_MIN_TOKENS",
-           "SORTED_MIN_TOKENS_PER_ADAPTER"]
-
-#: The "sorted" schedule only for pools of at least this max rank (measured: wins at 64, not at 16) ...
-SORTED_MIN_RANK = 64
-#: ... from this many tokens (the smallest batch where it was measured to win) ...
-SORTED_MIN_TOKENS = 64
-#: ... and this many tokens per distinct adapter (measured: 8 wins, 4 and 2 do not).
-SORTED_MIN_TOKENS_PER_ADAPTER = 8
+__all__ = ["bgmv_expand", "choose_expand_schedule"]
 
 
 def choose_expand_schedule(num_tokens: int, num_adapters: int, max_rank: int) -> str:
     """The decode expand's schedule for a batch of ``num_tokens`` tokens over ``num_adapters``
-    distinct adapters of rank > 0, served from a pool of max rank ``max_rank`` (host ints):
-    "sorted" when ``max_rank >= SORTED_MIN_RANK``, ``num_tokens >= SORTED_MIN_TOKENS`` and there
-    are at least ``SORTED_MIN_TOKENS_PER_ADAPTER`` tokens per adapter; else "token" (the module
-    docstring has the measurements). Examples: (64, 8, 64) -> "sorted"; (64, 16, 64) -> "token";
-    (64, 8, 16) -> "token"; (16, 1, 64) -> "token"."""
-    if max_rank < SORTED_MIN_RANK or num_adapters < 1 or num_tokens < SORTED_MIN_TOKENS:
-        return "token"
-    return "sorted" if num_tokens >= SORTED_MIN_TOKENS_PER_ADAPTER * num_adapters else "token"
+    distinct adapters of rank > 0, served from a pool of max rank ``max_rank`` (host ints): "sorted"
+    when the step's decode schedule (:func:`reference.ops.decode_schedule.choose_decode_schedule`,
+    the committed H200 runs' table) groups the expand by slot ("sorted" or "grouped"), else "token".
+    Examples: (64, 8, 64) -> "sorted"; (64, 16, 64) -> "token"; (64, 8, 16) -> "token";
+    (16, 1, 64) -> "token"."""
+    return schedule_parts(choose_decode_schedule(num_tokens, num_adapters, max_rank))[1]
 
 
 @triton.jit

@@ -32,8 +32,12 @@ Two schedules, same result (as ``bgmv_expand``'s):
   ``permutation``, as the expand's "sorted" schedule reads it), one program per (segment, block of
   ``block_m`` of its tokens, column tile, K piece) loads each tile of its slot's A once for the
   whole block and applies one ``tl.dot`` (SGMV's shrink, ``reference.ops.sgmv_shrink``, with the
-  split-K partials added). Not measured yet, so no rule picks it: ``schedule="sorted"`` asks for it
-  (``benchmarks/benchmark_decode_step.py --backends triton_grouped``).
+  split-K partials added). With the sorted expand it is the "grouped" decode schedule
+  (``reference.ops.decode_schedule``), which a rule picks only where a committed whole-step run
+  measured it best; ``benchmarks/benchmark_decode_step.py --backends triton_grouped`` measures it.
+
+``schedule=None`` (the default) reads the batch's ``shrink_schedule`` ("token" unless its builder
+chose), as ``bgmv_expand`` reads ``expand_schedule``.
 """
 from __future__ import annotations
 
@@ -244,7 +248,7 @@ def bgmv_shrink(
     stack_num: int = 1,
     block_k: Optional[int] = None,
     num_warps: Optional[int] = None,
-    schedule: str = "token",
+    schedule: Optional[str] = None,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     num_stages: Optional[int] = None,
@@ -257,8 +261,9 @@ def bgmv_shrink(
     :func:`split_config` picks S, ``block_k`` and ``num_warps`` by shape; ``block_k`` /
     ``num_warps`` override it.
 
-    ``schedule`` "token" (default) or "sorted" (see the module docstring), which needs the batch's
-    slot-sorted view (``permutation``, segments by slot) and takes ``block_m`` (tokens per program,
+    ``schedule`` "token" or "sorted" (see the module docstring; default: the batch's
+    ``shrink_schedule``); "sorted" needs the batch's slot-sorted view (``permutation``, segments
+    by slot) and takes ``block_m`` (tokens per program,
     default :data:`SORTED_BLOCK_M`), ``block_n`` (default: the width up to 64), ``block_k``
     (default: one piece in one pass, at most 256 columns of 16-bit inputs, 128 of fp32 ones, whose
     pipelined tiles would outgrow an H200's shared memory) and ``num_warps`` (default 4) /
@@ -282,6 +287,7 @@ def bgmv_shrink(
     splits = out.shape[0] if out.dim() == 3 else 1
     if out.dim() == 3 and out.dtype != torch.float32:
         raise ValueError(f"split-K partials must be float32 (they are summed by the expand), got {out.dtype}")
+    schedule = batch_info.shrink_schedule if schedule is None else schedule
     if schedule not in ("token", "sorted"):
         raise ValueError(f"schedule must be 'token' or 'sorted', got {schedule!r}")
     if schedule == "sorted" and (batch_info.permutation is None or batch_info.permutation.shape[0] != x.shape[0]):
