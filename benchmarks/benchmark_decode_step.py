@@ -21,14 +21,19 @@ base graphed step: ``lora_graph_us / base_graph_us - 1``.
 ``--backends triton triton_fused`` times the same cases with each layer backend in one run (the
 second: the expand in the epilogue of the book's Triton projection GEMM, ``reference.ops.lora_gemm``);
 every LoRA overhead is against the first backend's base graph, the cuBLAS projections.
+The layers' decode path comes in three *decode schedules* (``reference.ops.decode_schedule``):
+"token" (split-K shrink and expand per token), "sorted" (the expand grouped by slot over the batch's
+slot-sorted view) and "grouped" (the shrink too). ``default`` (also ``triton``) is the layers'
+"triton" backend with the runner's default rule, ``choose_decode_schedule`` (the committed runs'
+table, ``benchmarks/derive_decode_rule.py``): what the layers do by default, a row of every case.
+The variants force one schedule: ``triton_token`` the token schedule everywhere, ``triton_sorted``
+and ``triton_grouped`` theirs from 16 tokens (a ``tl.dot``'s least block; the committed runs before
+issue #35 forced "sorted" from 64: ``triton_sorted_presum`` there), the token one below.
 ``triton_nosplit`` is the decode path before issue #16 (unsplit shrink, per-token expand),
-``triton_token`` the default with the per-token expand, ``triton_sorted`` the default with
-bgmv_expand's "sorted" schedule from 64 tokens, ``triton_grouped`` the same with the shrink grouped
-by slot too on those steps (``bgmv_shrink(schedule="sorted")``), ``triton_tuned`` the default with the
-per-shape configs of ``--split-table`` / ``--expand-table`` (``benchmarks/sweep_split_k.py``).
-The runner replays, per case, the graph its ``expand_rule`` picks (the layers' rule for ``triton``:
-the token or the sorted expand, ``reference.ops.bgmv_expand.choose_expand_schedule``); each row's
-``graph`` says which ("base", "token" or "sorted").
+``triton_tuned`` the token schedule with the per-shape configs of ``--split-table`` /
+``--expand-table`` (``benchmarks/sweep_split_k.py``). The runner replays, per case, the graph its
+rule picks (``expand_rule_for``); each row's ``graph`` says which ("base", "token", "sorted" or
+"grouped"), and ``benchmarks/derive_decode_rule.py`` reads the schedules from it.
 
 The peers (issue #35), ``--peers [vllm sglang-triton sglang-csgmv]`` (no names: all three): after the
 layers' backends, each peer's LoRA Triton ops replace the layers' in every projection of the same
@@ -46,18 +51,26 @@ On a GPU machine that cannot reach PyPI::
     python benchmarks/peers.py check          # optional: every peer against the fp32 reference (CPU: minutes)
     # then, on the GPU machine, with .peers carried (the device tool: run(..., carry=[".peers"])):
     PYTHONPATH=. python benchmarks/benchmark_decode_step.py --layers 8 --context 1024 --ranks 16 64 \
-        --seqs 16 64 256 --adapters 0 1 8 32 --no-eager --backends triton --peers \
+        --seqs 16 64 256 --adapters 0 1 8 32 --no-eager \
+        --backends default triton_token triton_sorted triton_grouped --peers \
         --out benchmarks/results/decode_step_peers_h200.json
 
-That run should take about 5 minutes (estimated from a 2-layer run on an H100: the four paths, their
-captures and checks, 30 s); the results file is rewritten after every backend and peer, so a run
-stopped by a time limit keeps what it measured (``complete`` says whether it finished). The results
-record the peers' versions and wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) beside the device,
-torch and triton versions.
+The results file is rewritten after every backend and peer, so a run stopped by a time limit keeps
+what it measured (``complete`` says whether it finished). The results record the peers' versions and
+wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) and the rule ``default`` ran (``decode_rule``)
+beside the device, torch and triton versions. Then ``python benchmarks/derive_decode_rule.py`` prints
+issue #35's grid from it (each schedule, the best peer and the default path, cell by cell) and
+``--write`` regenerates the rule from every committed run.
 
 Targets (issue #11): graph >= 2x eager at <= 32 sequences; LoRA adds <= 30 % at 64 sequences /
 8 adapters / rank 16 and <= 50 % at 256 / 32. Issue #16: <= 15 % at 64 / 8 / rank 16 and <= 25 % at
-rank 64. The script prints which are met.
+rank 64. Issue #35, for the ``default`` backend in every case of a run with peers: at or below the
+best peer of the case, and LoRA adds <= 15 % (rank 16) / 25 % (rank 64). The script prints which
+are met.
+
+``--smoke`` runs the tiny model (1 layer, 8 cached positions) on any machine, with 1 and 2
+sequences, 0 / 1 / 2 adapters at rank 4 unless ``--seqs`` / ``--adapters`` / ``--ranks`` /
+``--layers`` / ``--context`` are given (a CPU check of a GPU command: the same code at tiny sizes).
 """
 from __future__ import annotations
 
@@ -130,26 +143,43 @@ def tuned_expand(tokens: int, width: int, rank: int, table=None) -> dict:
     return dict(row["best"])
 
 
+#: the forcing variants (``triton_sorted``, ``triton_grouped``) take their schedule from this many
+#: tokens: a GPU ``tl.dot``'s least block (``bgmv_shrink.SORTED_BLOCK_M``), every bucket of issue #35's grid
+FORCED_FROM_TOKENS = 16
+
+
+def _sorted_variant(name: str) -> tuple[str, dict]:
+    """("sorted" | "grouped", the sorted expand's config overrides) of a forcing variant's name,
+    e.g. "triton_sorted:block_n=64,num_stages=3"; SystemExit for an unknown setting."""
+    stem, _, overrides = name.partition(":")
+    config = {k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)}
+    unknown = set(config) - {"block_m", "block_n", "num_warps", "num_stages"}
+    if unknown:
+        raise SystemExit(f"{name}: unknown sorted-expand settings {sorted(unknown)}")
+    return ("grouped" if stem == "triton_grouped" else "sorted"), config
+
+
 def backend_named(name: str):
     """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...), or:
+    "default" (``triton`` under its name in the results: the layers' backend, which runs the decode
+    schedule its batch names, with the runner's default rule, :func:`expand_rule_for`);
     "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue);
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
-    "triton_token" (``triton`` with the per-token expand schedule, which is ``triton``'s default);
-    "triton_sorted" (``triton`` with the expand over the graph batch's slot-sorted view from 64 tokens);
-    "triton_grouped" (``triton_sorted`` whose shrink is grouped by slot too, ``bgmv_shrink``'s
-    "sorted" schedule with its defaults, on the steps whose batch is marked "sorted"; the overrides
-    below set the sorted expand's config only);
-    "triton_sorted_presum", the name of the same variant in the committed runs where "triton_sorted"
-    still summed the split-K partials inside SGMV's kernel (``decode_step_sorted_h200.json``,
-    ``decode_step_r64_h200.json``; sgmv_expand reduces them first since); either with
-    ":block_n=64,num_stages=3" (any of block_m, block_n, num_warps, num_stages) sets the sorted
-    launch's config;
+    "triton_token" (``triton`` whose runner always picks the "token" schedule);
+    "triton_sorted" / "triton_grouped" (``triton`` whose runner picks "sorted" / "grouped" from
+    :data:`FORCED_FROM_TOKENS` tokens); "triton_sorted_presum", the name of "sorted" in the committed
+    runs where "triton_sorted" still summed the split-K partials inside SGMV's kernel
+    (``decode_step_sorted_h200.json``, ``decode_step_r64_h200.json``; the layers sum them first
+    since); any of the three with ":block_n=64,num_stages=3" (any of block_m, block_n, num_warps,
+    num_stages) sets the sorted expand's launch config;
     "triton_tuned" (``triton`` with ``--split-table`` / ``--expand-table``'s per-shape configs)."""
     import functools
 
     from reference import ops
     from reference.layers import get_backend
 
+    if name == "default":
+        return get_backend("triton")._replace(name=name)
     if name == "triton_fused_gather":
         return get_backend("triton_fused")._replace(
             name=name, gemm=functools.partial(ops.lora_gemm, config={"epilogue": "gather"}))
@@ -157,28 +187,21 @@ def backend_named(name: str):
         return get_backend("triton")._replace(name=name, split_k=None,
                                               decode_expand=functools.partial(ops.bgmv_expand, schedule="token"))
     if name == "triton_token":
-        return get_backend("triton")._replace(name=name, decode_expand=functools.partial(ops.bgmv_expand,
-                                                                                         schedule="token"))
-    stem, _, overrides = name.partition(":")
+        return get_backend("triton")._replace(name=name)
+    stem = name.partition(":")[0]
     if stem in ("triton_sorted", "triton_sorted_presum", "triton_grouped"):
-        # "triton_sorted:block_n=64,num_stages=3": the sorted launch's config overrides, so one run
-        # can set configs side by side in the whole step
-        config = {k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)}
-        unknown = set(config) - {"block_m", "block_n", "num_warps", "num_stages"}
-        if unknown:
-            raise SystemExit(f"{name}: unknown sorted-expand settings {sorted(unknown)}")
+        # the runner's graph (expand_rule_for) marks the batch "sorted" / "grouped", and the layers'
+        # ops follow it; overrides ("triton_sorted:block_n=64,num_stages=3") set the sorted expand's
+        # launch, so one run can set configs side by side in the whole step
+        _, config = _sorted_variant(name)
+        backend = get_backend("triton")._replace(name=name)
+        if not config:
+            return backend
 
         def sorted_expand(t, B_stack, batch_info, out, slice_offsets=None):
-            rows = t.shape[-2]
-            if batch_info.permutation is None or rows < 64:
-                return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="token")
-            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, schedule="sorted", **config)
-
-        def grouped_shrink(x, A_stack, batch_info, out, stack_num=1):
-            # the runner's sorted graph (expand_rule_for) marks its batch: there the shrink groups too
-            return ops.bgmv_shrink(x, A_stack, batch_info, out, stack_num, schedule=batch_info.expand_schedule)
-        backend = get_backend("triton")._replace(name=name, decode_expand=sorted_expand)
-        return backend._replace(decode_shrink=grouped_shrink) if stem == "triton_grouped" else backend
+            extra = config if batch_info.expand_schedule == "sorted" else {}
+            return ops.bgmv_expand(t, B_stack, batch_info, out, slice_offsets, **extra)
+        return backend._replace(decode_expand=sorted_expand)
     if name == "triton_tuned":
         if not SPLIT_TABLE and not EXPAND_TABLE:
             raise SystemExit("triton_tuned needs --split-table and/or --expand-table (benchmarks/sweep_split_k.py)")
@@ -203,15 +226,17 @@ def backend_named(name: str):
 
 
 def expand_rule_for(backend: str):
-    """The runner's graph choice for a backend: variants that force the expand's schedule get the
-    graph of that schedule (so each row's ``graph`` says what ran); the others the layers' rule."""
-    from reference.ops.bgmv_expand import choose_expand_schedule
+    """The runner's rule (tokens, adapters, max rank) -> decode schedule for a backend: the variants
+    that force a schedule get its graph (so each row's ``graph`` says what ran); "default" and the
+    others the layers' rule, ``reference.ops.decode_schedule.choose_decode_schedule``."""
+    from reference.ops.decode_schedule import choose_decode_schedule
 
     if backend in ("triton_token", "triton_nosplit") or backend.startswith("triton_fused"):  # fused: no expand kernel
         return lambda tokens, adapters, rank: "token"
     if backend.startswith(("triton_sorted", "triton_grouped")):
-        return lambda tokens, adapters, rank: "sorted" if tokens >= 64 else "token"
-    return choose_expand_schedule
+        schedule, _ = _sorted_variant(backend)
+        return lambda tokens, adapters, rank: schedule if tokens >= FORCED_FROM_TOKENS else "token"
+    return choose_decode_schedule
 
 
 def timer(device: torch.device, rep: int = 100):
@@ -460,17 +485,34 @@ def targets(rows: list[dict]) -> list[dict]:
         if x is not None and x["lora_overhead"] is not None:
             out.append(dict(target=f"{issue}: LoRA adds <= {limit:.0%} at {n} seqs / {D} adapters / rank {r} "
                                    f"({backend} backend)", value=x["lora_overhead"], met=x["lora_overhead"] <= limit))
+    # issue #35: the default path (the "default" backend's rows) in every case, against the best peer of
+    # the same case and against 15% (rank 16) / 25% (rank 64)
+    for x in rows:
+        if x.get("backend") != "default" or x["lora_overhead"] is None:
+            continue
+        case = f"{x['seqs']} seqs / {x['adapters']} adapters / rank {x['rank']}"
+        peers = [y for y in rows if y.get("peer") is not None and y["lora_overhead"] is not None
+                 and (y["seqs"], y["adapters"], y["rank"]) == (x["seqs"], x["adapters"], x["rank"])]
+        if peers:
+            best = min(peers, key=lambda y: y["lora_overhead"])
+            out.append(dict(target=f"#35: the default path ({x['graph']}) at or below the best peer "
+                                   f"({best['backend']} {best['lora_overhead']:.1%}) at {case}",
+                            value=x["lora_overhead"], met=x["lora_overhead"] <= best["lora_overhead"]))
+        limit = {16: 0.15, 64: 0.25}.get(x["rank"])
+        if limit is not None:
+            out.append(dict(target=f"#35: the default path ({x['graph']}) adds <= {limit:.0%} at {case}",
+                            value=x["lora_overhead"], met=x["lora_overhead"] <= limit))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--smoke", action="store_true", help="tiny model and batches (any machine)")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 8, 32, 64])
+    ap.add_argument("--layers", type=int, default=None, help="default 4 (--smoke: 1)")
+    ap.add_argument("--context", type=int, default=None, help="cached positions per sequence, default 512 (--smoke: 8)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny model, any machine (smaller defaults below)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="default 16 64 (--smoke: 4)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="default 1 16 64 256 (--smoke: 1 2)")
+    ap.add_argument("--adapters", type=int, nargs="+", default=None, help="default 0 1 8 32 64 (--smoke: 0 1 2)")
     ap.add_argument("--profile", type=int, default=None, help="also profile the eager steps at this many sequences")
     ap.add_argument("--backends", nargs="+", default=["triton"],
                     help="layer backends compared in one run (e.g. triton triton_fused); overheads are against "
@@ -486,6 +528,11 @@ def main() -> None:
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="the peers cache (default .peers)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    defaults = (dict(layers=1, context=8, ranks=[4], seqs=[1, 2], adapters=[0, 1, 2]) if args.smoke else
+                dict(layers=4, context=512, ranks=[16, 64], seqs=[1, 16, 64, 256], adapters=[0, 1, 8, 32, 64]))
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     peer_names: list[str] = []
     peer_versions: dict = {}
     if args.peers is not None:
@@ -512,6 +559,11 @@ def main() -> None:
     import transformers
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    from reference.ops import decode_schedule
+
+    # the rule the "default" / "triton" rows ran (the committed table at the time of the run)
+    rule = dict(table=[[*cell, schedule] for cell, schedule in sorted(decode_schedule.MEASURED_H200.items())],
+                noise=decode_schedule.NOISE_H200)
     out = args.out or (ROOT / "benchmarks" / "results" /
                        ("decode_step_smoke.json" if args.smoke else
                         "decode_step_peers_h200.json" if peer_names else "decode_step_h200.json"))
@@ -522,24 +574,19 @@ def main() -> None:
         a run stopped by a time limit keeps what it measured."""
         met = targets(rows)
         result = dict(device=name, ranks=args.ranks, torch=torch.__version__, triton=triton.__version__,
-                      transformers=transformers.__version__, layers=args.layers if not args.smoke else 1,
-                      context=args.context if not args.smoke else 8, smoke=args.smoke,
-                      model=FULL if not args.smoke else SMOKE, backends=args.backends, peers=peer_names,
-                      sglang=peer_versions.get("sglang"), vllm=peer_versions.get("vllm"),
-                      peer_wheels=peer_versions.get("wheels"), complete=complete, rows=rows, targets=met,
-                      kernel_profiles=PROFILES,
+                      transformers=transformers.__version__, layers=args.layers, context=args.context,
+                      smoke=args.smoke, model=FULL if not args.smoke else SMOKE, backends=args.backends,
+                      peers=peer_names, sglang=peer_versions.get("sglang"), vllm=peer_versions.get("vllm"),
+                      peer_wheels=peer_versions.get("wheels"), decode_rule=rule, complete=complete, rows=rows,
+                      targets=met, kernel_profiles=PROFILES,
                       method="do_bench median (us) of a graph replay / an eager step / the base model's graph replay")
         out.write_text(json.dumps(result, indent=1))
         return met
 
     progress = lambda rows: save(rows, False)  # noqa: E731
-    if args.smoke:
-        rows = run(1, 8, [1, 2], [0, 1, 2], [4], SMOKE, device, args.profile, backends=args.backends,
-                   eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir, progress=progress)
-    else:
-        rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, FULL, device, args.profile,
-                   backends=args.backends, eager=not args.no_eager, peers=peer_names, peers_dir=args.peers_dir,
-                   progress=progress)
+    rows = run(args.layers, args.context, args.seqs, args.adapters, args.ranks, SMOKE if args.smoke else FULL,
+               device, args.profile, backends=args.backends, eager=not args.no_eager, peers=peer_names,
+               peers_dir=args.peers_dir, progress=progress)
     for t in save(rows, True):
         print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} (measured {t['value']})")
     print(f"wrote {out}")

@@ -29,8 +29,10 @@ The rule table is ``reference.ops.decode_schedule.MEASURED_H200`` (and ``NOISE_H
 markers of its generated block; cells between measured ones take the cell at or below them there.
 The printed grid is issue #35's: 16 / 64 / 256 tokens x 1 / 8 / 32 adapters at ranks 16 and 64, each
 cell's schedule (measured, or from which measured cell), its measured overheads, and, where a run
-has peers' rows, the best peer of that run against the default path (the ``default`` backend's row,
-else the rule's schedule's row) of the same run.
+has peers' rows, the best peer of that run against two rows of the same run: the ``default``
+backend's (the rule as it was when the run was made, recorded in its ``decode_rule``) and the
+schedule the rule picks now (the variant that forced it: the graph the default path replays).
+Overheads shown per schedule are the token path's mean plus the schedule's mean delta.
 """
 from __future__ import annotations
 
@@ -158,7 +160,7 @@ def derive(results: Path = RESULTS) -> dict:
         choice = next(s for s in DECODE_SCHEDULES if s in delta and delta[s] <= best + margin)
         cells[cell] = dict(token=mean(tokens), deltas=delta, runs=len(tokens), schedule=choice)
     return dict(cells=cells, noise=margin, table={c: v["schedule"] for c, v in cells.items()}, sources=sources,
-                peers=peers)
+                peers=peers, measured=measured)
 
 
 def render_block(derived: dict) -> str:
@@ -216,13 +218,16 @@ def grid(derived: dict) -> list[dict]:
                 row = dict(rank=rank, tokens=tokens, adapters=adapters, schedule=schedule, measured=c is not None,
                            from_cell=None if c is not None else nearest_cell(table, tokens, adapters, rank))
                 if c is not None:
-                    row["overheads"] = {s: c["token"] + d for s, d in c["deltas"].items()}
+                    row["overheads"] = {s: c["token"] + c["deltas"][s] for s in DECODE_SCHEDULES if s in c["deltas"]}
                 for run, by_peer in derived["peers"].get(cell, {}).items():
                     named = {k: v for k, v in by_peer.items() if k != "default"}
                     if named:
                         best = min(named, key=named.get)
+                        # the rule's schedule in that run (its variant's rows: the graph the default replays)
+                        ran = derived["measured"].get(cell, {}).get(run, {}).get(schedule)
                         row.setdefault("peers", {})[run] = dict(best=best, best_overhead=named[best],
-                                                                default=by_peer.get("default"))
+                                                                default=by_peer.get("default"),
+                                                                rule_schedule=mean(ran) if ran else None)
                 rows.append(row)
     return rows
 
@@ -252,10 +257,11 @@ def main() -> None:
         print(f"  rank {row['rank']:2d} {row['tokens']:3d} x {row['adapters']:2d}: {row['schedule']:7s} ({where}) "
               f"{shown}")
         for run, p in row.get("peers", {}).items():
-            verdict = ("" if p["default"] is None else
-                       " AT OR BELOW" if p["default"] <= p["best_overhead"] else " ABOVE")
-            default = "not run" if p["default"] is None else f"{100 * p['default']:.1f}%"
-            print(f"      {run}: best peer {p['best']} {100 * p['best_overhead']:.1f}%, default {default}{verdict}")
+            def verdict(x):
+                return "not run" if x is None else (f"{100 * x:.1f}% " + ("AT OR BELOW" if x <= p["best_overhead"]
+                                                                          else "ABOVE"))
+            print(f"      {run}: best peer {p['best']} {100 * p['best_overhead']:.1f}%; the default row "
+                  f"{verdict(p['default'])}; the rule's {row['schedule']} now {verdict(p['rule_schedule'])}")
     text = RULE_FILE.read_text()
     block = render_block(derived)
     same = current_block(text) == block
