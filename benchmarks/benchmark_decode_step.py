@@ -55,8 +55,11 @@ On a GPU machine that cannot reach PyPI::
         --backends default triton_token triton_sorted triton_grouped --peers \
         --out benchmarks/results/decode_step_peers_h200.json
 
-The results file is rewritten after every backend and peer, so a run stopped by a time limit keeps
-what it measured (``complete`` says whether it finished). The results record the peers' versions and
+That run is estimated at about 5 minutes, not measured yet (a 2-layer H100 run of one layer backend
+and the three peers, captures and checks included, took 30 s; this one has 8 layers, four layer
+backends and the sorted and grouped kernels to compile). The results file is rewritten after every
+backend and peer, so a run stopped by a time limit keeps what it measured (``complete`` says whether
+it finished; each rank runs its backends, then its peers). The results record the peers' versions and
 wheel hashes (``sglang``, ``vllm``, ``peer_wheels``) and the rule ``default`` ran (``decode_rule``)
 beside the device, torch and triton versions. Then ``python benchmarks/derive_decode_rule.py`` prints
 issue #35's grid from it (each schedule, the best peer and the default path, cell by cell) and

@@ -80,14 +80,14 @@ LAYER_BACKENDS = ("triton", "default", "triton_token", "triton_sorted", "triton_
 GRID_TOKENS, GRID_ADAPTERS, GRID_RANKS = (16, 64, 256), (1, 8, 32), (16, 64)
 
 
-def measurements(results: Path = RESULTS) -> tuple[dict, dict, dict]:
+def measurements(results: Path = RESULTS, pattern: str = "decode_step*_h200.json") -> tuple[dict, dict, dict]:
     """(measured, peers, sources): measured[(rank, tokens, adapters)][run][schedule] -> [overheads];
     peers[cell][run][peer] -> overhead (the 'default' backend's rows too, as peers["default"]);
     sources: file -> how it was read."""
     measured: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     peers: dict = defaultdict(lambda: defaultdict(dict))
     sources = {}
-    for path in sorted(results.glob("decode_step*_h200.json")):
+    for path in sorted(results.glob(pattern)):
         name = path.name
         if name in EXCLUDED:
             sources[name] = f"excluded: {EXCLUDED[name]}"
@@ -137,10 +137,10 @@ def noise(measured: dict) -> float:
     return widest
 
 
-def derive(results: Path = RESULTS) -> dict:
+def derive(results: Path = RESULTS, pattern: str = "decode_step*_h200.json") -> dict:
     """{"cells": {cell: {"token": mean overhead, "deltas": {schedule: mean delta}, "runs": n,
     "schedule": the choice}}, "noise": ..., "table": {cell: schedule}, "sources": ..., "peers": ...}."""
-    measured, peers, sources = measurements(results)
+    measured, peers, sources = measurements(results, pattern)
     margin = noise(measured)
     cells = {}
     for cell, runs in sorted(measured.items()):
@@ -237,8 +237,12 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="exit 1 when the committed rule table differs")
     ap.add_argument("--write", action="store_true", help="rewrite the rule table in reference/ops/decode_schedule.py")
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--pattern", default="decode_step*_h200.json",
+                    help="the runs read (the committed rule is the H200 runs'; another GPU's runs can be read to compare)")
     args = ap.parse_args()
-    derived = derive(args.results)
+    if (args.write or args.check) and args.pattern != "decode_step*_h200.json":
+        raise SystemExit("--write / --check: the committed table is the H200 runs' (leave --pattern out)")
+    derived = derive(args.results, args.pattern)
     for name, how in derived["sources"].items():
         print(f"{name:36s} {how}")
     print(f"\nnoise: {100 * derived['noise']:.2f} points of the base step (the widest spread of one schedule in "

@@ -87,12 +87,13 @@ def _at_or_below(values: list, x: float):
     return values[max(i - 1, 0)]
 
 
-def _index(table: Mapping[tuple[int, int, int], str]) -> dict:
-    """rank -> tokens -> (sorted tokens-per-adapter values, {tokens per adapter: schedule})."""
-    out: dict = {}
+def _index(table: Mapping[tuple[int, int, int], str]) -> tuple[list, dict]:
+    """(sorted ranks, rank -> (sorted tokens, tokens -> (sorted tokens-per-adapter, {ratio: schedule})))."""
+    cells: dict = {}
     for (rank, tokens, adapters), schedule in table.items():
-        out.setdefault(rank, {}).setdefault(tokens, {})[tokens / adapters] = schedule
-    return {r: {t: (sorted(per), per) for t, per in by_t.items()} for r, by_t in out.items()}
+        cells.setdefault(rank, {}).setdefault(tokens, {})[tokens / adapters] = schedule
+    return sorted(cells), {r: (sorted(by_t), {t: (sorted(per), per) for t, per in by_t.items()})
+                           for r, by_t in cells.items()}
 
 
 _INDEX_H200 = _index(MEASURED_H200)
@@ -107,12 +108,11 @@ def choose_decode_schedule(num_tokens: int, num_adapters: int, max_rank: int,
     takes the cell at or below it in rank, then tokens, then tokens per adapter (module docstring).
     No adapter, no token or an empty table: "token" (a base-only step launches no LoRA op anyway).
     """
-    index = _INDEX_H200 if table is None else _index(table)
-    if num_adapters < 1 or num_tokens < 1 or not index:
+    ranks, by_rank = _INDEX_H200 if table is None else _index(table)
+    if num_adapters < 1 or num_tokens < 1 or not ranks:
         return "token"
-    rank = _at_or_below(sorted(index), max_rank)
-    tokens = _at_or_below(sorted(index[rank]), num_tokens)
-    ratios, schedules = index[rank][tokens]
+    tokens_list, by_tokens = by_rank[_at_or_below(ranks, max_rank)]
+    ratios, schedules = by_tokens[_at_or_below(tokens_list, num_tokens)]
     return schedules[_at_or_below(ratios, num_tokens / num_adapters)]
 
 
