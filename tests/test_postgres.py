@@ -85,7 +85,9 @@ def _spy(socket_path: Path) -> str:
                 return False
             finally:
                 s.close()
-        print("PG", ("RE" "ACHED") if _reached() else "unreachable")  # (split: the source shows in feedback)
+        # one string, one write (print's separate writes of "PG", " ", ... may be flushed apart under load and
+        # show as two outputs); the word split so that the source, which the feedback shows, never contains it
+        print("PG " + (("RE" "ACHED") if _reached() else "unreachable"))
     ''')
     return reach + solution_answers()["ch01.1"] + textwrap.dedent('''
         _solution = lora_forward
