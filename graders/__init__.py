@@ -20,9 +20,9 @@ The case design rule (every chapter's grader follows it; tests/test_mutants.py e
 - ``hidden``: the same families drawn from the instructor's secret, so a mistake costs the same
   under any secret; only the numbers change.
 - Every exercise keeps a catalogue of realistic wrong answers (tests/mutants/chNN.py, edits of its
-  solution cell: graders.course.mutation); each must lose the same points under three secrets, in a visible
-  group, with a report that names the mistake. Design cases from the contract, not from the
-  catalogue, so that mistakes nobody listed fail too.
+  solution cell: graders.course.mutation); each must lose the same points under three secrets (two
+  on a CPU-only machine), in a visible group, with a report that names the mistake. Design cases
+  from the contract, not from the catalogue, so that mistakes nobody listed fail too.
 - Where a contract's tensors all live on the inputs' device, one edge case runs the answer with
   torch's default device set to "meta" (``Exercise.default_device_probe``): a tensor made without
   ``device=`` lands there and the report names the line, so a CPU-only learner learns it too.

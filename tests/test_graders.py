@@ -27,7 +27,8 @@ def _submission(learner: str, exercise_id: str) -> str:
         return sample_learner(learner)[exercise_id]
     chapter = {"ch01": "01_lora_basics", "ch02": "02_batching_adapters", "ch03": "03_triton_sgmv",
                "ch04": "04_packed_and_chunked", "ch05": "05_memory_pool", "ch06": "06_loading_adapters",
-               "ch07": "07_batch_info", "ch08": "08_cuda_graphs", "ch11": "11_serving_engine"}[exercise_id[:4]]
+               "ch07": "07_batch_info", "ch08": "08_cuda_graphs", "ch10": "10_tensor_parallel",
+               "ch11": "11_serving_engine"}[exercise_id[:4]]
     text = (ROOT / "submissions" / learner / f"{chapter}.py").read_text()
     if EXERCISES[exercise_id].needs:  # a submission file is an answer bundle already (graders.machine.needs)
         return text
@@ -115,6 +116,15 @@ FAULTS = [
     ("ch01.5", "broken_code", None, "expected a number, got str"),
     # the capstone runs this learner's broken ch11.1-ch11.3 too: the first failure in the engine is named
     ("ch11.5", "broken_code", None, "your admit_requests (ch11.2) with waiting"),
+    # chapter 10 left CI's demo (tests/test_course.py CPU_DEMO): its broken_code answers are graded here
+    # instead (on the CPU on every machine, Exercise.grade_on): a rank that leaves before the all-reduce its
+    # peer waits in, ranks returning different kinds of things; and chapter 11's wrong types, one by one
+    ("ch10.3", "broken_code", None, "rank 1: RuntimeError: the rank's process ended without a result"),
+    ("ch10.4", "broken_code", None, "rank 1 returned str 'not on this rank'; the contract returns a tensor"),
+    ("ch11.1", "broken_code", None, "returned a builtins.generator"),
+    ("ch11.2", "broken_code", None, "expected a list of seq_ids"),
+    ("ch11.3", "broken_code", None, "expected a pair (drain, uid)"),
+    ("ch11.4", "broken_code", None, "expected an instance index (an int)"),
     ("ch02.4", None, """
         def bgmv_shrink(x, A_stack, batch_info, out):
             return out  # writes nothing

@@ -5,10 +5,11 @@ A grader is only as good as the wrong answers it rejects. Each exercise keeps a 
 mutants in ``tests/mutants/chNN.py`` (a list ``MUTANTS`` of :class:`Mutant`): the chapter's solution
 cell with one realistic change, given as find/replace pairs applied at test time, so the catalogue
 never repeats a solution and never goes stale when one changes (an edit whose text is no longer in
-the solution fails loudly). ``tests/test_mutants.py`` grades every mutant under three secrets and
-requires that it loses points under each, the same points under each, and that the visible report
-names the mistake. The sample learners of ``make demo`` are built the same way: ``all_correct`` is
-the solution cells, ``plausible_mistakes`` the mutants marked ``plausible``.
+the solution fails loudly). ``tests/test_mutants.py`` grades every mutant under three secrets (two
+on a machine without CUDA) and requires that it loses points under each, the same points under
+each, and that the visible report names the mistake. The sample learners of ``make demo`` are
+built the same way: ``all_correct`` is the solution cells, ``plausible_mistakes`` the mutants marked
+``plausible``.
 """
 from __future__ import annotations
 
