@@ -32,7 +32,7 @@ issue #35 forced "sorted" from 64: ``triton_sorted_presum`` there), the token on
 ``triton_nosplit`` is the decode path before issue #16 (unsplit shrink, per-token expand),
 ``triton_tuned`` the token schedule with the per-shape configs of ``--split-table`` /
 ``--expand-table`` (``benchmarks/sweep_split_k.py``). The runner replays, per case, the graph its
-rule picks (``expand_rule_for``); each row's ``graph`` says which ("base", "token", "sorted" or
+rule picks (``schedule_rule_for``); each row's ``graph`` says which ("base", "token", "sorted" or
 "grouped"), and ``benchmarks/derive_decode_rule.py`` reads the schedules from it.
 
 The peers (issue #35), ``--peers [vllm sglang-triton sglang-csgmv]`` (no names: all three): after the
@@ -165,7 +165,7 @@ def _sorted_variant(name: str) -> tuple[str, dict]:
 def backend_named(name: str):
     """A layer backend by name: the layers' own ("torch", "triton", "triton_fused", ...), or:
     "default" (``triton`` under its name in the results: the layers' backend, which runs the decode
-    schedule its batch names, with the runner's default rule, :func:`expand_rule_for`);
+    schedule its batch names, with the runner's default rule, :func:`schedule_rule_for`);
     "triton_fused_gather" (``triton_fused`` with ``ops.lora_gemm``'s "gather" epilogue);
     "triton_nosplit" (the decode path before issue #16's work: unsplit shrink, per-token expand);
     "triton_token" (``triton`` whose runner always picks the "token" schedule);
@@ -193,7 +193,7 @@ def backend_named(name: str):
         return get_backend("triton")._replace(name=name)
     stem = name.partition(":")[0]
     if stem in ("triton_sorted", "triton_sorted_presum", "triton_grouped"):
-        # the runner's graph (expand_rule_for) marks the batch "sorted" / "grouped", and the layers'
+        # the runner's graph (schedule_rule_for) marks the batch "sorted" / "grouped", and the layers'
         # ops follow it; overrides ("triton_sorted:block_n=64,num_stages=3") set the sorted expand's
         # launch, so one run can set configs side by side in the whole step
         _, config = _sorted_variant(name)
@@ -228,7 +228,7 @@ def backend_named(name: str):
     return get_backend(name)
 
 
-def expand_rule_for(backend: str):
+def schedule_rule_for(backend: str):
     """The runner's rule (tokens, adapters, max rank) -> decode schedule for a backend: the variants
     that force a schedule get its graph (so each row's ``graph`` says what ran); "default" and the
     others the layers' rule, ``reference.ops.decode_schedule.choose_decode_schedule``."""
@@ -334,7 +334,7 @@ def run(layers: int, context: int, seqs_list, adapter_counts, ranks, cfg: dict, 
             context_ = LoRAContext()
             model = wrap_llama(base, pool, context_, backend_named(backend))
             runner = DecodeGraphRunner(model, pool, context_, max_seqs=max_seqs, max_len=context + 8,
-                                       buckets=tuple(seqs_list), expand_rule=expand_rule_for(backend))
+                                       buckets=tuple(seqs_list), schedule_rule=schedule_rule_for(backend))
             runner.capture()
             for n in seqs_list:
                 for D in adapter_counts:

@@ -903,7 +903,7 @@ def peer_graph_runner(model, pool, context, peer: Peer, **kwargs):
             finally:
                 self._capturing = False
 
-    kwargs.setdefault("expand_rule", lambda tokens, adapters, rank: "token")
+    kwargs.setdefault("schedule_rule", lambda tokens, adapters, rank: "token")
     runner = PeerRunner(model, pool, context, **kwargs)
     runner._capturing = False
     old = runner.static

@@ -249,11 +249,11 @@ class DecodeGraphRunner:
     rank 0, is where padding rows point), writes the static buffers in place and replays.
 
     At one token per sequence, the LoRA graph comes in one version per decode schedule that
-    ``expand_rule`` can pick for the bucket's steps (``reference.ops.decode_schedule``: "token",
+    ``schedule_rule`` can pick for the bucket's steps (``reference.ops.decode_schedule``: "token",
     "sorted" (the expand grouped by slot), "grouped" (the shrink too)): key ``(bucket, True)`` for
     "token", ``(bucket, "sorted")`` and ``(bucket, "grouped")``, beside the base-only
     ``(bucket, False)``. A graph cannot change its kernels, so the choice by batch shape
-    (``expand_rule(tokens, distinct adapters, the pool's max rank)``, host values) is a choice of
+    (``schedule_rule(tokens, distinct adapters, the pool's max rank)``, host values) is a choice of
     graph; a bucket captures only the schedules the rule picks for some step of its sizes
     (:func:`~reference.ops.decode_schedule.reachable_schedules`). ``last_key`` is the key of the
     graph the last step replayed.
@@ -269,10 +269,10 @@ class DecodeGraphRunner:
         buckets: batch sizes to capture (default :func:`default_buckets`).
         tokens_per_seq: tokens each sequence decodes per step (> 1: speculative verification).
         use_graphs: capture CUDA graphs (default: when the model is on a CUDA device).
-        expand_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" | "grouped", the
+        schedule_rule: (num_tokens, num_adapters, max_rank) -> "token" | "sorted" | "grouped", the
             decode schedule of a step (default
             ``reference.ops.decode_schedule.choose_decode_schedule``, the committed H200 runs'
-            table; the name is from when it chose the expand's schedule alone).
+            table; the engine's ``PagedDecodeGraphRunner`` takes the same argument).
     Raises:
         ValueError: a bucket outside 1..max_seqs.
     """
@@ -280,7 +280,7 @@ class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, pool: LoRAMemoryPool, context: LoRAContext, *,
                  max_seqs: int, max_len: int, buckets: Optional[Sequence[int]] = None,
                  tokens_per_seq: int = 1, use_graphs: Optional[bool] = None,
-                 expand_rule: Callable[[int, int, int], str] = choose_decode_schedule) -> None:
+                 schedule_rule: Callable[[int, int, int], str] = choose_decode_schedule) -> None:
         self.pool, self.context = pool, context
         self.llm = StaticKVLlama(model, max_seqs, max_len)
         device = self.llm.k_cache.device
@@ -290,14 +290,14 @@ class DecodeGraphRunner:
         if self.buckets[0] < 1 or self.buckets[-1] > max_seqs:
             raise ValueError(f"buckets {self.buckets} must lie in 1..{max_seqs}")
         self.max_seqs, self.tokens_per_seq = max_seqs, tokens_per_seq
-        self.expand_rule = expand_rule
+        self.schedule_rule = schedule_rule
         self.static = StaticLoRABatch(pool.num_slots, max_seqs, tokens_per_seq, device)
         self.tracker = SlotChangeTracker(pool)
         self.input_ids = torch.zeros(max_seqs, tokens_per_seq, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_seqs, tokens_per_seq, dtype=torch.int64, device=device)
         self.cache_rows = torch.full((max_seqs,), self.llm.scratch_row, dtype=torch.int64, device=device)
         self.base_info = {}  # bucket -> the batch info of the base-only graphs (no LoRA launch)
-        # (bucket, True | False | "sorted") -> (graph or None, output); see the class docstring
+        # (bucket, True | False | "sorted" | "grouped") -> (graph or None, output); see the class docstring
         self.graphs: dict[tuple[int, object], tuple] = {}
         self.last_key: Optional[tuple[int, object]] = None
         self.mempool = None
@@ -315,7 +315,7 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's graphs (the base-only one and a LoRA one per schedule ``expand_rule``
+        """Capture every bucket's graphs (the base-only one and a LoRA one per schedule ``schedule_rule``
         can pick for it: :meth:`schedules`), largest bucket first (later, smaller graphs reuse the
         shared pool's memory). The padding state the capture runs on: every row on the scratch row
         of the KV cache and on the pad slot."""
@@ -346,14 +346,14 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device) if self.use_graphs else None
 
     def schedules(self, bucket: int) -> set[str]:
-        """The decode schedules ``expand_rule`` picks for some step this bucket serves (its sizes from
+        """The decode schedules ``schedule_rule`` picks for some step this bucket serves (its sizes from
         the next smaller bucket's + 1, any number of adapters): the LoRA graphs it captures. More
         than one token per sequence: "token" only (the layers run SGMV then, whatever the schedule)."""
         if self.tokens_per_seq != 1:
             return {"token"}
         smaller = [b for b in self.buckets if b < bucket]
         return {"token"} | reachable_schedules(max(smaller, default=0) + 1, bucket, self.pool.max_lora_rank,
-                                               self.expand_rule)
+                                               self.schedule_rule)
 
     # ---- one decode step -------------------------------------------------------------------
     def _pad_slot(self, uid_to_slot: dict) -> int:
@@ -385,7 +385,7 @@ class DecodeGraphRunner:
         adapters = len({s for s in slots if ranks[s] > 0})
         lora = adapters > 0
         if lora and tps == 1:
-            schedule = self.expand_rule(n, adapters, self.pool.max_lora_rank)
+            schedule = self.schedule_rule(n, adapters, self.pool.max_lora_rank)
             if schedule != "token" and (bucket, schedule) in self.graphs:
                 lora = schedule
         self.static.update(slots, bucket, self._pad_slot(uid_to_slot), ranks, self.pool.scalings_host,

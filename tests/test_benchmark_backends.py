@@ -12,7 +12,7 @@ from reference.cuda_graph import StaticLoRABatch
 from reference.ops import bgmv_shrink, torch_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from benchmark_decode_step import FORCED_FROM_TOKENS, _sorted_variant, backend_named, expand_rule_for  # noqa: E402
+from benchmark_decode_step import FORCED_FROM_TOKENS, _sorted_variant, backend_named, schedule_rule_for  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -84,13 +84,13 @@ def test_each_variant_replays_the_graph_of_its_schedule():
     their schedule from FORCED_FROM_TOKENS tokens (every bucket of issue #35's grid), the token one below."""
     from reference.ops.decode_schedule import choose_decode_schedule
 
-    assert expand_rule_for("default") is choose_decode_schedule is expand_rule_for("triton")
+    assert schedule_rule_for("default") is choose_decode_schedule is schedule_rule_for("triton")
     assert backend_named("default").name == "default"
     assert backend_named("default")._replace(name="triton") == backend_named("triton")
     for name, want in (("triton_token", "token"), ("triton_nosplit", "token"), ("triton_sorted", "sorted"),
                        ("triton_sorted_presum", "sorted"), ("triton_sorted:block_n=64", "sorted"),
                        ("triton_grouped", "grouped"), ("triton_fused", "token")):
-        rule = expand_rule_for(name)
+        rule = schedule_rule_for(name)
         assert rule(FORCED_FROM_TOKENS, 8, 16) == want, name
         assert rule(FORCED_FROM_TOKENS - 1, 1, 64) == "token", name
     assert FORCED_FROM_TOKENS == 16

@@ -249,7 +249,7 @@ def test_a_batch_with_many_tokens_per_adapter_replays_its_schedules_graph(backen
     backend = _split_backend() if backend == "triton_split" else backend
     model, pool, context = _served(base, adapters, backend, num_slots=5)
     runner = DecodeGraphRunner(model, pool, context, max_seqs=64, max_len=4, buckets=(64,),
-                               expand_rule=lambda T, D, r: schedule if T >= 64 and T >= 8 * D else "token")
+                               schedule_rule=lambda T, D, r: schedule if T >= 64 and T >= 8 * D else "token")
     names = list(ADAPTERS)
     for n, want in ((64, schedule), (48, True)):
         uids = [None if i % 9 == 4 else names[(5 * i) % 4] for i in range(n)]
@@ -266,7 +266,7 @@ def test_the_default_rule_is_the_decode_schedule_table():
     tests check it against the runs)."""
     from reference.ops.decode_schedule import choose_decode_schedule
 
-    assert DecodeGraphRunner.__init__.__kwdefaults__["expand_rule"] is choose_decode_schedule
+    assert DecodeGraphRunner.__init__.__kwdefaults__["schedule_rule"] is choose_decode_schedule
 
 
 def test_no_sorted_graph_where_the_rule_never_picks_it(base, adapters):
