@@ -18,12 +18,13 @@ slots past the bucket), a first update with the flag off (the junk tables must s
 refused update of each kind. ch08.3: a real ``LoRAMemoryPool`` (tiny adapters, a CPU cache that
 drops host copies) replayed with polls between some calls, several calls between others, two polls
 in a row, an interval of hits only, a load followed by a hit, a host copy dropped alone, an unload
-of a resident adapter (a slot freed with no load after it) and of a host copy alone, and a tracker
-made on a warm pool. ch08.4: static tensors left by an earlier step (real rows, tokens and
-positions everywhere) or in the capture state, padding inside the bucket and none, a bucket below
-max_seqs, one to four tokens per sequence, cache rows out of order; compared on the first ``bucket``
-rows of the memory the tensors were given (what the bucket's graph reads), and whether each tensor
-still has that memory (``t.data = new`` or ``t.set_(new)`` swap it, where a captured graph never looks).
+of a resident adapter (a slot freed with no load after it; from slot 0 too) and of a host copy
+alone, a trace whose first event is the first poll's only one, and a tracker made on a warm pool.
+ch08.4: static tensors left by an earlier step (real rows, tokens and positions everywhere) or in
+the capture state, padding inside the bucket and none, a bucket below max_seqs, one to four tokens
+per sequence, cache rows out of order; compared on the first ``bucket`` rows of the memory the
+tensors were given (what the bucket's graph reads), and whether each tensor still has that memory
+(``t.data = new`` or ``t.set_(new)`` swap it, where a captured graph never looks).
 """
 from __future__ import annotations
 
@@ -539,8 +540,9 @@ def _token_slots_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:
             return (f"padding sequences (n .. bucket-1) sit on the pad slot ({pad}), whatever slot number it is "
                     "(yours hold slot 0)")
         return f"padding sequences (n .. bucket-1) sit on the pad slot ({pad})"
-    return (f"token_slots past the bucket (tokens {width} .. {max_seqs * tps - 1}) hold the pad slot ({pad}) "
-            "too, so no row ever reads a stale slot")
+    past = f"token {width}" if width == max_seqs * tps - 1 else f"tokens {width} .. {max_seqs * tps - 1}"
+    return (f"token_slots past the bucket ({past}) hold the pad slot ({pad}) too, so no row ever reads a stale "
+            "slot")
 
 
 def _segments_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:
@@ -729,6 +731,9 @@ def _tracker_edge() -> list[Case]:
         _tracker_case("warm_pool_first_poll_reports_earlier_loads", 2, 3, [[B, ["A", None]]], [P, P]),
         # an adapter leaves its slot with no load after it; then the freed slot is loaded again
         _tracker_case("unload_frees_a_slot", 2, 3, [], [[B, ["A", None]], P, [U, "A"], P, [B, ["B"]], P]),
+        # slot 0 is a slot: B leaves slot 1, then A leaves slot 0 ("unload", "A", 0): a test of the
+        # slot's truthiness misses the second (and only the second)
+        _tracker_case("unload_from_slot_0", 2, 3, [], [[B, ["A", "B"]], P, [U, "B"], P, [U, "A"], P]),
         # A evicted from its slot but its host copy kept: unloading it frees no slot; unloading an
         # adapter the pool never held logs nothing (an interval of hits before: counting every event
         # is told apart from counting every unload)
@@ -739,9 +744,11 @@ def _tracker_edge() -> list[Case]:
     ]
 
 
-def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int) -> tuple[list, list]:
+def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int, lone_first: bool = False) -> tuple[list, list]:
     """Warm steps and a trace, built on a reference pool so that hits, misses and drops happen where
-    they should; every draw has each family of the module docstring."""
+    they should; every draw has each family of the module docstring. ``lone_first``: no warm steps, and
+    the trace starts with one adapter loaded alone into slot 0 (the pool's first event, the first
+    poll's only one), a poll, that adapter unloaded from slot 0 and a poll."""
     pool = _tiny_pool(num_slots, max_loaded)
     names = [None, "A", "B", "C", "D", "E", "F"]
     fresh = iter([f"N{k}" for k in range(1, 40)])
@@ -759,8 +766,15 @@ def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int) -> tuple
         k = rng.randint(1, num_slots)
         batch(target, rng.sample(names, k))
 
-    for _ in range(rng.randint(0, 2)):  # some draws start on a warm pool, some not
-        random_batch(warm)
+    if lone_first:  # the log's first event decides the first poll; then slot 0 freed by an unload
+        first = rng.choice(names[1:])
+        batch(steps, [first])
+        steps.append(P)
+        steps.append([U, first])
+        pool.unload(first)
+    else:
+        for _ in range(rng.randint(0, 2)):  # some draws start on a warm pool, some not
+            random_batch(warm)
     steps.append(P)
     for _ in range(rng.randint(1, 3)):
         random_batch(steps)
@@ -799,8 +813,11 @@ def _tracker_trace(rng: random.Random, num_slots: int, max_loaded: int) -> tuple
     steps.append([U, cached[0]])  # ... and that adapter removed: no slot changes owner
     pool.unload(cached[0])
     steps.append(P)
-    gone = rng.choice([u for u in residents() if u is not None])  # a resident adapter removed: its
-    steps.append([U, gone])  # slot is freed, with no load after it
+    # a resident adapter removed: its slot is freed, with no load after it (a slot other than 0 where
+    # one holds an adapter: ignoring unloads is then told apart from missing slot 0's)
+    adapters = [u for u in residents() if u is not None]
+    gone = rng.choice([u for u in adapters if pool.uid_to_buffer_id[u] != 0] or adapters)
+    steps.append([U, gone])
     pool.unload(gone)
     steps.append(P)
     if rng.random() < 0.5:
@@ -816,7 +833,7 @@ def _tracker_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     for i in range(4):
         num_slots = rng.randint(2, 4)
         max_loaded = num_slots + rng.randint(1, 2)
-        warm, steps = _tracker_trace(rng, num_slots, max_loaded)
+        warm, steps = _tracker_trace(rng, num_slots, max_loaded, lone_first=i == 1)
         if i == 0 and not warm:  # the first draw always starts on a warm pool
             warm = [[B, ["A", "B"][:num_slots]]]
         cases.append(_tracker_case(f"random_{i}", num_slots, max_loaded, warm, steps))
@@ -829,13 +846,17 @@ def _tracker_variant(**wrong) -> type:
 
     def changes(e) -> bool:
         if e[0] == "unload":
+            if wrong.get("unload_truthy"):  # `if event[2]:` (slot 0 reads as no slot)
+                return bool(e[2])
             return not wrong.get("unload_ignored") and (e[2] is not None or bool(wrong.get("unload_any")))
         return e[0] in counted
 
     class Variant:
         def __init__(self, pool) -> None:
             self.pool = pool
-            self.seen = len(pool.events) if wrong.get("from_the_end") else 0
+            # skips_first: a cursor kept as "the index of the last event read", started at 0 and read
+            # from cursor + 1 (the first poll never sees event 0; later polls are right)
+            self.seen = len(pool.events) if wrong.get("from_the_end") else 1 if wrong.get("skips_first") else 0
             self.owners = None
 
         def poll(self) -> bool:
@@ -865,6 +886,12 @@ _TRACKER_MISTAKES = [
     (dict(unload_ignored=True), "a slot changes owner when an adapter leaves it too, not only when one is loaded: "
                                 "(\"unload\", uid, slot) with a slot removed a resident adapter (its slot zeroed and "
                                 "freed, no load after it), so return True, as for an \"evict\""),
+    (dict(unload_truthy=True), "slot 0 is a slot: (\"unload\", uid, 0) removed the adapter in slot 0, so it changes "
+                               "an owner like any unload with a slot; test `event[2] is not None`, not the "
+                               "truthiness of event[2] (0 is falsy)"),
+    (dict(skips_first=True), "the first poll must read pool.events from index 0: your cursor skips the log's first "
+                             "event (an off-by-one between 'how many events were read', the next index to read, and "
+                             "'the index of the last one read')"),
     (dict(unload_any=True), "(\"unload\", uid, None) removed an adapter that held no slot (only its host copy was "
                             "cached): no slot changed owner; only an unload that names a slot counts"),
     (dict(never_advances=True), "poll() forgets what it reported: remember how far you have read (the length of "

@@ -193,3 +193,19 @@ MUTANTS += [
              "    static_ids[:bucket] = ids\n    static_positions[:bucket] = pos\n    static_rows = rows\n"),),
            "only rebinds your local name", "state"),
 ]
+
+# learner trial 41: an unload tested by the slot's truthiness (`if event[2]:`, slot 0 missed) passed the
+# whole edge group, and a cursor kept as "the index of the last event read" (started at 0, read from
+# cursor + 1: the log's first event never read) passed random and hidden; both were hinted as another
+# mistake. An edge trace unloads from slot 0, and one draw of every group starts with a lone load
+# (the first poll's only event) and its unload from slot 0
+MUTANTS += [
+    Mutant("ch08.3", "unload-slot-by-truthiness", ((_UNLOAD, ' or (event[0] == "unload" and event[2])'),),
+           "slot 0 is a slot", "clause"),
+    Mutant("ch08.3", "cursor-as-the-last-index-read",
+           (("        self.seen = 0  # events already looked at: 0, so the first poll sees a warm pool's history",
+             "        self.seen = 0  # index of the last event looked at"),
+            ("        new = self.pool.events[self.seen:]\n        self.seen = len(self.pool.events)\n",
+             "        new = self.pool.events[self.seen + 1:]\n        self.seen = len(self.pool.events) - 1\n")),
+           "your cursor skips the log's first event", "state"),
+]
