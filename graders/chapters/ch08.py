@@ -1081,13 +1081,21 @@ def _inputs_hint(case: Case, expected, got) -> Optional[str]:
         return (f"padding rows (n .. bucket-1) must use the scratch row ({scratch}){stale}: any other row belongs to "
                 "a real sequence (in this batch or not), and the padding's key/value writes would overwrite its "
                 "cache")
+    tps = e_ids.shape[1]
+    if not torch.equal(g_ids[:n], e_ids[:n]):
+        # the token ids first (the report shows static_ids first): only token 0 of each real sequence
+        # right is one token per sequence assumed (its positions then usually alike: both named)
+        if tps > 1 and torch.equal(g_ids[:n, 0], e_ids[:n, 0]):
+            also = (f", and static_positions[q, j] is positions[q] + j for every j (yours: only j = 0 right)"
+                    if torch.equal(g_pos[:n, 0], e_pos[:n, 0]) and not torch.equal(g_pos[:n], e_pos[:n]) else "")
+            return (f"static_ids[q] is all of input_ids[q], its tokens_per_seq = {tps} token ids: write every column "
+                    f"j (token j of sequence q), not only token 0{also}")
+        return "static_ids[q] holds input_ids[q] (tokens_per_seq tokens) for the real sequences"
     if not torch.equal(g_pos[:n], e_pos[:n]):
         return ("token j of sequence q sits at position positions[q] + j (tokens_per_seq consecutive positions "
                 "from the sequence's first)")
     if not torch.equal(g_pos, e_pos) or not torch.equal(g_ids[n:], e_ids[n:]):
         return "padding rows get token 0 at position 0 (a stale position could lie past the cache's max_len)"
-    if not torch.equal(g_ids[:n], e_ids[:n]):
-        return "static_ids[q] holds input_ids[q] (tokens_per_seq tokens) for the real sequences"
     return None
 
 

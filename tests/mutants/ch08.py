@@ -209,3 +209,15 @@ MUTANTS += [
              "        new = self.pool.events[self.seen + 1:]\n        self.seen = len(self.pool.events) - 1\n")),
            "your cursor skips the log's first event", "state"),
 ]
+
+# learner trial 41: one token per sequence assumed (only column 0 of the real rows written, the other
+# columns keep the earlier step's ids and positions) was hinted about positions while the report showed
+# token ids; the hint now starts from static_ids and names the columns
+MUTANTS += [
+    Mutant("ch08.4", "only-token-0-of-each-sequence",
+           (("    ids[:n] = torch.tensor([list(t) for t in input_ids], dtype=torch.int64).view(n, tps)\n",
+             "    ids[:n] = static_ids[:n]\n    ids[:n, 0] = torch.tensor([t[0] for t in input_ids], dtype=torch.int64)\n"),
+            ("    pos[:n] = torch.tensor(list(positions), dtype=torch.int64).view(n, 1) + torch.arange(tps)\n",
+             "    pos[:n] = static_positions[:n]\n    pos[:n, 0] = torch.tensor(list(positions), dtype=torch.int64)\n")),
+           "not only token 0", "layout"),
+]
