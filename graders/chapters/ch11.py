@@ -19,8 +19,9 @@ arrival order with an exact fit and a zero-block request, free blocks decremente
 counting admissions only, a drained adapter (and the base drained as None; None not drained when
 the flag is off), a uid running twice, each error. ch11.3: the docstring example, waited equal to
 the threshold and one past it, a free slot, more running than the cap, a starving uid that runs,
-a starving base request, ties broken by uid_sort_key (base first, ints by value, int before str)
-against the dict's insertion order, each error; every group has int uids tied whose text order
+a starving base request (at the cap and past it), ties broken by uid_sort_key (base first, ints by
+value, int before str) against the dict's insertion order, the smallest uid_sort_key with the middle
+remaining, each error (a negative threshold with a free slot too); every group has int uids tied whose text order
 differs from their value order (9 before 10), inserted so that the first inserted, the smallest as
 text and the largest are three other uids. ch11.4: idle instances, the bound's "+1" (the first
 instance of the walk exactly one below the bound), capacity factors 1, 1.25, 1.5, 2 and large, a
@@ -447,6 +448,10 @@ def _w(i, uid, waited):
 def _drain_edge() -> list[Case]:
     c = _drain_case
     return [
+        # first: the smallest uid_sort_key has the middle remaining, so the uid compared before the
+        # remaining ("a") and the most remaining ("c") fail here apart (on the docstring's example both
+        # return "a")
+        c("smallest_uid_has_the_middle_remaining", [_w(9, "z", 9)], [("a", 5), ("b", 1), ("c", 9)], 3, 4),
         c("docstring_example", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, 4),
         c("waited_equal_to_threshold_is_not_starved", [_w(9, "c", 4)], [("a", 30), ("b", 4)], 2, 4),
         c("waited_one_past_threshold", [_w(9, "c", 5), _w(8, "d", 2)], [("b", 4), ("a", 30)], 2, 4),
@@ -454,6 +459,9 @@ def _drain_edge() -> list[Case]:
         c("more_running_than_the_cap", [_w(9, "d", 9)], [("a", 30), ("b", 12), ("c", 7)], 2, 4),
         c("the_starving_uid_runs", [_w(9, "a", 9)], [("a", 30), ("b", 4)], 2, 4),
         c("one_starving_among_many", [_w(1, "a", 9), _w(2, "c", 1), _w(3, "d", 7)], [("a", 3), ("b", 8)], 2, 6),
+        # more running than the cap first: a cap read as strict (full only past it) drains here, so
+        # only a base request left out of "starved" returns (False, None)
+        c("a_starving_base_request_over_the_cap", [_w(9, None, 9)], [("a", 8), ("b", 6), ("c", 7)], 2, 4),
         c("a_starving_base_request", [_w(9, None, 9)], [("a", 8), ("b", 6)], 2, 4),
         c("the_base_runs_and_a_base_request_waits", [_w(9, None, 9)], [("a", 8), (None, 2)], 2, 4),
         # ties whose first inserted uid is neither the smallest nor the largest uid_sort_key, beside a
@@ -469,6 +477,8 @@ def _drain_edge() -> list[Case]:
         c("nothing_runs_cap_1", [_w(9, "b", 30)], [], 1, 2),
         c("no_waiting_requests", [], [("a", 3), ("b", 4)], 2, 4),
         c("negative_threshold_raises_value_error", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, -1),
+        # a free slot: the arguments are checked before the "no drain needed" answer
+        c("negative_threshold_with_a_free_slot_raises", [_w(9, "c", 5)], [("a", 30)], 2, -1),
         c("cap_0_raises_value_error", [_w(9, "c", 5)], [("a", 30)], 0, 4),
         c("cap_0_nothing_waits_raises", [], [], 0, 0),
     ]
@@ -485,8 +495,12 @@ def _drain_families(rng: random.Random, tag: str) -> list[Case]:
     text_first = rng.randint(10, 19)
     largest = 10 * text_first + rng.randint(0, 9)
     first = rng.randint(20, 99)
+    mid = (lo + hi) // 2
+    by_key = sorted(u[:3], key=uid_sort_key)  # the smallest uid_sort_key gets the middle remaining
     c = _drain_case
     return [
+        c(f"{tag}_smallest_uid_has_the_middle_remaining", [_w(1, u[3], t + 2)],
+          [(by_key[0], mid), (by_key[1], lo), (by_key[2], hi)], 3, t),
         c(f"{tag}_smallest_drained", [_w(1, u[2], t + 1)], [(u[0], hi), (u[1], lo)], 2, t),
         c(f"{tag}_at_threshold", [_w(1, u[2], t)], [(u[0], hi), (u[1], lo)], 2, t),
         c(f"{tag}_slot_free", [_w(1, u[2], t + 5)], [(u[0], hi)], 2, t),
@@ -497,6 +511,7 @@ def _drain_families(rng: random.Random, tag: str) -> list[Case]:
           [(first, lo), (largest, lo), (smallest, lo), (text_first, lo), (u[0], hi)], 5, t),
         c(f"{tag}_tie_strs", [_w(1, u[3], t + 3)], sorted([(u[0], lo), (u[1], lo), (u[2], hi)],
                                                             key=lambda p: str(p[0]), reverse=True), 3, t),
+        c(f"{tag}_base_starves_over_the_cap", [_w(1, None, t + 2)], [(u[0], hi), (u[1], lo), (u[2], lo + 1)], 2, t),
         c(f"{tag}_base_starves", [_w(1, None, t + 2)], [(u[0], hi), (u[1], lo)], 2, t),
     ]
 
@@ -520,10 +535,11 @@ def _drain_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
 
 def _drain_variant(rows, pairs, cap, threshold, **wrong):
     remaining = dict(pairs)
-    if not wrong.get("no_cap") and len(remaining) < cap:
+    if not wrong.get("no_cap") and (len(remaining) <= cap if wrong.get("cap_strict") else len(remaining) < cap):
         return (False, None)
     past = (lambda w: w >= threshold) if wrong.get("ge") else (lambda w: w > threshold)
-    if not any(past(r[3]) and (wrong.get("uid_ignored") or r[1] not in remaining) for r in rows):
+    if not any(past(r[3]) and (wrong.get("uid_ignored") or r[1] not in remaining)
+               and not (wrong.get("base_never_starves") and r[1] is None) for r in rows):
         return (False, None)
     if not remaining:
         return (False, None)
@@ -533,6 +549,8 @@ def _drain_variant(rows, pairs, cap, threshold, **wrong):
         return (True, min(remaining, key=remaining.get))
     if wrong.get("as_text"):
         return (True, min(remaining, key=lambda x: (remaining[x], str(x))))
+    if wrong.get("uid_first"):
+        return (True, min(remaining, key=lambda x: (uid_sort_key(x), remaining[x])))
     if wrong.get("last"):
         return (True, max(remaining, key=lambda x: (-remaining[x], uid_sort_key(x))))
     return (True, min(remaining, key=lambda x: (remaining[x], uid_sort_key(x))))
@@ -543,6 +561,13 @@ _DRAIN_MISTAKES = [
                     "still within it"),
     (dict(no_cap=True), "drain only while the slots are full (len(running_remaining) >= max_loras_per_batch): with a "
                         "free slot the starving request is admitted without a drain"),
+    (dict(cap_strict=True), "the slots are full when len(running_remaining) >= max_loras_per_batch: at the cap (not "
+                            "only past it) a starving request can get no slot without a drain"),
+    (dict(base_never_starves=True), "None is a real uid: a waiting base-model request (uid None) starves like any "
+                                    "other when waited > threshold and None is not running (the base model takes a "
+                                    "slot like an adapter)"),
+    (dict(uid_first=True), "compare the remaining tokens first; uid_sort_key only breaks ties: key (running_remaining"
+                           "[u], uid_sort_key(u)), not (uid_sort_key(u), running_remaining[u])"),
     (dict(uid_ignored=True), "a waiting request whose uid is already running is not starved by the cap (it can "
                              "join its adapter's slot): only uids not in running_remaining count"),
     (dict(as_text=True), "ties go by uid_sort_key (ints compare by value, base first), not by the uids as text"),

@@ -304,3 +304,30 @@ MUTANTS += [
                    "type(u).__name__, str(u)))\n"),),
            "not by the uids as text", "clause"),
 ]
+
+# learner trial 41: the cap read as strict (full only past it) and a waiting base request never counted
+# as starving got no hint; the uid compared before the remaining tokens was hinted "not the one with
+# the most left" (every case's smallest uid had the most left); the arguments checked after the
+# free-slot answer passed the edge group. New cases: the smallest uid_sort_key with the middle
+# remaining (first in the edge group and in the families), a starving base request past the cap, a
+# negative threshold with a free slot
+MUTANTS += [
+    Mutant("ch11.3", "cap-full-only-past-it",
+           (("    if len(running_remaining) < max_loras_per_batch:\n", "    if len(running_remaining) <= max_loras_per_batch:\n"),),
+           "the slots are full when len(running_remaining) >= max_loras_per_batch", "clause"),
+    Mutant("ch11.3", "base-request-never-starves",
+           (("    if not any(c.waited > threshold and c.uid not in running_remaining for c in waiting):\n",
+             "    if not any(c.uid is not None and c.waited > threshold and c.uid not in running_remaining for c in waiting):\n"),),
+           "None is a real uid", "clause"),
+    Mutant("ch11.3", "uid-compared-before-the-remaining",
+           ((_TIE, "    victim = min(running_remaining, key=lambda u: (uid_sort_key(u), running_remaining[u]))\n"),),
+           "compare the remaining tokens first", "math"),
+    Mutant("ch11.3", "arguments-checked-after-the-free-slot-answer",
+           (("    if threshold < 0 or max_loras_per_batch < 1:\n"
+             "        raise ValueError(\"need threshold >= 0 and max_loras_per_batch >= 1\")\n"
+             "    if len(running_remaining) < max_loras_per_batch:\n        return False, None\n",
+             "    if len(running_remaining) < max_loras_per_batch:\n        return False, None\n"
+             "    if threshold < 0 or max_loras_per_batch < 1:\n"
+             "        raise ValueError(\"need threshold >= 0 and max_loras_per_batch >= 1\")\n"),),
+           "negative_threshold_with_a_free_slot_raises", "error"),
+]
