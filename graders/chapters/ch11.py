@@ -753,6 +753,37 @@ def _factor_inside_loads(key, n, vnodes) -> list:
     return loads
 
 
+#: (capacity_factor, n, sum(loads) + 1) where the formula as written, capacity_factor * s / n, is a
+#: whole number c in floats and exactly (so exact arithmetic gives the same bound), and the other
+#: order, capacity_factor * (s / n), lands just above it: its bound is c + 1 (2.625 * 72 / 7 is 27.0,
+#: 2.625 * (72 / 7) is 27.000000000000004); capacity_factor * ceil(s / n) is above c + 1 (the factor
+#: outside the ceiling opens one more load). Factors exact in binary.
+_DIVIDE_FIRST = ((2.625, 7, 72), (1.375, 11, 200), (2.75, 11, 100), (2.625, 7, 144), (3.125, 10, 176),
+                 (2.75, 11, 200))
+
+
+def _divide_first_case(rng: random.Random, key, vnodes: int, pick: Optional[int] = None) -> tuple:
+    """(loads, vnodes, capacity_factor, replicas 1) from ``_DIVIDE_FIRST``: the walk's first instance
+    one over the contract's bound c (full under either order; open with no bound or the factor
+    outside the ceiling), its second at c (full as written, open divided first), the others below
+    c. Dividing first returns the second, the contract a later one."""
+    cf, n, total = _DIVIDE_FIRST[rng.randrange(len(_DIVIDE_FIRST)) if pick is None else pick]
+    walk = ring_walk(key, n, vnodes)
+    bound = math.ceil(cf * total / n)
+    for _ in range(200):
+        loads = [0] * n
+        loads[walk[0]], loads[walk[1]] = bound + 1, bound
+        for _ in range(total - 1 - sum(loads)):
+            loads[rng.choice(walk[2:])] += 1
+        divided = _route_variant(key, loads, vnodes, cf, divide_first=True)
+        if (max(loads[i] for i in walk[2:]) < bound and bound == _exact_bound(loads, cf, False)
+                == _exact_bound(loads, cf, True) and divided == walk[1] != route(key, loads, vnodes, cf)
+                and divided not in (_route_variant(key, loads, vnodes, cf, factor_outside=True),
+                                    _route_variant(key, loads, vnodes, cf, no_bound=True))):
+            return loads, vnodes, cf, 1
+    raise RuntimeError("no loads found")  # pragma: no cover
+
+
 def _route_edge() -> list[Case]:
     c = _route_case
     k4 = "a@0"
@@ -777,6 +808,9 @@ def _route_edge() -> list[Case]:
     for i, load in zip(w5, (11, 10, 9, 9, 10)):
         floaty[i] = load
     return [
+        # multiply, then divide: the other order lands above the whole number (first: where it fails
+        # alone, the exact forms pass, so no exact-arithmetic hint is named for it)
+        c("multiply_then_divide", k4, *_divide_first_case(random.Random(8), k4, 8, pick=0)),
         c("bound_in_floating_point_as_written", k4, floaty, 8, 1.1, 1),
         c("float_bound_not_the_decimal_one", "chat@2", *_float_not_exact(random.Random(6), "chat@2", 4, 8, False)),
         c("float_bound_not_the_binary_one", "chat@2", *_float_not_exact(random.Random(7), "chat@2", 4, 8, True)),
@@ -849,7 +883,8 @@ def _route_families(rng: random.Random, tag: str) -> list[Case]:
     n_fe = n if n in (2, 4, 8) else 4
     return cases + [c(f"{tag}_float_bound_not_the_{form}_one", key,
                       *_float_not_exact(rng, key, n_fe, vn, binary))
-                    for form, binary in (("decimal", False), ("binary", True))]
+                    for form, binary in (("decimal", False), ("binary", True))] + [
+        c(f"{tag}_multiply_then_divide", key, *_divide_first_case(rng, key, vn))]
 
 
 def _route_draw(rng: random.Random, name: str) -> Case:
@@ -886,6 +921,8 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
         bound = cf * math.ceil(s / n)
     if wrong.get("no_factor"):
         bound = math.ceil(s / n)
+    if wrong.get("divide_first"):  # capacity_factor * ((sum + 1) / n): another rounding
+        bound = math.ceil(cf * (s / n))
     if wrong.get("int_plus_one"):  # a ceiling written as int(x) + 1 (one too many when x is whole)
         bound = int(cf * s / n) + 1
     if wrong.get("rounded"):
@@ -924,15 +961,19 @@ def _route_variant(key, loads, vnodes, cf, replicas=1, **wrong):
 
 
 #: Mistakes in the bound (the selection right); named after the symptom "your answer acts as if the
-#: bound were ...".
+#: bound were ...". Messages are templates of the case's numbers (``_route_numbers``).
 _ROUTE_BOUND_MISTAKES = [
     (dict(exact=True), "exact arithmetic (Fraction, Decimal, integer tricks) instead of the floating-point formula "
-                       "as written: where the float lands just above a whole number its ceiling is one more (1.1 * "
-                       "50 / 5 is 11.000000000000002 in floats: bound 12, not 11)"),
+                       "as written: where the float lands just above a whole number its ceiling is one more (here "
+                       "{cf} * {s} / {n} is {x!r} in floats: bound {bound}; exactly, on the decimal {cf}: {exact})"),
     (dict(exact_binary=True), "exact arithmetic on the float's binary value (Fraction(capacity_factor)) instead of "
                               "the floating-point formula as written: where the float product rounds to a whole "
-                              "number the exact one lies just above it, and its ceiling is one more (1.6 * 5 / 2 "
-                              "is 4.0 in floats: bound 4; Fraction(1.6) * 5 / 2 is just above 4: 5)"),
+                              "number the exact one lies just above it, and its ceiling is one more (here {cf} * "
+                              "{s} / {n} is {x!r} in floats: bound {bound}; Fraction({cf}) * {s} / {n}: "
+                              "{exact_binary})"),
+    (dict(divide_first=True), "multiply, then divide, left to right: capacity_factor * (sum(loads) + 1) / "
+                              "len(loads); dividing first rounds differently (here {cf} * ({s} / {n}) is {y!r}, "
+                              "bound {divided}; {cf} * {s} / {n} is {x!r}, bound {bound})"),
     (dict(no_plus_one=True), "no +1 for this request (the bound counts the load AFTER it is placed)"),
     (dict(patched=True), "no +1 for this request, floored at 1 instead (the bound counts the load AFTER it is placed, "
                          "so it is never 0)"),
@@ -985,19 +1026,29 @@ def _route_compare(case: Case, expected, got) -> Optional[str]:
     return f"returned {which(got)}, expected {which(expected)}"
 
 
+def _route_numbers(loads, cf) -> dict:
+    """The case's numbers for the bound messages' templates."""
+    s, n = sum(loads) + 1, len(loads)
+    return dict(cf=cf, s=s, n=n, x=cf * s / n, y=cf * (s / n), bound=_bound(loads, cf), divided=math.ceil(cf * (s / n)),
+                exact=_exact_bound(loads, cf, False), exact_binary=_exact_bound(loads, cf, True))
+
+
 def _route_hint(case: Case, expected, got) -> Optional[str]:
-    """The bound the answer acts on, when it is not the contract's (which instances it counted as
-    full), then the known mistakes that return exactly its instance."""
+    """The known mistakes that return exactly the answer's instance; where none of the selection's
+    does, first the bound the answer acts on, when it is not the contract's (which instances it
+    counted as full). (A selection mistake that returns the answer's instance under the contract's
+    bound is never told "your answer acts as if the bound were ...": its bound may well be right.)"""
     if not isinstance(got, int) or isinstance(got, bool) or not isinstance(expected, int):
         return None
     key, loads, vnodes, cf = case.args[:4]
     bound, top = _bound(loads, cf), max(loads) + 1  # any bound above the largest load: nothing is full
     implied = [b for b in range(0, top + 1) if _route_variant(*case.args, bound_at=b) == got]
-    by_bound = [msg for flags, msg in _ROUTE_BOUND_MISTAKES
+    numbers = _route_numbers(loads, cf)
+    by_bound = [msg.format(**numbers) for flags, msg in _ROUTE_BOUND_MISTAKES
                 if _route_variant(*case.args, **flags) == got != expected]
     by_selection = [msg for flags, msg in _ROUTE_MISTAKES
                     if _route_variant(*case.args, **flags) == got != expected]
-    if not implied or bound in implied or min(bound, top) in implied:
+    if not implied or bound in implied or min(bound, top) in implied or by_selection:
         return name_matches(by_selection + by_bound)
     lo, hi = min(implied), max(implied)
     acts = (f"at least {lo}, with no instance full" if hi == top else f"{lo}" if lo == hi else f"{lo}..{hi}")

@@ -331,3 +331,19 @@ MUTANTS += [
              "        raise ValueError(\"need threshold >= 0 and max_loras_per_batch >= 1\")\n"),),
            "negative_threshold_with_a_free_slot_raises", "error"),
 ]
+
+# learner trial 41: the bound divided first (capacity_factor * ((sum + 1) / n), against the text's "left to
+# right: multiply, then divide") was caught by one edge case, whose hint listed exact arithmetic and not
+# this order; a case where only the order decides now opens the edge group and ends the families. The
+# least loaded open instance overall was told "your answer acts as if the bound were ..." first: a
+# selection mistake that returns the answer's instance is now named without a claim about the bound
+MUTANTS += [
+    Mutant("ch11.4", "bound-divided-first",
+           (("    bound = math.ceil(capacity_factor * (sum(loads) + 1) / len(loads))\n",
+             "    bound = math.ceil(capacity_factor * ((sum(loads) + 1) / len(loads)))\n"),),
+           "multiply, then divide, left to right", "math"),
+    Mutant("ch11.4", "least-loaded-open-instance-overall",
+           (("    candidates = [i for i in walk if loads[i] < bound][:replicas]\n",
+             "    candidates = sorted((i for i in walk if loads[i] < bound), key=lambda i: loads[i])[:replicas]\n"),),
+           "not every open instance", "clause"),
+]
