@@ -30,7 +30,9 @@ walk, ties to the earlier one in the walk where that is the higher index, replic
 bound filter, replicas past the instance count, one instance, each error. The random and hidden
 groups draw the same families with seeded names, sizes and loads, plus free draws.
 Capacity factors and instance counts are drawn so that every order of the bound's float arithmetic
-gives the same bound (a correct answer never fails by rounding).
+gives the same bound (a correct answer never fails by rounding), except in the cases built on the
+text's order ("in floating point as written, left to right: multiply, then divide"): the float bound
+against exact arithmetic, and against dividing first (``_DIVIDE_FIRST``).
 """
 from __future__ import annotations
 
