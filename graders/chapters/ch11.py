@@ -568,8 +568,6 @@ _DRAIN_MISTAKES = [
     (dict(base_never_starves=True), "None is a real uid: a waiting base-model request (uid None) starves like any "
                                     "other when waited > threshold and None is not running (the base model takes a "
                                     "slot like an adapter)"),
-    (dict(uid_first=True), "compare the remaining tokens first; uid_sort_key only breaks ties: key (running_remaining"
-                           "[u], uid_sort_key(u)), not (uid_sort_key(u), running_remaining[u])"),
     (dict(uid_ignored=True), "a waiting request whose uid is already running is not starved by the cap (it can "
                              "join its adapter's slot): only uids not in running_remaining count"),
     (dict(as_text=True), "ties go by uid_sort_key (ints compare by value, base first), not by the uids as text"),
@@ -579,6 +577,9 @@ _DRAIN_MISTAKES = [
     # last: on a tie, the most-loaded uid is also the largest uid_sort_key
     (dict(most=True), "drain the running uid whose requests finish SOONEST (the smallest remaining), not the one "
                       "with the most left"),
+    # uid_first: where the smallest uid_sort_key also has the most left, "most" returns the same
+    (dict(uid_first=True), "compare the remaining tokens first; uid_sort_key only breaks ties: key (running_remaining"
+                           "[u], uid_sort_key(u)), not (uid_sort_key(u), running_remaining[u])"),
 ]
 
 
@@ -603,7 +604,9 @@ def _drain_compare(case: Case, expected, got) -> Optional[str]:
     remaining = dict(case.args[1])
 
     def left(uid) -> str:
-        return f" ({remaining[uid]} tokens left)" if uid in remaining else " (not running)" if uid is not None else ""
+        if uid in remaining:
+            return f" ({remaining[uid]} token{'' if remaining[uid] == 1 else 's'} left)"
+        return " (not running)" if uid is not None else ""
     for name, e, g in zip(("drain", "uid"), expected, got):
         if type(e) is not type(g) or e != g:
             extra = f"{left(e)}" if name == "uid" else ""

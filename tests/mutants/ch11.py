@@ -347,3 +347,12 @@ MUTANTS += [
              "    candidates = sorted((i for i in walk if loads[i] < bound), key=lambda i: loads[i])[:replicas]\n"),),
            "not every open instance", "clause"),
 ]
+
+# learner trial 41: the capstone's hint on a needed cell printed its result as plain data, a returned
+# tuple as a list ("it returned [True, 'chat@1']"); results keep their type now
+MUTANTS += [
+    Mutant("ch11.5", "a-starving-waiting-uid-drained",
+           ((_TIE + "    return True, victim\n",
+             "    return True, next(c.uid for c in waiting if c.waited > threshold and c.uid not in running_remaining)\n"),),
+           "it returned (True, '", "clause", part="ch11.3"),
+]
