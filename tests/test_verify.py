@@ -267,6 +267,45 @@ def test_answer_cells_are_pointed_at_by_what_their_code_does(course, tmp_path, m
     assert all(line.endswith("(look at this)") for line in look[0].lines)
 
 
+@pytest.mark.slow
+def test_cells_posing_as_an_answer_are_not_graded_and_a_deep_cell_stops_nothing(course, tmp_path, monkeypatch):
+    """Red-team review 41 (issue #31): extra cells carrying an answer's grade_id were each re-graded
+    (a full check apiece, the last one's score recorded), and an answer of a valid expression a
+    thousand terms deep made the trusted tamper scan raise RecursionError after every answer was
+    graded, so nothing was recorded for anybody."""
+    root = _copy(course, tmp_path / "course")
+    path = root / "autograded" / "mistaken" / A / f"{A}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    index = next(i for i, cell in enumerate(nb.cells) if exercise_of(cell) == "ch01.4")
+    nb.cells[index].source = "REAL = 1\n_pad = " + "+".join(["0"] * 1200) + "\n" + nb.cells[index].source
+    for n in range(3):  # impostors: after the answer (the last one used to count) and before it
+        impostor = nbformat.v4.new_code_cell(f"IMPOSTOR = {n}\n")
+        impostor.metadata["nbgrader"] = {"grade": False, "grade_id": "ch01_4_answer", "locked": False,
+                                         "schema_version": 3, "solution": False, "task": False}
+        nb.cells.insert(index + 1 if n else index, impostor)
+    nbformat.write(nb, path)
+    graded = []
+
+    def fake_grade(ex, source):
+        graded.append((ex, source.split("\n")[0]))
+        return SimpleNamespace(score=3.0 if source.startswith("REAL") else 0.0)
+
+    monkeypatch.setattr(course_mod, "grade_source", fake_grade)
+    scores, findings = trusted_regrade(root, A, SECRET)
+    assert [first for ex, first in graded if ex == "ch01.4"].count("REAL = 1") == 1
+    assert not any(first.startswith("IMPOSTOR") for _, first in graded)
+    assert scores["mistaken"]["ch01.4"] == 3.0
+    look = [str(f) for f in findings if isinstance(f, LookAtThis) and f.student == "mistaken"]
+    assert sum("carries the grade_id of ch01.4's answer cell; not graded" in f for f in look) == 3
+    assert any("nested too deeply to check" in f for f in look)
+
+
+def test_the_tamper_scan_never_raises_on_deep_code():
+    for terms in (1200, 100_000):  # the first compiles and runs; the second does not parse
+        lines = suspicious_code("def f(x):\n    return x\n_pad = " + "+".join(["0"] * terms) + "\n")
+        assert len(lines) == 1 and "nested too deeply" in lines[0] and lines[0].endswith("(look at this)")
+
+
 # ---------------------------------------------------------------------------------------------
 # graders.course.integrity and graders.course.tamper on their own
 

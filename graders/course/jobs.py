@@ -42,7 +42,7 @@ from graders.course.tamper import suspicious_code
 from graders.machine.core import SECRET_ENV, grade_source, triton_cache_scope
 from graders.machine.points import POINTS, total_points
 
-__all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "chapters", "CourseError",
+__all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "answer_cells", "chapters", "CourseError",
            "GradersChanged", "Mismatch", "LookAtThis", "Ungraded", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,29 @@ def exercise_of(cell) -> str | None:
     """``ch02.3`` for the answer cell of exercise ch02.3, else None."""
     m = _ANSWER_ID.match(cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", ""))
     return m.group(1).replace("_", ".") if m else None
+
+
+def answer_cells(nb) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(answers, impostors) of a submitted notebook: ``answers`` is one ``(exercise, source)`` per
+    exercise, from the first code cell nbgrader tracks as that exercise's answer (``solution: true``
+    and its grade_id: nbgrader's DeduplicateIds keeps one such cell per id); ``impostors`` are the
+    other cells that carry an answer's grade_id, ``(exercise, why)``, never graded: a learner could
+    otherwise add any number of cells with an answer's id, each costing a full check, the last one's
+    score recorded in place of the answer's."""
+    answers: dict[str, str] = {}
+    impostors: list[tuple[str, str]] = []
+    for i, cell in enumerate(nb.cells):
+        ex = exercise_of(cell)
+        if ex is None:
+            continue
+        tracked = cell.get("cell_type") == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("solution") is True
+        if tracked and ex not in answers:
+            answers[ex] = str(cell.source)
+        else:
+            why = "a second cell" if tracked else "a cell nbgrader does not track as an answer"
+            impostors.append((ex, f"cell {i}: {why} carries the grade_id of {ex}'s answer cell; not graded "
+                                  "(look at this)"))
+    return list(answers.items()), impostors
 
 
 def parse_answers(text: str) -> dict[str, str]:
@@ -280,6 +303,15 @@ def _source_graded_cells(source: Path) -> dict[str, dict[str, tuple[str | None, 
     return cells
 
 
+def _look_at(source: str) -> list[str]:
+    """``suspicious_code(source)``, and a finding instead of an exception: the scan reads learner
+    text in the trusted process after every answer was graded, so it must never stop the run."""
+    try:
+        return suspicious_code(source)
+    except Exception as exc:  # noqa: BLE001
+        return [f"line 1: the cell could not be checked ({type(exc).__name__}) (look at this)"]
+
+
 def trusted_regrade(course: Path, assignment: str, secret: str | None = None) -> tuple[dict, list]:
     """Re-grade every answer cell of ``assignment``'s autograded submissions outside the kernel and
     check every grade of it in the gradebook.
@@ -328,11 +360,14 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
 
     jobs = []
     unreadable: list[Ungraded] = []
+    impostors: list[LookAtThis] = []
     for nb_path in sorted(settings["autograded"].glob(f"*/{assignment}/*.ipynb")):
         student = nb_path.parts[-3]
         try:
             nb = nbformat.read(nb_path, as_version=4)
-            jobs += [(student, nb_path.stem, ex, str(c.source)) for c in nb.cells if (ex := exercise_of(c))]
+            answers, extra = answer_cells(nb)
+            jobs += [(student, nb_path.stem, ex, source) for ex, source in answers]
+            impostors += [LookAtThis(student, ex, [why]) for ex, why in extra]
         except Exception as exc:  # noqa: BLE001 (its test cells are recorded 0 below)
             unreadable.append(Ungraded(student, nb_path.stem, f"the autograded notebook cannot be read: "
                                        f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -366,7 +401,8 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
     if diff := check_fingerprint(recorded):
         raise GradersChanged(diff, "found after verify's re-grade")
 
-    look = [LookAtThis(student, ex, lines) for student, _, ex, source in jobs if (lines := suspicious_code(source))]
+    look = impostors + [LookAtThis(student, ex, lines) for student, _, ex, source in jobs
+                        if (lines := _look_at(source))]
     trusted = {(student, notebook, ex): score for (student, notebook, ex, _), score in zip(jobs, results)}
     autograded = {(student, notebook) for student, notebook, _, _ in jobs}
     scores: dict[str, dict[str, float]] = {}

@@ -63,8 +63,15 @@ def suspicious_code(source: str) -> list[str]:
         line = getattr(e, "lineno", None) or 1
         return [f"line {line}: the cell does not parse as Python ({type(e).__name__}: "
                 f"{getattr(e, 'msg', e)}), so it was not checked (look at this)"]
-    visitor = _Visitor(_bound_names(tree))
-    visitor.visit(tree)
+    except (RecursionError, MemoryError) as e:
+        return [f"line 1: the cell is nested too deeply to parse ({type(e).__name__}), so it was not checked "
+                "(look at this)"]
+    try:
+        visitor = _Visitor(_bound_names(tree))
+        visitor.visit(tree)  # recursive: a valid expression of a few thousand terms exhausts the stack
+    except (RecursionError, MemoryError) as e:
+        return [f"line 1: the cell is nested too deeply to check ({type(e).__name__}: an expression or "
+                "statement thousands of levels deep), so it was not checked (look at this)"]
     seen: set[tuple[int, str]] = set()
     out = []
     for line, what in sorted(visitor.findings, key=lambda f: f[0]):
