@@ -397,6 +397,9 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     for student, cells in students.items():
         course_mod.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
     (course / "submitted" / "flood" / chapter / "junk.bin").write_bytes(b"0" * (1 << 20))  # hole 6: not for feedback
+    # red-team review 41: a submission nbgrader cannot autograde stopped the whole class's run
+    (course / "submitted" / "badnb" / chapter).mkdir(parents=True)
+    (course / "submitted" / "badnb" / chapter / f"{chapter}.ipynb").write_text("{ this is not a notebook")
     tmpdir = ROOT / "build" / f"tmpdir-{uuid.uuid4().hex[:8]}"
     tmpdir.mkdir(parents=True)
     try:
@@ -410,7 +413,11 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     assert not [n for n in left if n.startswith("lora-book-")], left  # hole 8: the run's work folder is gone
     with open(course / "grades.csv") as f:
         scores = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f)}
-    assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0}, scores
+    assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0, "badnb": 0.0}, scores
+    report = proc.stdout[proc.stdout.find("Submissions nbgrader could not autograde"):]
+    assert report.splitlines()[1].startswith("  badnb 01_lora_basics: nbgrader autograde failed on this submission ("), \
+        proc.stdout[-3000:]
+    assert "NotJSONError" in report.splitlines()[1]
     feedback = {s: (course / "feedback" / s / chapter / f"{chapter}.html") for s in students}
     assert all(f.exists() for f in feedback.values()), "every student's feedback was written"
     assert sorted(p.name for p in feedback["flood"].parent.iterdir()) == sorted(

@@ -89,7 +89,9 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
     Raises:
         graders.machine.sandbox.SandboxUnavailable: bubblewrap cannot run and ``unsandboxed`` is False.
         graders.course.jobs.CourseError: not a course folder, no secret (``LORA_BOOK_SECRET``), an
-            unknown assignment, no submissions, a
+            unknown assignment, no submissions, nbgrader's autograde failing on every submission of
+            an assignment (one failing submission is a :class:`~graders.course.jobs.NotAutograded`
+            finding, its test cells recorded 0), a
             learner process left running, or the graders' files changed during grading. Unknown
             assignments and missing submissions are refused before anything is written or run.
     """
@@ -124,10 +126,14 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
     env = dict(os.environ)
     runs = autograde_many(course, assignments, jobs=jobs, db_url=db_url, env=env)
     seconds["autograde"] = time.perf_counter() - start
-    failed = {f"{s} ({a})": e for a, run in runs.items() for s, e in run.errors.items() if e}
-    if failed:
-        raise jobs_mod.CourseError(f"nbgrader autograde failed for {', '.join(sorted(failed))}: "
-                                   + next(iter(failed.values()))[-600:])
+    # one submission nbgrader cannot autograde (not JSON, a cell past the timeout, a flood of output)
+    # costs that student's assignment only: a finding, its test cells recorded 0 by the re-grade
+    not_autograded = [jobs_mod.NotAutograded(s, a, e) for a, run in runs.items()
+                      for s, e in sorted(run.errors.items()) if e]
+    for assignment, run in runs.items():
+        if run.errors and all(run.errors.values()):  # nothing to re-grade: the cause is not one learner's
+            raise jobs_mod.CourseError(f"nbgrader autograde failed for every submission of {assignment}: "
+                                       + next(iter(run.errors.values()))[-600:])
     work_folder = next(iter(runs.values())).work_folder
     left = leftover_processes(work_folder)
     if left:
@@ -136,7 +142,7 @@ def grade_assignments(course: Path, assignments: Sequence[str], jobs: int = 1, d
     jobs_mod.cap_outputs(course, assignments)
     start = time.perf_counter()
     scores: dict[str, dict[str, float]] = {}
-    findings: list = []
+    findings: list = list(not_autograded)
     for assignment in assignments:
         part, found = jobs_mod.trusted_regrade(course, assignment, secret)
         for student, marks in part.items():

@@ -43,7 +43,7 @@ from graders.machine.core import SECRET_ENV, grade_source, triton_cache_scope
 from graders.machine.points import POINTS, total_points
 
 __all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "answer_cells", "chapters", "CourseError",
-           "GradersChanged", "Mismatch", "LookAtThis", "Ungraded", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
+           "GradersChanged", "Mismatch", "LookAtThis", "Ungraded", "NotAutograded", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SECRET = "demo-hidden-secret"
@@ -186,6 +186,25 @@ class Ungraded:
     def __str__(self) -> str:
         return (f"{self.student} {self.exercise}: grading this answer failed ({self.error}); recorded 0 "
                 "(look at the answer; re-run verify once the cause is fixed)")
+
+
+@dataclass
+class NotAutograded:
+    """A submission nbgrader's autograde failed on (a notebook that is not JSON, a cell past the
+    execution timeout, output the kernel could not deliver): that student's assignment gets no
+    autograded notebook and its test cells are recorded 0; every other submission is graded."""
+
+    student: str
+    assignment: str
+    error: str
+
+    def __str__(self) -> str:
+        lines = [line.strip() for line in self.error.splitlines() if line.strip()]
+        # the last exception line of nbgrader's traceback (CellTimeoutError: ..., NotJSONError: ...)
+        raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Timeout)\w*:", line)]
+        cause = raised[-1] if raised else (lines[-1] if lines else "no output")
+        return (f"{self.student} {self.assignment}: nbgrader autograde failed on this submission "
+                f"({cause[:300]}); its test cells recorded as 0 (look at the submission; fix it and grade again)")
 
 
 @dataclass
@@ -571,9 +590,11 @@ def print_table(scores: dict, mismatches: list, course: Path) -> None:
     print()
     look = [m for m in mismatches if isinstance(m, LookAtThis)]
     ungraded = [m for m in mismatches if isinstance(m, Ungraded)]
+    failed = [m for m in mismatches if isinstance(m, NotAutograded)]
     fixes = [m for m in mismatches if isinstance(m, GradebookFix)]
     differ = [m for m in mismatches if isinstance(m, Mismatch)]
     for heading, found in (
+            ("Submissions nbgrader could not autograde (recorded 0; every other submission was graded):", failed),
             ("Answer cells to look at (what the code does, not proof of tampering):", look),
             ("Answers the re-grade could not grade (recorded 0; every other answer was graded):", ungraded),
             ("Gradebook fields the graders did not write (learner code can edit gradebook.db); corrected:", fixes),
