@@ -63,7 +63,8 @@ def test_the_regrade_records_an_answer_it_cannot_grade_as_0_and_grades_the_rest(
         nb.mkdir(parents=True)
         nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
             ("BROKEN " if student == "attacker" and ex == "ch01.3" else "") + src,
-            metadata={"nbgrader": {"grade_id": ex.replace(".", "_") + "_answer"}}) for ex, src in cells.items()]),
+            metadata={"nbgrader": {"grade_id": ex.replace(".", "_") + "_answer", "solution": True}})
+            for ex, src in cells.items()]),
             nb / f"{chapter}.ipynb")
 
     def fake_grade(ex, source):
