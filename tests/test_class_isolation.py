@@ -368,6 +368,23 @@ _SPY = textwrap.dedent('''
                     _seen += [os.path.join(_d, n) for n in _files if os.path.join(_d, n) != _own]
         print("SPY saw", sorted(set(_seen)))
 ''')
+#: Red-team review 41 (H5): what of the course a spy's kernel and re-grade child can read (COURSE is
+#: the course folder); its submission also ships nbgrader_config.py and gradebook.db markers. In the
+#: child, reading anything fails the answer (so its score shows it).
+_SPY_COURSE = textwrap.dedent('''
+    _read = []
+    for _p in ("gradebook.db", "nbgrader_config.py", "submitted/honest/01_lora_basics/01_lora_basics.ipynb",
+               "autograded/honest/01_lora_basics/01_lora_basics.ipynb", ".lora_book_fingerprint.json"):
+        try:
+            open(os.path.join(COURSE, _p), "rb").close()
+            _read.append(_p)
+        except OSError:
+            pass
+    if "-f" in sys.argv:
+        print("SPY read", _read)
+    elif _read:
+        raise RuntimeError("SPY read " + repr(_read))
+''')
 
 
 @needs_bwrap
@@ -393,11 +410,17 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
         "honest": right,
         "flood": {**right, "ch01.1": right["ch01.1"] + _FLOOD},  # hole 7
         "malformed": {**right, "ch01.2": MALFORMED_RESULTS["results are a JSON list"] + right["ch01.2"]},  # hole 4
-        "spy": {**right, "ch01.3": right["ch01.3"] + _SPY},  # hole 5
+        "spy": {**right, "ch01.3": right["ch01.3"] + _SPY + _SPY_COURSE.replace("COURSE", repr(str(course)))},  # hole 5
+        "linker": right,  # red-team review 41 (H6): a link to a host file in the submission
     }
     for student, cells in students.items():
         course_mod.build_submission(release, cells, course / "submitted" / student / chapter / f"{chapter}.ipynb")
     (course / "submitted" / "flood" / chapter / "junk.bin").write_bytes(b"0" * (1 << 20))  # hole 6: not for feedback
+    for marker in ("nbgrader_config.py", "gradebook.db"):  # H5: markers of a course root decide nothing
+        (course / "submitted" / "spy" / chapter / marker).write_text("c = get_config()\n")
+    host_secret = tmp_path / "host-secret.txt"  # outside the course
+    host_secret.write_text("HOST-ONLY SECRET " + uuid.uuid4().hex + "\n")
+    (course / "submitted" / "linker" / chapter / "leak.txt").symlink_to(host_secret)
     # red-team review 41: a submission nbgrader cannot autograde stopped the whole class's run
     (course / "submitted" / "badnb" / chapter).mkdir(parents=True)
     (course / "submitted" / "badnb" / chapter / f"{chapter}.ipynb").write_text("{ this is not a notebook")
@@ -414,12 +437,20 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     assert not [n for n in left if n.startswith("lora-book-")], left  # hole 8: the run's work folder is gone
     with open(course / "grades.csv") as f:
         scores = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f)}
-    assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0, "badnb": 0.0}, scores
-    report = proc.stdout[proc.stdout.find("Submissions nbgrader could not autograde"):]
-    assert report.splitlines()[1].startswith("  badnb 01_lora_basics: nbgrader autograde failed on this submission ("), \
+    assert scores == {"honest": 18.0, "flood": 18.0, "malformed": 15.0, "spy": 18.0, "badnb": 0.0,
+                      "linker": 0.0}, scores
+    report = proc.stdout[proc.stdout.find("Submissions nbgrader could not autograde"):].splitlines()
+    assert report[1].startswith("  badnb 01_lora_basics: nbgrader autograde failed on this submission ("), \
         proc.stdout[-3000:]
-    assert "NotJSONError" in report.splitlines()[1]
-    feedback = {s: (course / "feedback" / s / chapter / f"{chapter}.html") for s in students}
+    assert "NotJSONError" in report[1]
+    assert report[2].startswith("  linker 01_lora_basics: nbgrader autograde failed on this submission ("
+                                "UnsafeSubmissionError: "), proc.stdout[-3000:]
+    assert f"submitted/linker/{chapter}/leak.txt (a symbolic link)" in report[2]
+    assert not (course / "autograded" / "linker").exists()
+    secret = host_secret.read_text().strip()
+    assert secret not in proc.stdout + proc.stderr
+    assert not [p for p in course.rglob("*") if p.is_file() and not p.is_symlink() and secret.encode() in p.read_bytes()]
+    feedback = {s: (course / "feedback" / s / chapter / f"{chapter}.html") for s in students if s != "linker"}
     assert all(f.exists() for f in feedback.values()), "every student's feedback was written"
     assert sorted(p.name for p in feedback["flood"].parent.iterdir()) == sorted(
         p.name for p in feedback["honest"].parent.iterdir()), "feedback holds the page and the chapter's figures only"
@@ -429,6 +460,7 @@ def test_the_grade_command_holds_against_a_class_of_attackers(tmp_path):
     assert feedback["flood"].stat().st_size < feedback["honest"].stat().st_size + 2 * MAX_CELL_OUTPUT_BYTES
     spy = feedback["spy"].read_text()
     assert "SPY saw []" in spy, spy[spy.find("SPY saw"):][:600]
+    assert "SPY read []" in spy, spy[spy.find("SPY read"):][:600]
 
 
 # ---------------------------------------------------------------------------------------------

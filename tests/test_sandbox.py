@@ -485,3 +485,152 @@ def test_per_rank_answers_run_sandboxed_and_a_hanging_rank_leaves_nothing(monkey
                                                         "dist.all_gather(pieces, t_local)")
     report = grade_source("ch10.4", default_group).report
     assert "the default group" in report and "pass group=group" in report, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Red-team review 41 (H5, H6): a course's data stays hidden wherever the course folder is (the
+# checkout itself: the README's layout; a folder holding it; a folder inside it), markers a
+# submission ships decide nothing, and a link in the notebook's folder shows nothing of the host
+
+_LAYOUTS = ("the checkout", "holds the checkout", "inside the checkout")
+_DATA = ("gradebook.db", "gradebook.db-journal", "grades.csv", ".lora_book_fingerprint.json", "nbgrader_config.py",
+         "submitted/other/01_lora_basics/01_lora_basics.ipynb", "autograded/other/01_lora_basics/01_lora_basics.ipynb",
+         "feedback/other/01_lora_basics/01_lora_basics.html", "release/01_lora_basics/01_lora_basics.ipynb")
+
+
+def _course_in(tmp_path: Path, layout: str, monkeypatch) -> tuple[Path, Path]:
+    """(course, checkout): a course with every kind of data of another student, laid out against a
+    stand-in checkout that every sandbox binds for the code (``sandbox._needed_paths``)."""
+    checkout = tmp_path / ("course" if layout == "the checkout" else "book")
+    course = {"the checkout": checkout, "holds the checkout": tmp_path / "course",
+              "inside the checkout": checkout / "build" / "course"}[layout]
+    if layout == "holds the checkout":
+        checkout = course / "book"
+    (checkout / "graders").mkdir(parents=True)
+    (checkout / "graders" / "code.py").write_text("CODE\n")
+    for rel in _DATA:
+        (course / rel).parent.mkdir(parents=True, exist_ok=True)
+        (course / rel).write_text("COURSE DATA\n")
+    (course / "nbgrader_config.py").write_text("c = get_config()\n")
+    needed = sandbox._needed_paths
+    monkeypatch.setattr(sandbox, "_needed_paths", lambda: [*needed(), checkout])
+    return course, checkout
+
+
+_READ = textwrap.dedent('''
+    import json, os, sys
+    seen = {}
+    for path in sys.argv[1:]:
+        try:
+            seen[path] = open(path).read()
+        except OSError:
+            seen[path] = None
+    print("SEEN " + json.dumps(seen) + " END")
+''')
+
+
+@needs_bwrap
+@pytest.mark.parametrize("told", ["by the grading command", "found above the notebook"])
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_a_kernel_sees_no_course_data_wherever_the_course_is(tmp_path, monkeypatch, layout, told):
+    """The kernel's own notebook and the checkout's code show; another student's submission,
+    autograded notebook and feedback, the gradebook (and its journal), grades.csv, the fingerprint,
+    the config do not, though the submission planted nbgrader_config.py and gradebook.db markers in
+    the notebook's folder; a link there to a host file shows nothing."""
+    import json
+
+    from graders.machine.kernel_sandbox import kernel_argv
+
+    course, checkout = _course_in(tmp_path, layout, monkeypatch)
+    own = course / "autograded" / "spy" / "01_lora_basics"
+    own.mkdir(parents=True)
+    (own / "01_lora_basics.ipynb").write_text("MY NOTEBOOK\n")
+    (own / "nbgrader_config.py").write_text("c = get_config()\n")  # markers: this is a course root
+    (own / "gradebook.db").write_text("")
+    secret = tmp_path.parent / f"{tmp_path.name}-host-secret.txt"  # outside the course
+    secret.write_text("HOST SECRET\n")
+    (own / "leak.txt").symlink_to(secret)
+    if told == "by the grading command":
+        monkeypatch.setenv(sandbox.COURSE_ENV, str(course))
+    else:
+        monkeypatch.delenv(sandbox.COURSE_ENV, raising=False)
+    (tmp_path / "run").mkdir()
+    conn = tmp_path / "run" / "kernel-1.json"
+    conn.write_text("{}")
+    paths = [str(course / rel) for rel in _DATA] + [str(own / "01_lora_basics.ipynb"), str(own / "leak.txt"),
+                                                     str(checkout / "graders" / "code.py")]
+    try:
+        argv, _ = kernel_argv([sys.executable, "-I", "-c", _READ, *paths], conn, own, {"transport": "tcp"})
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    finally:
+        secret.unlink()
+    seen = json.loads(re.search(r"SEEN (.*) END", proc.stdout).group(1))
+    shown = {p: v for p, v in seen.items() if v}
+    assert shown == {str(own / "01_lora_basics.ipynb"): "MY NOTEBOOK\n",
+                     str(checkout / "graders" / "code.py"): "CODE\n"}, (shown, proc.stderr[-500:])
+
+
+_SPY_CHILD = textwrap.dedent('''
+    import os
+    def lora_forward(x, W, A, B, scaling):
+        seen = {}
+        for path in PATHS:
+            try:
+                seen[path] = open(path).read()
+            except OSError:
+                pass
+        raise RuntimeError("SEEN " + repr(seen) + " END")
+''')
+
+
+@needs_bwrap
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_a_grader_child_sees_no_course_data_wherever_the_course_is(tmp_path, monkeypatch, layout):
+    """The trusted re-grade's children (fork servers started after ``forkserver.hide(course)``)
+    read none of the course's data; the checkout's code still shows."""
+    course, checkout = _course_in(tmp_path, layout, monkeypatch)
+    monkeypatch.setenv(sandbox.MODE_ENV, "required")
+    monkeypatch.setattr(forkserver, "_HIDDEN", [])
+    monkeypatch.setattr(forkserver, "_HIDDEN_DATA", [])
+    forkserver.kill_all()
+    try:
+        forkserver.hide(course)
+        paths = [str(course / rel) for rel in _DATA] + [str(checkout / "graders" / "code.py")]
+        report = grade_source("ch01.1", _SPY_CHILD.replace("PATHS", repr(paths))).report
+    finally:
+        forkserver.kill_all()
+    seen = re.search(r"SEEN (.*?) END", report).group(1)
+    assert seen == repr({str(checkout / "graders" / "code.py"): "CODE\n"}), report
+
+
+def test_course_data_names_the_fingerprint_and_the_configured_folders(tmp_path):
+    from graders.course.jobs import FINGERPRINT_FILE
+
+    (tmp_path / "nbgrader_config.py").write_text(
+        "c = get_config()\nc.CourseDirectory.submitted_directory = 'in'\n"
+        "c.CourseDirectory.db_url = 'sqlite:///data/book.db'\nc.Exchange.root = '/srv/elsewhere'\n")
+    data = sandbox.course_data(tmp_path)
+    for rel in ("in", "autograded", "feedback", "release", "source", "data/book.db", "data/book.db-wal",
+                "gradebook.db", FINGERPRINT_FILE, "grades.csv", "nbgrader_config.py"):
+        assert tmp_path.resolve() / rel in data, rel
+    assert Path("/srv/elsewhere") in data and tmp_path.resolve() / "submitted" not in data
+
+
+def test_a_submission_holding_a_link_is_refused_before_autograde(tmp_path):
+    """nbgrader copies a submission following links, as the instructor: a link (or fifo) in it is
+    named and the submission is not autograded; regular files and folders pass."""
+    from graders.course.autograde import unsafe_entries
+
+    chapter = "01_lora_basics"
+    folder = tmp_path / "submitted" / "linker" / chapter
+    (folder / "data").mkdir(parents=True)
+    (folder / f"{chapter}.ipynb").write_text("{}")
+    (folder / "data" / "ok.txt").write_text("ok")
+    assert unsafe_entries(tmp_path, "linker", chapter) == []
+    (folder / "data" / "leak.txt").symlink_to("/etc/hostname")
+    os.mkfifo(folder / "pipe")
+    assert sorted(unsafe_entries(tmp_path, "linker", chapter)) == [
+        f"submitted/linker/{chapter}/data/leak.txt (a symbolic link)", f"submitted/linker/{chapter}/pipe (a fifo)"]
+    (tmp_path / "submitted" / "other").mkdir()
+    (tmp_path / "submitted" / "other" / chapter).symlink_to(folder)
+    assert unsafe_entries(tmp_path, "other", chapter) == [f"submitted/other/{chapter} (a symbolic link)"]

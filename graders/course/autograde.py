@@ -10,6 +10,13 @@ The gradebook is nbgrader's: SQLite in the course folder by default, or any SQLA
 (``db_url``, e.g. ``postgresql://user@host/course`` for a large course: SQLite takes one writer at a
 time, so its workers wait on each other's commits, which ``?timeout=`` lets them do).
 
+Before a submission is autograded, every entry of its folder is checked (:func:`unsafe_entries`):
+nbgrader copies ``submitted/<student>/<assignment>/`` into ``autograded/`` as the instructor,
+following links, so a link there would put any file the instructor can read into the kernel's view.
+A submission holding anything but regular files and folders (a link, a fifo, a socket, a device) is
+not autograded: its error says why (a ``NotAutograded`` finding of the grading run, its test cells
+recorded 0) and nothing of it is copied.
+
 Source: nbgrader's ``autograde --student`` and ``CourseDirectory.db_url`` options.
 """
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Optional, Sequence
 from graders.machine import sandbox
 from graders.machine.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
-__all__ = ["AutogradeRun", "autograde", "autograde_many", "configured_db_url", "default_db_url", "students_of"]
+__all__ = ["AutogradeRun", "UNSAFE_ENTRY", "unsafe_entries", "autograde", "autograde_many", "configured_db_url", "default_db_url", "students_of"]
 
 #: SQLite waits this long (seconds) for another worker's commit before "database is locked".
 SQLITE_TIMEOUT_S = 120
@@ -69,6 +76,51 @@ def configured_db_url(course: Path) -> str:
 def students_of(course: Path, assignment: str) -> list[str]:
     """Students with a submission of ``assignment`` (``submitted/<student>/<assignment>/``)."""
     return sorted(p.parent.name for p in (course / "submitted").glob(f"*/{assignment}") if p.is_dir())
+
+
+#: The error of a submission refused before autograde (:func:`unsafe_entries`); the grading run's
+#: finding quotes it.
+UNSAFE_ENTRY = "UnsafeSubmissionError"
+
+
+def unsafe_entries(course: Path, student: str, assignment: str) -> list[str]:
+    """What in ``submitted/<student>/<assignment>/`` (the folders on the way included) is not a
+    regular file or folder, each as "path (what it is)", relative to the course; links are never
+    followed (``lstat``)."""
+    import stat
+
+    kinds = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    submitted = course / _course_directory(course, "submitted")
+    found = []
+
+    def check(path: Path) -> bool:
+        mode = path.lstat().st_mode
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return True
+        what = next((name for test, name in kinds if test(mode)), "not a regular file or folder")
+        found.append(f"{path.relative_to(course) if path.is_relative_to(course) else path} ({what})")
+        return False
+
+    top = submitted / student / assignment
+    if not all(check(p) for p in (submitted / student, top)):
+        return found
+    for folder, dirs, files in os.walk(top):  # never follows links (followlinks=False)
+        for name in sorted(dirs + files):
+            check(Path(folder) / name)
+    return found
+
+
+def _course_directory(course: Path, key: str) -> str:
+    """``c.CourseDirectory.<key>_directory`` of the course's nbgrader_config.py, else ``key``."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    try:
+        cd = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config().CourseDirectory
+        name = cd[f"{key}_directory"] if f"{key}_directory" in cd else ""
+    except Exception:  # noqa: BLE001 (no or broken config: nbgrader itself will say so)
+        name = ""
+    return name or key
 
 
 def _nbgrader_env(env: Optional[dict], jupyter_dir: Optional[Path]) -> dict:
@@ -162,11 +214,24 @@ def autograde_many(course: Path, assignments: Sequence[str], students: Optional[
         install_kernelspec(jupyter_dir)
     run_env = _nbgrader_env(env, jupyter_dir)
     run_env["JUPYTER_RUNTIME_DIR"] = str(work / "runtime")  # connection files: named in kernels' argv
+    # what every kernel hides: this course (its data even inside the checkout), never what a
+    # kernel would find in the folders a submission fills
+    run_env[sandbox.COURSE_ENV] = str(Path(course).resolve())
     _ensure_students(db_url, sorted({s for _, s in pairs}))
     seconds: dict[str, dict[str, float]] = {a: {} for a in assignments}
     errors: dict[str, dict[str, Optional[str]]] = {a: {} for a in assignments}
 
     def one(assignment: str, student: str) -> None:
+        unsafe = unsafe_entries(course, student, assignment)
+        if unsafe:  # nbgrader would copy what a link names into autograded/: refused, nothing copied
+            stale = course / _course_directory(course, "autograded") / student / assignment
+            if stale.is_dir() and not stale.is_symlink():  # an earlier run's: never re-graded as this one
+                shutil.rmtree(stale)
+            seconds[assignment][student] = 0.0
+            errors[assignment][student] = (f"{UNSAFE_ENTRY}: the submission holds what is not a regular file or "
+                                           f"folder, not autograded: {'; '.join(unsafe[:5])}"
+                                           + (f" and {len(unsafe) - 5} more" if len(unsafe) > 5 else ""))
+            return
         cmd = [sys.executable, "-m", "nbgrader", "autograde", assignment, "--student", student,
                "--create", "--force", "--log-level=ERROR", f"--CourseDirectory.db_url={db_url}"]
         if sandboxed:

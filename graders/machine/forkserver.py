@@ -519,25 +519,33 @@ class ForkServer:
         self.proc = None
 
 
-_HIDDEN: list[Path] = []
+_HIDDEN: list[Path] = []  # the course roots given to hide()
+_HIDDEN_DATA: list[Path] = []  # what a sandbox hides of them (sandbox.course_hidden), computed once
 
 
 def hide(folder: Path) -> None:
-    """Hide ``folder`` (a course being graded) from every grader child started from now on; the
-    fork servers already running are stopped so their successors start without it."""
+    """Hide ``folder`` (a course being graded: the grading command's own argument) and its data
+    (``sandbox.course_data``: gradebook, submissions, feedback, ...) from every grader child started
+    from now on, even where the course folder is, holds or lies in the checkout; the fork servers
+    already running are stopped so their successors start without it."""
+    from graders.machine import sandbox
+
     folder = Path(folder).resolve()
     if folder not in _HIDDEN:
         _HIDDEN.append(folder)
+        _HIDDEN_DATA[:] = sandbox.course_hidden(_HIDDEN)
         kill_all()
 
 
 def hidden_folders() -> list[Path]:
-    """Folders a grader child has no business reading: those given to :func:`hide` and the current
-    folder (a course's root, with its gradebook and every student's submission, or a learner's
-    notebook folder), except any that holds the book's own sources."""
+    """Paths a grader child has no business reading: the courses given to :func:`hide` with their
+    data (hidden even inside the checkout: ``sandbox.bwrap_argv`` mounts them over it), and the
+    current folder (a learner's notebook folder, or a course's root) unless it holds the book's own
+    sources."""
     root = Path(__file__).resolve().parents[2]
-    folders = [*_HIDDEN, Path.cwd().resolve()]
-    return [f for f in dict.fromkeys(folders) if f != Path("/") and not root.is_relative_to(f)]
+    here = Path.cwd().resolve()
+    folders = [*_HIDDEN_DATA, *([here] if not root.is_relative_to(here) else [])]
+    return [f for f in dict.fromkeys(folders) if f != Path("/")]
 
 
 _POOL_LOCK = threading.Lock()

@@ -5,10 +5,15 @@
 running ``ipykernel`` (``graders.machine.sandbox.bwrap_argv``), so the kernel and every process learner code
 starts live in the sandbox and die with nbgrader:
 
-- the course folder (gradebook.db, every other submission, the instructor's source notebooks) is
-  hidden; the notebook's own folder (nbgrader's working folder for it) shows its files read-only in
-  a writable tmpfs of :data:`NOTEBOOK_MB`: what the kernel writes there stays in memory, bounded,
-  and never reaches the course folder or the feedback;
+- the course folder and its data (gradebook.db, every other submission, the instructor's source
+  notebooks: ``sandbox.course_hidden``) are hidden, even where the course folder is, holds or lies
+  in the checkout every sandbox sees; which course is the grading command's word
+  (``sandbox.COURSE_ENV``, set by ``graders.course.autograde``), else the nbgrader course found above
+  the notebook's folder, never in it (a student's submission fills that folder, markers included);
+- the notebook's own folder (nbgrader's working folder for it) shows its regular files and folders
+  read-only (never a link, a fifo or a device: bwrap would follow a link on the host) in a writable
+  tmpfs of :data:`NOTEBOOK_MB`: what the kernel writes there stays in memory, bounded, and never
+  reaches the course folder or the feedback;
 - the grading run's work folder and runtime folder (every kernel's connection file with its key,
   every kernel's sockets) are hidden, wherever TMPDIR puts them, but for this kernel's own
   connection file (read-only) and ipc folder;
@@ -41,7 +46,7 @@ KERNEL_NAME = "lora-book-sandboxed"
 NOTEBOOK_MB = 128
 #: The file that marks a folder made for one grading run's kernel sockets (:func:`ipc_folder`).
 IPC_MARKER = ".lora-book-ipc"
-__all__ = ["KERNEL_NAME", "IPC_MARKER", "install_kernelspec", "ipc_folder", "course_root", "main"]
+__all__ = ["KERNEL_NAME", "IPC_MARKER", "install_kernelspec", "ipc_folder", "course_root", "kernel_argv", "main"]
 
 
 def ipc_folder(parent: Path) -> Path:
@@ -67,8 +72,9 @@ def install_kernelspec(jupyter_dir: Path) -> Path:
 
 
 def course_root(start: Path) -> Path | None:
-    """The nbgrader course folder above ``start`` (the first holding nbgrader_config.py or
-    gradebook.db), or None."""
+    """The nbgrader course folder at or above ``start`` (the first holding nbgrader_config.py or
+    gradebook.db), or None. Pass a folder no student fills (the kernel starts at its notebook
+    folder's parent)."""
     for folder in [start, *start.parents]:
         if (folder / "nbgrader_config.py").exists() or (folder / "gradebook.db").exists():
             return folder
@@ -80,16 +86,27 @@ def _ipc_folder(conn: dict, connection_file: Path) -> Path:
     return (ip if ip.is_absolute() else Path.cwd() / ip).parent
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m graders.machine.kernel_sandbox")
-    parser.add_argument("-f", dest="connection_file", required=True, type=Path)
-    args = parser.parse_args(argv)
-    connection_file = args.connection_file.resolve()
-    command = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)]
-    if not sandbox.enabled():  # auto mode without bwrap: plain ipykernel (self-study, macOS)
-        os.execv(command[0], command)
-    conn = json.loads(connection_file.read_text())
-    cwd = Path.cwd().resolve()
+def _shown(folder: Path) -> list[Path]:
+    """The entries of the notebook's folder the kernel sees: regular files and folders, never a link
+    (bwrap resolves a bind's source on the host: a link would show whatever it names), a fifo, a
+    socket or a device."""
+    import stat
+
+    shown = []
+    for entry in sorted(folder.iterdir()):
+        mode = entry.lstat().st_mode
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            shown.append(entry)
+    return shown
+
+
+def kernel_argv(command: list[str], connection_file: Path, cwd: Path, conn: dict) -> tuple[list[str], bool]:
+    """The bwrap argv that runs ``command`` (ipykernel) for the notebook in ``cwd``, and whether it
+    uses the GPU.
+
+    Raises:
+        SystemExit: the connection's ipc folder was not made for it (:func:`ipc_folder`).
+    """
     writable = []
     share_net = conn.get("transport") != "ipc"
     if not share_net:
@@ -101,15 +118,32 @@ def main(argv: list[str] | None = None) -> None:
         writable.append(ipc)
     # the notebook's folder: what is there now, read-only, in a tmpfs of NOTEBOOK_MB that takes the
     # kernel's writes (nothing it writes reaches the host's disk, nor the feedback)
-    readable = [connection_file, *sorted(cwd.iterdir())]
-    root = course_root(cwd)
-    hidden = [root] if root is not None and root != cwd else []
+    readable = [connection_file, *_shown(cwd)]
+    # the course: the grading command's word; else found above the notebook's folder (the
+    # submission fills that folder: a marker planted there must not decide what is hidden)
+    courses = sandbox.trusted_courses()
+    if not courses:
+        found = course_root(cwd.parent)
+        courses = [found] if found is not None else []
+    hidden = sandbox.course_hidden(courses)
     # the grading run's work folder (every kernel's connection file, with its key, and sockets) and
     # the runtime folder, wherever they are: only this kernel's own file and ipc folder show
     hidden += [connection_file.parent] + [w.parent for w in writable]
     cuda = any(Path("/dev").glob("nvidia[0-9]*"))
-    argv = sandbox.bwrap_argv(command, writable=writable, readable=readable, hidden=hidden, cwd=cwd,
-                              gpu=cuda, share_net=share_net, scratch=[(cwd, NOTEBOOK_MB)])
+    return sandbox.bwrap_argv(command, writable=writable, readable=readable, hidden=hidden, cwd=cwd,
+                              gpu=cuda, share_net=share_net, scratch=[(cwd, NOTEBOOK_MB)]), cuda
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m graders.machine.kernel_sandbox")
+    parser.add_argument("-f", dest="connection_file", required=True, type=Path)
+    args = parser.parse_args(argv)
+    connection_file = args.connection_file.resolve()
+    command = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)]
+    if not sandbox.enabled():  # auto mode without bwrap: plain ipykernel (self-study, macOS)
+        os.execv(command[0], command)
+    conn = json.loads(connection_file.read_text())
+    argv, cuda = kernel_argv(command, connection_file, Path.cwd().resolve(), conn)
     sandbox.limit_resources(cpu_only=not cuda)  # inherited through exec
     from graders.machine import cgroups
 

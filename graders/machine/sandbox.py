@@ -7,9 +7,11 @@ What a sandboxed process gets (:func:`bwrap_argv`):
   module search path (:func:`_needed_paths`); nothing else (no /run, /var, /home, /root, /srv, /mnt,
   /opt, runtime folder), so no service listening on a Unix socket there can be reached (connecting
   to a socket file needs no write access, only the file); the folders in ``hidden`` replaced by
-  empty ones (a course's gradebook and other students' submissions), and so is the instructor's
-  TMPDIR when it is not /tmp (a grading run's work folder: kernels' keys and sockets); only the
-  folders in ``writable`` writable, the root itself read-only;
+  empty ones and the files there by an empty file, even inside a folder bound for the code (a
+  course's data, :func:`course_data`: its gradebook and every student's submission, also where the
+  course folder is, holds or lies in the checkout), and so is the instructor's TMPDIR when it is not
+  /tmp (a grading run's work folder: kernels' keys and sockets); only the folders in ``writable``
+  writable, the root itself read-only;
 - a private ``/tmp`` of bounded size (``tmp_mb``), a private ``/dev`` with a bounded ``/dev/shm``
   (:data:`SHM_MB`; plus ``/dev/nvidia*`` when a GPU is to be used), its own ``/proc``;
 - no network, its own PID, IPC, UTS and user namespaces (``--unshare-all``): it sees no process of
@@ -43,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["MODE_ENV", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
+__all__ = ["MODE_ENV", "COURSE_ENV", "course_data", "course_hidden", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
            "SandboxUnavailable", "describe", "python_argv", "set_parent_death_signal"]
 
 MODE_ENV = "LORA_BOOK_SANDBOX"
@@ -53,6 +55,12 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "PYTHONPATH", "PYTHO
               "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
               "MKL_NUM_THREADS", "LORA_BOOK_GRADER_TIMEOUT", "LORA_BOOK_GRADER_CHILD", "JUPYTER_PATH",
               "PYDEVD_DISABLE_FILE_VALIDATION", "JPY_SESSION_NAME")
+#: Set by the instructor's grading commands (``graders.course.autograde``) for the kernels they start:
+#: the course roots (``os.pathsep``-separated) whose data (:func:`course_data`) every kernel hides.
+#: Trusted configuration: what a sandbox hides never comes from a folder a student fills.
+COURSE_ENV = "LORA_BOOK_COURSE_DIR"
+#: The graders' fingerprint of a course (``graders.course.jobs.FINGERPRINT_FILE``).
+FINGERPRINT_NAME = ".lora_book_fingerprint.json"
 #: Limits of a sandboxed process (and of every process it starts).
 FILE_SIZE_MB = 64  # any one file it writes
 TMP_MB = 256  # its private /tmp
@@ -182,6 +190,55 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-c", _ISOLATED_BOOT, root, module, *args]
 
 
+def course_data(course: Path) -> list[Path]:
+    """The paths of an nbgrader course's data no sandbox may read, absolute: the source, release,
+    submitted, autograded, feedback and solution folders (the course's nbgrader_config.py, else
+    nbgrader's defaults), the exchange, the SQLite gradebook and its side files (journal, WAL,
+    shared memory), the graders' fingerprint, grades.csv, nbgrader's log and the config itself (a
+    database URL may carry a password). Whether they exist or not (a hidden path that does not exist
+    is skipped by :func:`bwrap_argv`)."""
+    course = Path(course).resolve()
+    cd, ex = {}, {}
+    if (course / "nbgrader_config.py").is_file():
+        try:  # the instructor's file, run as nbgrader itself runs it
+            from traitlets.config.loader import PyFileConfigLoader
+
+            config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
+            cd, ex = dict(config.CourseDirectory), dict(config.Exchange)
+        except Exception:  # noqa: BLE001 (no traitlets, a broken config: nbgrader's defaults)
+            cd, ex = {}, {}
+    get = lambda key, default: str(cd.get(key) or default)  # noqa: E731
+    paths = [course / get(f"{key}_directory", key)
+             for key in ("source", "release", "submitted", "autograded", "feedback", "solution")]
+    paths.append(Path(str(ex.get("root") or "/srv/nbgrader/exchange")))
+    db_url = get("db_url", "")
+    db = course / "gradebook.db"
+    if db_url.startswith("sqlite:///"):
+        db = course / db_url[len("sqlite:///"):].split("?")[0]
+    paths += [db, *(db.with_name(db.name + side) for side in ("-journal", "-wal", "-shm"))]
+    if db != course / "gradebook.db":
+        paths += [course / "gradebook.db", *((course / f"gradebook.db{side}") for side in ("-journal", "-wal", "-shm"))]
+    paths += [course / name for name in (FINGERPRINT_NAME, "grades.csv", ".nbgrader.log", "nbgrader_config.py")]
+    return list(dict.fromkeys(Path(os.path.abspath(p)) for p in paths))
+
+
+def course_hidden(courses: Iterable[Path]) -> list[Path]:
+    """What a sandbox hides of these course roots: each root (but "/") and its :func:`course_data`.
+    Pass it as ``hidden`` to :func:`bwrap_argv`, which hides them even inside the checkout (a root
+    that is the checkout keeps its other entries: the code)."""
+    hidden: list[Path] = []
+    for course in courses:
+        course = Path(course).resolve()
+        hidden += [*([course] if course != Path("/") else []), *course_data(course)]
+    return list(dict.fromkeys(hidden))
+
+
+def trusted_courses() -> list[Path]:
+    """The course roots of :data:`COURSE_ENV` (set by the grading commands), absolute."""
+    value = os.environ.get(COURSE_ENV, "")
+    return [Path(p).resolve() for p in value.split(os.pathsep) if p and os.path.isabs(p)]
+
+
 def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden: Iterable[Path] = (),
                readable: Iterable[Path] = (), cwd: Optional[Path] = None, gpu: bool = False,
                tmp_mb: int = TMP_MB, env: Optional[dict] = None, share_net: bool = False,
@@ -191,7 +248,11 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     Args:
         command: the program and its arguments.
         writable: folders bound read-write (mounted after ``hidden``, so one may sit inside a hidden one).
-        hidden: folders replaced by empty read-only ones (e.g. the course folder).
+        hidden: folders replaced by empty read-only ones (e.g. the course folder), files by an
+            empty one (a gradebook), even inside a folder bound for the code (mounted after it); a
+            hidden folder that is itself bound for the code (a course root that is the checkout)
+            keeps its entries that are not hidden (bound back; files made there later do not show);
+            paths that do not exist are skipped.
         readable: folders inside a hidden one bound back read-only.
         cwd: the working directory inside (default: /tmp).
         gpu: bind every /dev/nvidia* device (CUDA needs them; nothing else of the host's /dev).
@@ -208,21 +269,38 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         raise FileNotFoundError("bwrap (package bubblewrap) is not installed")
     args = [bwrap, *_base_args(), *(["--share-net"] if share_net else [])]
     # Mounts nested in one another are made outer first, whatever their kind: a folder bound into a
-    # hidden one (a kernel's own files in the run's work folder) shows, and a folder hidden inside
-    # a bound one (a course inside the checkout) stays hidden. At equal depth: hide, then bind.
-    hidden = [Path(p) for p in hidden]
+    # hidden one (a kernel's own files in the run's work folder) shows, and a path hidden inside a
+    # bound one (a course's data inside the checkout) stays hidden. At equal depth: the code's
+    # binds, then hide (a course root that is the checkout is hidden, its code bound back), then
+    # the rest (bwrap: a mount given later covers one given earlier).
+    hidden = [Path(os.path.abspath(p)) for p in hidden]
     for path in _tmp_dirs_to_hide():
         if path not in hidden:
             hidden.append(path)
+    hidden = [p for p in dict.fromkeys(hidden) if p != Path("/") and (p.is_dir() or p.exists())]
+    needed = _needed_paths()
+    # a hidden folder that is the code's (a course root that is the checkout): its entries that are
+    # not hidden are bound back
+    back = [e for h in hidden if h in needed and h.is_dir() for e in sorted(h.iterdir()) if e not in hidden]
+    binds = [*needed, *back, *(Path(p) for p in (*readable, *writable))]
+
+    def covered(p: Path) -> bool:  # inside a hidden folder, and no bind inside that one shows it again
+        return any(p != h and p.is_relative_to(h) and h.is_dir() and not any(
+            p.is_relative_to(b) and b != h and b.is_relative_to(h) for b in binds) for h in hidden)
+    hidden = [p for p in hidden if not covered(p)]
+    folders = [p for p in hidden if p.is_dir()]
     mounts = [(Path("/tmp"), 0, ["--size", str(tmp_mb * 2**20), "--tmpfs", "/tmp"])]
-    mounts += [(p, 1, ["--tmpfs", str(p)]) for p in hidden if p != Path("/tmp")]
-    mounts += [(Path(p), 1, ["--size", str(mb * 2**20), "--tmpfs", str(p)]) for p, mb in scratch]
-    mounts += [(p, 2, ["--ro-bind", str(p), str(p)]) for p in _needed_paths()]
+    mounts += [(p, 0, ["--ro-bind", str(p), str(p)]) for p in needed]
+    mounts += [(p, 1, ["--tmpfs", str(p)]) for p in folders if p != Path("/tmp")]
+    # a file: an empty one in its place (/dev/null, bound read-only and without device access)
+    mounts += [(p, 1, ["--ro-bind", "/dev/null", str(p)]) for p in hidden if not p.is_dir()]
+    mounts += [(e, 2, _bind_back(e)) for e in back]
+    mounts += [(Path(p), 2, ["--size", str(mb * 2**20), "--tmpfs", str(p)]) for p, mb in scratch]
     mounts += [(Path(p), 3, ["--ro-bind", str(p), str(p)]) for p in readable]
     mounts += [(Path(p), 4, ["--bind", str(p), str(p)]) for p in writable]
     for _, _, mount in sorted(mounts, key=lambda m: (len(m[0].parts), m[1])):
         args += mount
-    for path in hidden:  # after the binds: bwrap creates their mount points inside the empty folder
+    for path in folders:  # after the binds: bwrap creates their mount points inside the empty folder
         if path != Path("/tmp"):
             args += ["--remount-ro", str(path)]
     args += ["--remount-ro", "/"]
@@ -234,6 +312,14 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         args += ["--setenv", k, str(v)]
     args += ["--chdir", str(cwd or "/tmp"), "--", *command]
     return args
+
+
+def _bind_back(entry: Path) -> list[str]:
+    """Mount an entry of a hidden folder back as it is on the host: a link as the same link (never
+    followed on the host), anything else bound read-only."""
+    if entry.is_symlink():
+        return ["--symlink", os.readlink(entry), str(entry)]
+    return ["--ro-bind", str(entry), str(entry)]
 
 
 def _tmp_dirs_to_hide() -> list[Path]:
