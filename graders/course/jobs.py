@@ -191,7 +191,8 @@ class Ungraded:
 @dataclass
 class NotAutograded:
     """A submission nbgrader's autograde failed on (a notebook that is not JSON, a cell past the
-    execution timeout, output the kernel could not deliver): that student's assignment gets no
+    execution timeout, output the kernel could not deliver), or that ``grade`` refused before it (a
+    link or special file in the submission folder): that student's assignment gets no
     autograded notebook and its test cells are recorded 0; every other submission is graded."""
 
     student: str
@@ -203,7 +204,7 @@ class NotAutograded:
         # the last exception line of nbgrader's traceback (CellTimeoutError: ..., NotJSONError: ...)
         raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Timeout)\w*:", line)]
         cause = raised[-1] if raised else (lines[-1] if lines else "no output")
-        return (f"{self.student} {self.assignment}: nbgrader autograde failed on this submission "
+        return (f"{self.student} {self.assignment}: this submission was not autograded "
                 f"({cause[:300]}); its test cells recorded as 0 (look at the submission; fix it and grade again)")
 
 
