@@ -10,6 +10,8 @@ import copy
 import random
 import re
 import tempfile
+import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -308,3 +310,101 @@ def test_the_random_and_hidden_groups_draw_every_family_again():
     hidden = ex.random_cases(random.Random(2), None, True)
     assert [c.name for c in public] == [c.name for c in hidden]
     assert [c.args[0]["requests"] for c in public] != [c.args[0]["requests"] for c in hidden]
+
+
+# ---------------------------------------------------------------------------------------------
+# Red-team review 41, H3: the comparer replayed the reference on a suspects record of any size (the
+# child's data), O(n^2), with no budget; now a record is checked against what the case's engine
+# could have passed, and anything else fails the case as malformed before any replay.
+
+
+def _suspect_of_size(n: int) -> list:
+    """An admit_requests "suspect" of n waiting candidates and n running uids (a05's record): the
+    reference's replay of it is O(n^2); no case of the capstone has more than 9 requests."""
+    rows = [[i, -1 - i, 1, 0] for i in range(n)]
+    return ["ch11.2", 1, [rows, list(range(n)), [], 1, 10**9, 10**9, None, False], [0]]
+
+
+def _honest_suspect(case: Case) -> list:
+    """A call the engine of ``case`` can make, with a result the reference does not give (admits nothing)."""
+    uid = next(iter(case.args[0]["adapters"]), None)
+    uid = None if uid is None else f"{uid}@0"
+    rows = [[0, uid, 1, 0]]
+    return ["ch11.2", 1, [rows, [], [], case.args[0]["engine"]["max_loras_per_batch"], 4, 2, None, False], []]
+
+
+def _malformed_records(case: Case) -> dict:
+    good = _honest_suspect(case)
+    with_data = lambda k, v: [*good[:2], [*good[2][:k], v, *good[2][k + 1:]], good[3]]  # noqa: E731
+    return {
+        "oversized": [_suspect_of_size(2000)],
+        "a uid of no adapter": [with_data(0, [[0, "nobody@7", 1, 0]])],
+        "a seq_id past the requests": [with_data(0, [[50, None, 1, 0]])],
+        "a bool for an int": [with_data(3, True)],
+        "another cap": [with_data(3, 99)],
+        "more free blocks than the cache": [with_data(4, 10**6)],
+        "two suspects of one piece": [good, good],
+        "more suspects than pieces": [good] * 4,
+        "no piece": [["ch99.9", 1, good[2], []]],
+        "a step past the run": [["ch11.2", 10**9, good[2], []]],
+        "a float step": [["ch11.2", 1.0, good[2], []]],
+        "a result holding a mapping": [[*good[:3], {"a": 1}]],
+        "not a list": "suspects",
+    }
+
+
+def test_a_suspect_the_engine_could_not_have_passed_fails_the_case_as_malformed():
+    case = _cases()[1]  # an edge case with an adapter
+    expected = cap._drive_reference(case.args[0])
+    for what, record in _malformed_records(case).items():
+        with pytest.raises(cap.MalformedSuspect):  # even beside a right run: the machine's MALFORMED
+            cap.compare_run(case, expected, (expected[0], expected[1], record))
+        with pytest.raises(cap.MalformedSuspect):  # nothing replayed (the machine drops a hint that raises)
+            cap.capstone_hint(case, expected, (expected[0][:1], expected[1], record))
+    # a call the engine can make is replayed and named, as before
+    got = (expected[0][:1], expected[1], [_honest_suspect(case)])
+    assert cap.compare_run(case, expected, got)
+    assert "your admit_requests (ch11.2)" in cap.capstone_hint(case, expected, got)
+    # a long result is what a policy may return: not malformed, only not hinted (a bounded courtesy)
+    long_result = (expected[0][:1], expected[1], [[*_honest_suspect(case)[:3], list(range(5000))]])
+    assert cap.compare_run(case, expected, long_result)
+    assert "your admit_requests" not in (cap.capstone_hint(case, expected, long_result) or "")
+
+
+def test_an_oversized_record_costs_the_comparer_no_more_than_an_honest_one():
+    case = _cases()[0]
+    expected = cap._drive_reference(case.args[0])
+    big = (expected[0][:1], expected[1], [_suspect_of_size(200_000)])  # replayed: about 10 minutes
+    start = time.perf_counter()
+    with pytest.raises(cap.MalformedSuspect):
+        cap.compare_run(case, expected, big)
+    with pytest.raises(cap.MalformedSuspect):
+        cap.capstone_hint(case, expected, big)
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.slow
+def test_an_answer_that_returns_an_oversized_suspect_from_its_child_is_graded_in_bounded_time():
+    """a05 through grade_source: the answer cell replaces the driver in its own child and returns a
+    wrong run whose suspects record holds an admit_requests call of 200 000 candidates (before the
+    fix the comparer replayed it for hours). Now: 0 points, the case reported as malformed, and the
+    grade takes about what an honest one does (the child's budget is 40 s)."""
+    attack = textwrap.dedent('''
+        import graders.chapters.ch11_capstone as _cap
+        _calls = []
+        def _fake_driver(step_fn, pieces, workload):
+            _calls.append(1)
+            n = 200000 if len(_calls) == 1 else 1
+            rows = [[i, -1 - i, 1, 0] for i in range(n)]
+            data = [rows, list(range(n)), [], 1, 10**9, 10**9, None, False]
+            return (["step 1 (prefill): nothing; computed: 0 tokens; pool: "], [[] for _ in workload["requests"]],
+                    [["ch11.2", 1, data, [0]]])
+        _cap.drive_engine = _fake_driver
+    ''')
+    start = time.perf_counter()
+    result = grade_source("ch11.5", _bundle_with(ch11_5=attack + SOLUTIONS["ch11.5"]))
+    elapsed = time.perf_counter() - start
+    assert result.score == 0.0, result.report
+    assert "could not read what your function's process returned" in result.report, result.report
+    assert "MalformedSuspect" in result.report and "at most" in result.report, result.report
+    assert elapsed < 120, (elapsed, result.report)

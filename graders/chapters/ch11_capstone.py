@@ -24,7 +24,11 @@ requests); the driver returns ``(log lines, tokens per request, suspects)``. Sus
 policy, the first call whose result differed from the reference policy on the same inputs, recorded
 in the child beside the call (inputs and results as plain data). They never count for the score
 (only the log and the tokens do); a hint re-checks a suspect against the reference here before it
-names it, and then adds that exercise's own hint (``graders.chapters.ch11``). A piece that raises, hangs, or
+names it, and then adds that exercise's own hint (``graders.chapters.ch11``). The child's record is
+data the answer may have replaced: a record the case's engine could not have made (more calls than
+pieces, lists longer than the case's requests, uids of no adapter, other types or limits) fails the
+case as malformed before anything is replayed, so the comparer's work never grows with what the
+child sent (:func:`_checked_suspects`, ``MAX_HINTED_RESULT_ITEMS``). A piece that raises, hangs, or
 is missing stops the run with a log line naming it (its id and function), never a crash; the
 expected run (the reference, here) has no such line.
 
@@ -550,7 +554,7 @@ def drive_engine(step_fn: Callable, pieces: dict, workload: dict) -> tuple:
     run, seqs = _Run(), {}
     if _HUNG:
         return [f"error before step 1: not run, as in an earlier case {_HUNG[0]}"], [[] for _ in requests], []
-    limit = 4 * sum(len(p) + n for p, _, n, _ in requests) + 40
+    limit = _case_limits(workload)["steps"]
     try:
         with _one_thread(), _alarm(run, CASE_SECONDS):
             llm = _engine(workload, EnginePolicies(**{PIECES[i]: _Policy(run, i, pieces[i]) for i in PIECES}))
@@ -590,6 +594,7 @@ def compare_run(case: Case, expected: tuple, got: Any) -> Optional[str]:
     stopped), the requests whose tokens differ, and the first step where the logs differ."""
     if not _well_formed(got):
         return "the grader's engine run returned something else than its log and tokens (did the answer patch it?)"
+    _checked_suspects(case, got[2])  # raises on a record the engine could not have made: MALFORMED
     e_log, e_tokens, _ = expected
     g_log, g_tokens, _ = got
     d = first_difference(e_log, list(g_log))
@@ -670,20 +675,166 @@ def _line_difference(expected: Optional[str], got: Optional[str]) -> str:
 # Hints: which piece, which step, which mistake
 
 
-def _valid_suspects(suspects: Any) -> list:
+#: The bound on what the comparer does with the child's suspects (trusted work is never sized by
+#: child data): a record is checked against what the engine of *this case* could have passed
+#: (:func:`_checked_suspects`: at most one call per needed piece, every list no longer than the
+#: case's requests, uids or token sequences allow), so a hint replays the reference and its known
+#: mistakes at most 3 times, each on inputs no larger than the case's own. The learner's recorded
+#: result (what their policy returned: anything) is compared only; one of more than this many items
+#: (list entries, or 64 characters of text) is not hinted.
+MAX_HINTED_RESULT_ITEMS = 4096
+
+
+class MalformedSuspect(ValueError):
+    """A suspect record that the driver could not have made on this case (the answer replaced it)."""
+
+
+def _case_limits(workload: dict) -> dict:
+    """What the engine serving ``workload`` can pass to a policy (drive_engine's own bounds)."""
+    requests, engine = workload["requests"], workload["engine"]
+    return {"requests": len(requests), "uids": {None} | {f"{name}@{i}" for i, name in enumerate(workload["adapters"])},
+            "tokens": max((len(p) + n for p, _, n, _ in requests), default=0),
+            "steps": 4 * sum(len(p) + n for p, _, n, _ in requests) + 40, "block_size": engine["block_size"],
+            "cap": engine["max_loras_per_batch"], "kv_blocks": engine["num_kv_blocks"],
+            "max_seqs": engine["max_num_seqs"], "threshold": engine.get("drain_threshold")}
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _seq(x: Any, most: int, what: str) -> list:
+    """``x`` as a list (the wire gives a list or a tuple) of at most ``most`` entries, else malformed."""
+    if type(x) not in (list, tuple):
+        raise MalformedSuspect(f"{what} is a {type(x).__name__}, not a list")
+    if len(x) > most:
+        raise MalformedSuspect(f"{what} has {len(x)} entries; this case's engine passes at most {most}")
+    return list(x)
+
+
+def _check_uid(u: Any, limits: dict, what: str) -> None:
+    if not (u is None or type(u) is str and u in limits["uids"]):
+        raise MalformedSuspect(f"{what} is no uid of this case's adapters")
+
+
+def _check_rows(rows: Any, limits: dict) -> list:
+    rows = _seq(rows, limits["requests"], "the waiting list")
+    seen = set()
+    for r in rows:
+        r = _seq(r, 4, "a candidate")
+        if len(r) != 4 or not (_is_int(r[0]) and _is_int(r[2]) and _is_int(r[3])) or r[0] in seen \
+                or not 0 <= r[0] < limits["requests"] or r[3] < 0:
+            raise MalformedSuspect("a candidate is not (seq_id, uid, blocks_needed, waited) of this case")
+        _check_uid(r[1], limits, "a candidate's uid")
+        seen.add(r[0])
+    return rows
+
+
+def _check_inputs(exercise_id: str, data: Any, limits: dict) -> None:
+    """Raises :class:`MalformedSuspect` unless ``data`` is a call the engine of ``limits`` can make
+    (``_args_data``'s shapes, exact types)."""
+    if exercise_id == "ch11.1":
+        data = _seq(data, 3, "block_hashes' inputs")
+        if len(data) != 3:
+            raise MalformedSuspect("block_hashes' inputs are not 3 values")
+        tokens, uid, size = data
+        tokens = _seq(tokens, limits["tokens"], "token_ids")
+        if not all(_is_int(t) for t in tokens) or not _is_int(size) or size != limits["block_size"]:
+            raise MalformedSuspect("block_hashes' inputs are not this case's tokens and block size")
+        _check_uid(uid, limits, "adapter_id")
+        return
+    if exercise_id == "ch11.2":
+        data = _seq(data, 8, "admit_requests' inputs")
+        if len(data) != 8:
+            raise MalformedSuspect("admit_requests' inputs are not 8 values")
+        rows, running, resident, cap, free, max_new, draining, active = data
+        _check_rows(rows, limits)
+        for u in _seq(running, limits["requests"], "running_uids"):
+            _check_uid(u, limits, "a running uid")
+        resident = _seq(resident, len(limits["uids"]), "resident_uids")
+        for u in resident:
+            _check_uid(u, limits, "a resident uid")
+        if len(set(resident)) != len(resident) or cap != limits["cap"] or not _is_int(cap) or not _is_int(free) \
+                or not 0 <= free <= limits["kv_blocks"] or not _is_int(max_new) or max_new > limits["max_seqs"] \
+                or type(active) is not bool:
+            raise MalformedSuspect("admit_requests' limits are not this case's")
+        _check_uid(draining, limits, "draining")
+        return
+    data = _seq(data, 4, "choose_drain's inputs")
+    if len(data) != 4:
+        raise MalformedSuspect("choose_drain's inputs are not 4 values")
+    rows, pairs, cap, threshold = data
+    _check_rows(rows, limits)
+    pairs = _seq(pairs, len(limits["uids"]), "running_remaining")
+    for pair in pairs:
+        pair = _seq(pair, 2, "a running_remaining entry")
+        if len(pair) != 2 or not _is_int(pair[1]):
+            raise MalformedSuspect("a running_remaining entry is not (uid, tokens left)")
+        _check_uid(pair[0], limits, "a running uid")
+    if len({p[0] for p in pairs}) != len(pairs) or cap != limits["cap"] or not _is_int(cap) \
+            or threshold is None or threshold != limits["threshold"] or not _is_int(threshold):
+        raise MalformedSuspect("choose_drain's limits are not this case's")
+
+
+def _result_items(value: Any, most: int) -> Optional[int]:
+    """How many items the plain-data ``value`` holds (strings count a 64th of their length), or None
+    past ``most`` (counted without recursion, stopping there); raises on what ``_as_data`` never gives."""
+    count, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        count += 1
+        if type(v) in (list, tuple):
+            stack.extend(v)
+        elif type(v) is str:
+            count += len(v) // 64
+        elif not (v is None or type(v) in (bool, int, float)):
+            raise MalformedSuspect(f"a recorded result holds a {type(v).__name__}")
+        if count > most:
+            return None
+    return count
+
+
+def _checked_suspects(case: Case, suspects: Any) -> list:
+    """The child's suspects record as ``(exercise id, step, inputs, result)`` tuples, each one a call
+    that this case's engine could have made (at most one per needed piece), in step order.
+
+    Raises:
+        MalformedSuspect: anything else (the driver never records it; the answer replaced it).
+    """
+    suspects = _seq(suspects, len(PIECES), "the suspects record")
+    if not suspects:
+        return []
+    limits = _case_limits(case.args[0])
+    checked = []
+    for s in suspects:
+        s = _seq(s, 4, "a suspect")
+        if len(s) != 4:
+            raise MalformedSuspect("a suspect is not (exercise id, step, inputs, result)")
+        exercise_id, step, data, got = s
+        if type(exercise_id) is not str or exercise_id not in PIECES or any(c[0] == exercise_id for c in checked):
+            raise MalformedSuspect("a suspect names no needed piece, or one twice")
+        if not _is_int(step) or not 0 <= step <= limits["steps"]:
+            raise MalformedSuspect("a suspect's step is not a step of this case's run")
+        _check_inputs(exercise_id, data, limits)
+        _result_items(got, MAX_HINTED_RESULT_ITEMS)  # only its kinds here: a long result is not malformed
+        checked.append((exercise_id, step, list(data), got))
+    return sorted(checked, key=lambda s: s[1])
+
+
+def _valid_suspects(case: Case, suspects: Any) -> list:
     """The recorded suspects that the reference, here, confirms: the learner's policy gave another
-    result than the contract on those very inputs. Malformed records are dropped."""
+    result than the contract on those very inputs. Only a record :func:`_checked_suspects` accepts
+    is replayed (a malformed one fails the case in compare_run); a result past
+    MAX_HINTED_RESULT_ITEMS is not."""
     valid = []
-    for s in suspects if isinstance(suspects, (list, tuple)) else []:
-        try:
-            exercise_id, step, data, got = s
-            want = _piece_reference(exercise_id, list(data)) if exercise_id in PIECES else None
-            # the engine never passes inputs the contract refuses: a call the reference refuses is junk
-            if want is not None and want[:1] != ["raises"] and _differs(exercise_id, got, want):
-                valid.append((exercise_id, int(step), list(data), got))
-        except Exception:  # noqa: BLE001 (junk from the child: not a suspect)
+    for exercise_id, step, data, got in _checked_suspects(case, suspects):
+        if _result_items(got, MAX_HINTED_RESULT_ITEMS) is None:
             continue
-    return sorted(valid, key=lambda s: s[1])
+        want = _piece_reference(exercise_id, data)
+        # the engine never passes inputs the contract refuses: a call the reference refuses is junk
+        if want[:1] != ["raises"] and _differs(exercise_id, got, want):
+            valid.append((exercise_id, step, data, got))
+    return valid
 
 
 def _suspect_hint(suspect: tuple) -> str:
@@ -804,7 +955,7 @@ def capstone_hint(case: Case, expected: tuple, got: Any) -> Optional[str]:
         return None
     d = first_difference(expected[0], list(got[0]))
     last = (d + 1) if d is not None else len(got[0])
-    suspects = [s for s in _valid_suspects(got[2]) if s[1] <= last]
+    suspects = [s for s in _valid_suspects(case, got[2]) if s[1] <= last]
     if suspects:  # the piece the engine's error points at first, then by step
         error = got[0][-1] if got[0] and got[0][-1].startswith("error") else ""
         blamed = next((ex for where, ex in _WHERE if where in error), None)
