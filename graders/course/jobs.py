@@ -387,7 +387,12 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
             nb = nbformat.read(nb_path, as_version=4)
             answers, extra = answer_cells(nb)
             jobs += [(student, nb_path.stem, ex, source) for ex, source in answers]
-            impostors += [LookAtThis(student, ex, [why]) for ex, why in extra]
+            grouped: dict[str, list[str]] = {}
+            for ex, why in extra:  # one finding per exercise, however many cells pose as its answer
+                grouped.setdefault(ex, []).append(why)
+            impostors += [LookAtThis(student, ex, whys[:5] + ([f"... and {len(whys) - 5} more such cells "
+                                                              "(look at this)"] if len(whys) > 5 else []))
+                          for ex, whys in grouped.items()]
         except Exception as exc:  # noqa: BLE001 (its test cells are recorded 0 below)
             unreadable.append(Ungraded(student, nb_path.stem, f"the autograded notebook cannot be read: "
                                        f"{type(exc).__name__}: {str(exc)[:200]}"))
