@@ -113,14 +113,7 @@ def unsafe_entries(course: Path, student: str, assignment: str) -> list[str]:
 
 def _course_directory(course: Path, key: str) -> str:
     """``c.CourseDirectory.<key>_directory`` of the course's nbgrader_config.py, else ``key``."""
-    from traitlets.config.loader import PyFileConfigLoader
-
-    try:
-        cd = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config().CourseDirectory
-        name = cd[f"{key}_directory"] if f"{key}_directory" in cd else ""
-    except Exception:  # noqa: BLE001 (no or broken config: nbgrader itself will say so)
-        name = ""
-    return name or key
+    return str(sandbox.course_config(course)[0].get(f"{key}_directory") or key)
 
 
 def _nbgrader_env(env: Optional[dict], jupyter_dir: Optional[Path]) -> dict:

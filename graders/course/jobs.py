@@ -41,6 +41,7 @@ from graders.course.mutation import SAMPLE_LEARNERS, sample_learner
 from graders.course.tamper import suspicious_code
 from graders.machine.core import SECRET_ENV, grade_source, triton_cache_scope
 from graders.machine.points import POINTS, total_points
+from graders.machine.sandbox import FINGERPRINT_NAME
 
 __all__ = ["run_demo", "trusted_regrade", "build_submission", "parse_answers", "answer_cells", "chapters", "CourseError",
            "GradersChanged", "Mismatch", "LookAtThis", "Ungraded", "NotAutograded", "GradebookFix", "write_fingerprint", "FINGERPRINT_FILE"]
@@ -137,8 +138,9 @@ class GradersChanged(CourseError):
                          + "; nothing was recorded")
 
 
-#: Written into the course folder by ``python -m graders.course fingerprint`` (before autograde).
-FINGERPRINT_FILE = ".lora_book_fingerprint.json"
+#: Written into the course folder by ``python -m graders.course fingerprint`` (before autograde); the
+#: sandbox hides it (one name, kept in graders.machine.sandbox, which knows no course job).
+FINGERPRINT_FILE = FINGERPRINT_NAME
 _TEST_ID = re.compile(r"^(ch\d\d_\d+)_test$")
 
 

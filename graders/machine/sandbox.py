@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["MODE_ENV", "COURSE_ENV", "course_data", "course_hidden", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
+__all__ = ["MODE_ENV", "COURSE_ENV", "course_config", "course_data", "course_hidden", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
            "SandboxUnavailable", "describe", "python_argv", "set_parent_death_signal"]
 
 MODE_ENV = "LORA_BOOK_SANDBOX"
@@ -59,7 +59,8 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "PYTHONPATH", "PYTHO
 #: the course roots (``os.pathsep``-separated) whose data (:func:`course_data`) every kernel hides.
 #: Trusted configuration: what a sandbox hides never comes from a folder a student fills.
 COURSE_ENV = "LORA_BOOK_COURSE_DIR"
-#: The graders' fingerprint of a course (``graders.course.jobs.FINGERPRINT_FILE``).
+#: The graders' fingerprint of a course, written by ``python -m graders.course fingerprint``
+#: (``graders.course.jobs.FINGERPRINT_FILE`` is this name).
 FINGERPRINT_NAME = ".lora_book_fingerprint.json"
 #: Limits of a sandboxed process (and of every process it starts).
 FILE_SIZE_MB = 64  # any one file it writes
@@ -190,6 +191,20 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-c", _ISOLATED_BOOT, root, module, *args]
 
 
+def course_config(course: Path) -> tuple[dict, dict]:
+    """(CourseDirectory, Exchange) settings of the course's nbgrader_config.py, run as nbgrader
+    itself runs it; empty dicts (nbgrader's defaults) without the file, traitlets, or a working config."""
+    if not (Path(course) / "nbgrader_config.py").is_file():
+        return {}, {}
+    try:
+        from traitlets.config.loader import PyFileConfigLoader
+
+        config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
+        return dict(config.CourseDirectory), dict(config.Exchange)
+    except Exception:  # noqa: BLE001 (a broken config: nbgrader itself will say so)
+        return {}, {}
+
+
 def course_data(course: Path) -> list[Path]:
     """The paths of an nbgrader course's data no sandbox may read, absolute: the source, release,
     submitted, autograded, feedback and solution folders (the course's nbgrader_config.py, else
@@ -198,15 +213,7 @@ def course_data(course: Path) -> list[Path]:
     database URL may carry a password). Whether they exist or not (a hidden path that does not exist
     is skipped by :func:`bwrap_argv`)."""
     course = Path(course).resolve()
-    cd, ex = {}, {}
-    if (course / "nbgrader_config.py").is_file():
-        try:  # the instructor's file, run as nbgrader itself runs it
-            from traitlets.config.loader import PyFileConfigLoader
-
-            config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
-            cd, ex = dict(config.CourseDirectory), dict(config.Exchange)
-        except Exception:  # noqa: BLE001 (no traitlets, a broken config: nbgrader's defaults)
-            cd, ex = {}, {}
+    cd, ex = course_config(course)
     get = lambda key, default: str(cd.get(key) or default)  # noqa: E731
     paths = [course / get(f"{key}_directory", key)
              for key in ("source", "release", "submitted", "autograded", "feedback", "solution")]
