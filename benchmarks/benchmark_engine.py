@@ -41,7 +41,11 @@ floor over its decode steps and TPOT p50 / floor. ``--profile`` adds the GPU-bus
 decode steps' wall time (torch.profiler, one more generate). ``--arrival-loads``: the workload
 arriving as a Poisson process (``LLM.add_request`` / ``step``) at fractions of the base row's
 request rate, for TPOT p99 and TTFT under continuous arrivals. ``--attention torch triton`` runs
-every row with both attention kernels in one process (a ratio in one run).
+every row with both attention kernels in one process (a ratio in one run). ``--token-budget`` sets
+``max_num_batched_tokens`` (default 8192): a mixed step holds every running decode plus prefill
+chunks up to that many tokens, so a smaller budget bounds how long one step with a new prompt stalls
+the running sequences (TPOT p99 under arrivals) at the cost of more steps per prompt (the stall
+against throughput trade-off of Sarathi-Serve, Agrawal et al., OSDI 2024).
 
 Targets (issues #15 and #30): at 64 adapters, >= 80% of the single-adapter throughput and >= 70% of
 the base model's; the engine >= 20x PEFT's throughput at 64; decode TPOT p50 <= 1.5x the floor with
@@ -357,6 +361,8 @@ def main() -> None:
                          "its wall time), with 1 adapter and with the largest adapter count; none to skip")
     ap.add_argument("--profile", action="store_true",
                     help="per row, one more profiled generate: GPU-busy fraction of the decode steps")
+    ap.add_argument("--token-budget", type=int, default=None,
+                    help="max_num_batched_tokens of the engine (default 8192; --smoke: 64)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -373,7 +379,7 @@ def main() -> None:
     mods = llama_pool_modules(llama_checkpoint(model))
     engine_cfg = EngineConfig(max_loras_per_batch=33 if not args.smoke else 4, max_lora_rank=args.rank,
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
-                              max_num_seqs=n, max_num_batched_tokens=8192 if not args.smoke else 64,
+                              max_num_seqs=n, max_num_batched_tokens=args.token_budget or (8192 if not args.smoke else 64),
                               backend="triton" if device.type == "cuda" else "torch",
                               cuda_graph=False if args.no_cuda_graph else None)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
