@@ -20,7 +20,16 @@ What a sandboxed process gets (:func:`bwrap_argv`):
 - an environment rebuilt from a short allow-list (:data:`PASSED_ENV`): the instructor's secret
   (``LORA_BOOK_SECRET``) never enters it;
 - resource limits (:func:`limit_resources`, applied before exec and inherited): file size, process
-  count, core dumps, and on the CPU address space.
+  count, core dumps, and on the CPU address space;
+- graded as root (issue #31): no capability (``--cap-drop ALL``: bwrap started by root keeps them
+  all by default, and with CAP_SYS_ADMIN in the sandbox's namespaces learner code could unmount
+  what hides a course's data or remount ``/usr`` writable on the host), the host-wide entries of
+  /proc read-only (:func:`_root_proc_cover`: uid 0 could write the sysctls), no nested user namespace
+  (``--disable-userns``, where bwrap and the kernel support it: its root would regain
+  CAP_DAC_OVERRIDE over root's files), and every entry of the folders bound for the code and the
+  system that other users could not read masked (:func:`_root_masks`): uid 0 inside is still the
+  owner of root's files, so without the masks it would read ``/etc/shadow`` or a 0600 file of the
+  checkout.
 
 Policy (:func:`mode`): ``LORA_BOOK_SANDBOX=auto`` (default) sandboxes when bwrap works here and runs
 unsandboxed otherwise (self-study on a laptop, macOS); ``required`` refuses to run learner code
@@ -32,21 +41,26 @@ the grading sandboxes of online judges (read-only root, private tmpfs, no networ
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import functools
 import glob
+import json
 import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 __all__ = ["MODE_ENV", "COURSE_ENV", "course_config", "course_data", "course_hidden", "mode", "available", "enabled", "bwrap_argv", "limit_resources", "sandbox_env",
-           "SandboxUnavailable", "describe", "python_argv", "set_parent_death_signal"]
+           "SandboxUnavailable", "describe", "python_argv", "set_parent_death_signal", "MASKS_ENV", "share_masks"]
 
 MODE_ENV = "LORA_BOOK_SANDBOX"
 MODES = ("auto", "required", "off")
@@ -68,6 +82,16 @@ TMP_MB = 256  # its private /tmp
 SHM_MB = 64  # its /dev/shm (a RAM tmpfs like /tmp)
 EXTRA_PROCESSES = 256  # processes it may start, beyond what its user runs already
 EXTRA_ADDRESS_SPACE_GB = 12  # on the CPU: address space beyond what the process maps at its start
+#: Graded as root: a folder with more masked entries than this (and at least half of its entries
+#: masked), or all of whose entries (two or more) are masked, is masked as a whole (:func:`_collapse`).
+MASKS_PER_FOLDER = 16
+#: Graded as root: at most this many masks in one sandbox's argv (past it the folders are masked
+#: more coarsely; a host that still needs more refuses to sandbox rather than show root's files).
+MAX_MASKS = 2048
+#: Set by the first process that scans the bound folders as root (:func:`_root_masks`), inherited by
+#: the processes it starts (a grading run's kernel wrappers): a JSON file, in a folder only root
+#: can write, of the masks found per folder; they read it instead of scanning again.
+MASKS_ENV = "LORA_BOOK_SANDBOX_MASKS"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -132,7 +156,9 @@ def describe() -> str:
                   "NO per-sandbox bound on processes and memory (no writable cgroup here: rlimits only, "
                   + ("which do not bound root's processes" if os.getuid() == 0 else "shared by this user's sandboxes")
                   + ")")
-        return f"learner code ran sandboxed (bubblewrap: read-only files, no network, no secret, limits; {bounds})"
+        root = ("; as root: no capability, what other users cannot read masked" if os.geteuid() == 0 else "")
+        return ("learner code ran sandboxed (bubblewrap: read-only files, no network, no secret, limits; "
+                f"{bounds}{root})")
     why = "LORA_BOOK_SANDBOX=off" if mode() == "off" else "bubblewrap (bwrap) is not available here"
     return f"learner code ran UNSANDBOXED ({why}): it could read and write what this user can"
 
@@ -140,9 +166,72 @@ def describe() -> str:
 def _base_args() -> list[str]:
     """What every sandbox gets: the system's read-only folders, its own /proc, /dev (with a small
     /dev/shm) and namespaces, a read-only root (learner code can create nothing outside the folders
-    bound writable and its private tmpfs)."""
-    return [*_system_view(), "--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB * 2**20), "--tmpfs",
-            "/dev/shm", "--unshare-all", "--die-with-parent", "--new-session"]
+    bound writable and its private tmpfs); as root, no capability and no nested user namespace
+    (:func:`_root_args`)."""
+    return [*_system_view(), "--proc", "/proc", *_root_proc_cover(), "--dev", "/dev", "--size", str(SHM_MB * 2**20),
+            "--tmpfs", "/dev/shm", "--unshare-all", *_root_args(), "--die-with-parent", "--new-session"]
+
+
+#: Entries of /proc that change the whole host, not the sandbox's own processes: the sysctls
+#: (``kernel.core_pattern`` names a program the kernel runs as root on the host), the GPU driver's
+#: switches (``/proc/driver/nvidia/suspend``), ACPI wake-up, ... Their files belong to kernel uid 0
+#: and most check no capability, so a sandbox started by root could write them: bwrap covers
+#: ``/proc/sys`` read-only only where ``access(W_OK)`` says root may write it, and for /proc/sys
+#: the kernel says no (a folder there refuses writes even to root) while its files say yes.
+_PROC_GLOBAL = ("sys", "driver", "acpi", "fs", "scsi", "tty", "dynamic_debug", "sysrq-trigger", "mtrr")
+
+
+def _root_proc_cover() -> list[str]:
+    """Started by root: each entry of :data:`_PROC_GLOBAL` that exists, and every other file at
+    the top of /proc that has a write bit, bound read-only over the sandbox's /proc (the host's
+    view of them: the same global state). What stays writable is the sandbox's own processes'
+    (``/proc/<pid>``) and ``/proc/pressure`` (writable by any user)."""
+    if os.geteuid() != 0:
+        return []
+    names = set(_PROC_GLOBAL)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            with contextlib.suppress(OSError):
+                if (not entry.name.isdigit() and entry.is_file(follow_symlinks=False)
+                        and entry.stat(follow_symlinks=False).st_mode & 0o222):
+                    names.add(entry.name)
+    args = []
+    for name in sorted(names):
+        path = f"/proc/{name}"
+        if os.path.lexists(path) and not os.path.islink(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+@functools.lru_cache(maxsize=None)
+def _root_args() -> tuple[str, ...]:
+    """bwrap's options for a sandbox started by root (none otherwise).
+
+    ``--cap-drop ALL``: bwrap run by uid 0 keeps every capability by default (bubblewrap's manual:
+    "--cap-drop ... when running as privileged user"), so the sandbox's first process held
+    CAP_SYS_ADMIN over its own mount namespace: it could unmount the tmpfs that hides a course's
+    data (another student's submission shows again) or remount a bound folder writable (``/usr``
+    of the host). Without capabilities uid 0 can change no mount; it stays the owner of root's
+    files (see :func:`_root_masks`).
+
+    ``--unshare-user --disable-userns`` (bwrap >= 0.8.0, a kernel with user namespaces): no nested
+    user namespace, whose root would hold CAP_DAC_OVERRIDE over the files of root (uid 0 is mapped
+    there); tried once, left out where bwrap refuses it (the masks still hold: a nested namespace
+    cannot unmount them, its mounts are locked).
+    """
+    if os.geteuid() != 0:
+        return ()
+    drop = ("--cap-drop", "ALL")
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return drop
+    try:
+        proc = subprocess.run([bwrap, *_system_view(), "--proc", "/proc", "--dev", "/dev", "--unshare-all",
+                               "--unshare-user", "--disable-userns", *drop, "--", "/bin/true"],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return drop
+    return (*drop, "--unshare-user", "--disable-userns") if proc.returncode == 0 else drop
 
 
 #: The host's folders every sandbox sees, read-only: the system's programs, libraries and settings.
@@ -160,6 +249,233 @@ def _system_view() -> list[str]:
         elif path.is_dir():
             args += ["--ro-bind", folder, folder]
     return args
+
+
+#: ``find``'s test for the entries of a folder bound for the code that root's sandbox masks: a
+#: folder other users cannot enter (printed ``d``, not descended), a file other users cannot read
+#: though its owner or group can (``f``), a socket or fifo other users cannot write though its
+#: owner or group can (connecting to a socket needs only that); links are never followed.
+_FIND_TEST = ["-mindepth", "1", "(", "-type", "d", "!", "-perm", "-o=x", "-prune", "-printf", "d %p\\0", ")", "-o",
+              "(", "!", "-type", "d", "!", "-type", "l", "(", "!", "-perm", "-o=r", "-perm", "/u=r,g=r", "-o",
+              "(", "-type", "s", "-o", "-type", "p", ")", "!", "-perm", "-o=w", "-perm", "/u=w,g=w", ")",
+              "-printf", "f %p\\0", ")"]
+
+
+def _unreadable_walk(tree: str) -> dict[str, bool]:
+    """What :data:`_FIND_TEST` finds under ``tree`` ({path: is a folder}), in Python (no ``find``)."""
+    found: dict[str, bool] = {}
+    todo = [tree]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if stat.S_ISLNK(mode):
+                continue
+            if stat.S_ISDIR(mode):
+                if mode & stat.S_IXOTH:
+                    todo.append(entry.path)
+                else:
+                    found[entry.path] = True
+            elif (not mode & stat.S_IROTH and mode & (stat.S_IRUSR | stat.S_IRGRP)) or (
+                    (stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)) and not mode & stat.S_IWOTH
+                    and mode & (stat.S_IWUSR | stat.S_IWGRP)):
+                found[entry.path] = False
+    return found
+
+
+def _collapse(tree: str, masks: dict[str, bool], per: int = MASKS_PER_FOLDER, half: bool = True) -> dict[str, bool]:
+    """Fewer masks for the same files: a folder of ``tree`` (never ``tree`` itself) with more than
+    ``per`` masked entries (and, with ``half``, at least half of its entries masked), or all of
+    whose two or more entries are masked, is masked itself instead; repeated up the tree. Hides
+    readable entries of such a folder too (``/sys/kernel/slab``: 7000 root-only files of 200
+    caches, one mask)."""
+    masks = dict(masks)
+    while True:
+        counts = collections.Counter(os.path.dirname(m) for m in masks)
+        whole = []
+        for folder, n in counts.items():
+            if not folder.startswith(tree.rstrip("/") + "/"):
+                continue
+            try:
+                entries = len(os.listdir(folder))
+            except OSError:
+                continue
+            if (n >= entries >= 2) or (n > per and (not half or 2 * n >= entries)):
+                whole.append(folder)
+        if not whole:
+            return masks
+        for folder in whole:
+            masks[folder] = True
+        folders = {m for m, is_dir in masks.items() if is_dir}
+
+        def inside_one(m: str) -> bool:
+            parent = os.path.dirname(m)
+            while len(parent) > len(tree):
+                if parent in folders:
+                    return True
+                parent = os.path.dirname(parent)
+            return False
+        masks = {m: is_dir for m, is_dir in masks.items() if not inside_one(m)}
+
+
+#: The masks found per folder in this process (:func:`_scanned`): scanned once, so a root-only file
+#: made in a bound folder after this process's first sandbox does not show as masked until the next.
+_SCANNED: dict[str, dict[str, bool]] = {}
+_SCAN_LOCK = threading.Lock()  # the re-grade builds sandboxes from several threads
+
+
+def _read_shared() -> dict[str, dict[str, bool]]:
+    """The masks of :data:`MASKS_ENV`'s file, if it and its folder belong to this user and only it
+    can write them; {} otherwise."""
+    path = os.environ.get(MASKS_ENV, "")
+    try:
+        for p in (os.path.dirname(path), path):
+            st = os.lstat(p)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return {}
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            data = json.load(f)
+        return {str(t): {str(m): bool(d) for m, d in found} for t, found in data["trees"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _write_shared() -> None:
+    """Write what this process scanned for the processes it starts (:data:`MASKS_ENV`), unless a
+    parent's file is already named; the folder goes when this process exits."""
+    if os.environ.get(MASKS_ENV):
+        return
+    with contextlib.suppress(OSError):
+        folder = tempfile.mkdtemp(prefix="lora-book-masks-")
+        me = os.getpid()
+        atexit.register(lambda: os.getpid() == me and shutil.rmtree(folder, ignore_errors=True))
+        path = os.path.join(folder, "masks.json")
+        with open(path, "x") as f:
+            json.dump({"trees": {t: sorted(found.items()) for t, found in _SCANNED.items()}}, f)
+        os.environ[MASKS_ENV] = path
+
+
+def _scanned(trees: Sequence[str]) -> dict[str, dict[str, bool]]:
+    """The masks of each folder in ``trees`` ({path: is a folder}, collapsed): from this process's
+    cache, else from the file a parent wrote, else scanned (one ``find`` per folder, side by side)."""
+    with _SCAN_LOCK:
+        return _scanned_locked(trees)
+
+
+def _scanned_locked(trees: Sequence[str]) -> dict[str, dict[str, bool]]:
+    missing = [t for t in dict.fromkeys(trees) if t not in _SCANNED]
+    if missing:
+        shared = _read_shared()
+        for t in missing:
+            if t in shared:
+                _SCANNED[t] = shared[t]
+        missing = [t for t in missing if t not in _SCANNED]
+    if missing:
+        find = shutil.which("find")
+        procs = {}
+        for t in missing:
+            with contextlib.suppress(OSError):
+                if find:
+                    procs[t] = subprocess.Popen([find, "-H", t, *_FIND_TEST], stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        for t in missing:
+            proc = procs.get(t)
+            if proc is None:
+                found = _unreadable_walk(t)
+            else:
+                out = proc.communicate()[0]
+                found = {e[2:].decode(errors="surrogateescape"): e[:1] == b"d" for e in out.split(b"\0") if e}
+            _SCANNED[t] = _collapse(t, found)
+        _write_shared()
+    return {t: _SCANNED[t] for t in trees}
+
+
+def _under(path: str, folders: Iterable[str]) -> bool:
+    """``path`` is one of ``folders`` or inside one."""
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def _root_masks(trees: Sequence[Path], hidden: Sequence[Path], shown: Sequence[Path],
+                explicit: Sequence[Path]) -> list[tuple[str, bool]]:
+    """What a sandbox started by root masks, [(path, is a folder)]: every entry of ``trees`` (the
+    system's folders and those bound for the code) that other users could not read (an empty
+    read-only tmpfs over a folder they cannot enter, an unreadable device node over a file: opening
+    it fails), so that uid 0 inside, the owner of root's files, reads only what any user reads.
+    Leaves out what ``explicit`` binds show as they are (the kernel's connection file, its
+    notebook's files, work folders) and what ``hidden`` already hides (unless a bind of ``shown``
+    inside that hidden folder shows it again).
+
+    Raises:
+        SandboxUnavailable: a mask would hide what the sandbox's Python needs to start (a checkout
+            or an environment other users cannot read: ``chmod -R o+rX`` it), or the host needs
+            more than :data:`MAX_MASKS`.
+    """
+    scanned = _scanned([str(t) for t in trees])
+    explicit_s = [str(p) for p in explicit]
+    hidden_s = [str(h) for h in hidden]
+    shown_s = [str(b) for b in shown]
+
+    def keep(m: str) -> bool:
+        if _under(m, explicit_s):
+            return False
+        for h in hidden_s:
+            if _under(m, [h]) and not any(b != h and _under(b, [h]) and _under(m, [b]) for b in shown_s):
+                return False
+        return True
+    per, half = MASKS_PER_FOLDER, True
+    while True:
+        masks = {m: d for found in scanned.values() for m, d in found.items() if keep(m)}
+        if len(masks) <= MAX_MASKS:
+            break
+        if per < 1:
+            raise SandboxUnavailable(
+                f"graded as root, the folders bound into the sandbox hold more than {MAX_MASKS} entries "
+                "other users cannot read: grade as an ordinary user")
+        per, half = per // 2, False
+        scanned = {t: _collapse(t, found, per, half) for t, found in scanned.items()}
+    # what went since the scan is skipped (bwrap fails on a mask with nothing under it); a file
+    # that became a folder or the reverse is masked as what it is now
+    now = {}
+    for m in masks:
+        with contextlib.suppress(OSError):
+            now[m] = stat.S_ISDIR(os.lstat(m).st_mode)
+    masks = now
+    root = Path(__file__).resolve().parents[2]
+    needs = {sys.executable, os.path.realpath(sys.executable), os.path.realpath(os.__file__),
+             str(root / "graders" / "machine" / "sandbox.py")}
+    for m, is_dir in masks.items():
+        for need in needs:
+            if need == m or (is_dir and _under(need, [m])):
+                raise SandboxUnavailable(
+                    f"graded as root, the sandbox masks what other users cannot read, and {m} hides "
+                    f"{need}, which learner code needs: make it readable (chmod -R o+rX {m}) or grade "
+                    "as an ordinary user")
+    return sorted(masks.items())
+
+
+def _mask_trees() -> list[Path]:
+    """The folders a sandbox started by root scans for masks: the system's (not its links) and those
+    bound for the code (:func:`_needed_paths`)."""
+    system = [Path(f) for f in SYSTEM_FOLDERS if Path(f).is_dir() and not Path(f).is_symlink()]
+    return system + _needed_paths()
+
+
+def share_masks() -> dict[str, str]:
+    """Graded as root: scan the folders every sandbox binds now, once, and return the environment
+    (:data:`MASKS_ENV`) that lets the processes started with it (nbgrader's kernel wrappers, one per
+    notebook) read this scan instead of repeating it; {} when not root."""
+    if os.geteuid() != 0:
+        return {}
+    _scanned([str(t) for t in _mask_trees()])
+    path = os.environ.get(MASKS_ENV)
+    return {MASKS_ENV: path} if path else {}
 
 
 def sandbox_env(extra: Optional[dict] = None) -> dict:
@@ -268,8 +584,13 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
         share_net: keep the host's network (only a kernel whose client speaks TCP needs it).
         scratch: (folder, MiB) pairs: each folder replaced by a writable tmpfs of that size, whose
             writes never reach the host (bind what it should show with ``readable``).
+
+    Started by root, the sandbox also masks what other users could not read in the system's
+    folders and those bound for the code (:func:`_root_masks`), not in ``readable``, ``writable``
+    or ``scratch``, which show as they are.
     Raises:
         FileNotFoundError: bwrap is not installed.
+        SandboxUnavailable: started by root, and the masks would hide what Python needs or are too many.
     """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -289,6 +610,7 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     # a hidden folder that is the code's (a course root that is the checkout): its entries that are
     # not hidden are bound back
     back = [e for h in hidden if h in needed and h.is_dir() for e in sorted(h.iterdir()) if e not in hidden]
+    scratch = [(Path(p), mb) for p, mb in scratch]
     binds = [*needed, *back, *(Path(p) for p in (*readable, *writable))]
 
     def covered(p: Path) -> bool:  # inside a hidden folder, and no bind inside that one shows it again
@@ -302,7 +624,13 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     # a file: an empty one in its place (/dev/null, bound read-only and without device access)
     mounts += [(p, 1, ["--ro-bind", "/dev/null", str(p)]) for p in hidden if not p.is_dir()]
     mounts += [(e, 2, _bind_back(e)) for e in back]
-    mounts += [(Path(p), 2, ["--size", str(mb * 2**20), "--tmpfs", str(p)]) for p, mb in scratch]
+    masks = []
+    if os.geteuid() == 0:  # after the back binds at equal depth: a root-only entry of a hidden checkout
+        masks = _root_masks(_mask_trees(), hidden, [*back, *binds],
+                            [*(Path(os.path.abspath(p)) for p in (*readable, *writable)), *(p for p, _ in scratch)])
+    # a folder: an empty read-only tmpfs (remounted below); a file: /dev/null without device access
+    mounts += [(Path(m), 2, ["--tmpfs", m] if is_dir else ["--ro-bind", "/dev/null", m]) for m, is_dir in masks]
+    mounts += [(p, 2, ["--size", str(mb * 2**20), "--tmpfs", str(p)]) for p, mb in scratch]
     mounts += [(Path(p), 3, ["--ro-bind", str(p), str(p)]) for p in readable]
     mounts += [(Path(p), 4, ["--bind", str(p), str(p)]) for p in writable]
     for _, _, mount in sorted(mounts, key=lambda m: (len(m[0].parts), m[1])):
@@ -310,6 +638,9 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     for path in folders:  # after the binds: bwrap creates their mount points inside the empty folder
         if path != Path("/tmp"):
             args += ["--remount-ro", str(path)]
+    for m, is_dir in masks:
+        if is_dir:
+            args += ["--remount-ro", m]
     args += ["--remount-ro", "/"]
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*")):
