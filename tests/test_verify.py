@@ -268,6 +268,26 @@ def test_answer_cells_are_pointed_at_by_what_their_code_does(course, tmp_path, m
 
 
 @pytest.mark.slow
+def test_an_answer_importing_its_own_reference_keeps_its_score_and_is_pointed_at(course, tmp_path, monkeypatch):
+    """Issue #31: ``from reference.lora_math import lora_scaling`` as ch01.4's answer scores full
+    marks (it is the reference); the re-grade keeps that score and lists the cell for the instructor."""
+    root = _copy(course, tmp_path / "course")
+    path = root / "autograded" / "mistaken" / A / f"{A}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if exercise_of(cell) == "ch01.4":
+            cell.source = "from reference.lora_math import lora_scaling\n"
+    nbformat.write(nb, path)
+    monkeypatch.setattr(course_mod, "grade_source", lambda ex, source: SimpleNamespace(score=3.0))
+    scores, findings = trusted_regrade(root, A, SECRET)
+    assert scores["mistaken"]["ch01.4"] == 3.0
+    look = [f for f in findings if isinstance(f, LookAtThis)]
+    assert [(f.student, f.exercise) for f in look] == [("mistaken", "ch01.4")]
+    assert look[0].lines == ["line 1: imports reference.lora_math.lora_scaling, the reference's own answer to ch01.4 "
+                             "(the score stands: yours to judge) (look at this)"]
+
+
+@pytest.mark.slow
 def test_cells_posing_as_an_answer_are_not_graded_and_a_deep_cell_stops_nothing(course, tmp_path, monkeypatch):
     """Red-team review 41 (issue #31): extra cells carrying an answer's grade_id were each re-graded
     (a full check apiece, the last one's score recorded), and an answer of a valid expression a
@@ -323,12 +343,33 @@ def test_check_fingerprint_names_every_difference():
 
 
 def test_no_solution_cell_and_no_mutant_is_flagged():
+    """Also as the answer to its own exercise: 14 solution cells import from ``reference``
+    (``LoRABatchInfo``, ``torch_ref``, ch08.2 subclasses the given ``StaticLoRABatch``), never the
+    exercise's own reference."""
     solutions = solution_answers()
-    flagged = {ex: suspicious_code(src) for ex, src in solutions.items() if suspicious_code(src)}
+    flagged = {ex: lines for ex, src in solutions.items() if (lines := suspicious_code(src) + suspicious_code(src, ex))}
     for m in load_catalogue():
-        if lines := suspicious_code(apply_edits(solutions[m.part or m.exercise], m.edits, m.id)):
+        source = apply_edits(solutions[m.part or m.exercise], m.edits, m.id)
+        if lines := suspicious_code(source) + suspicious_code(source, m.part or m.exercise):
             flagged[m.id] = lines
     assert flagged == {}
+    assert sum("from reference" in src or "import reference" in src for src in solutions.values()) >= 10
+
+
+def test_no_released_answer_cell_is_flagged():
+    """The answer cells a learner starts from (nbgrader's ClearSolutions on every chapter's source
+    notebook), as the answer to their own exercise: the given imports of ``reference`` are no finding."""
+    from nbgrader.preprocessors import ClearSolutions
+
+    clear, flagged, seen = ClearSolutions(), {}, 0
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if (ex := exercise_of(cell)) is not None and cell.metadata["nbgrader"].get("solution"):
+                stub, _ = clear.preprocess_cell(nbformat.from_dict(dict(cell)), {"language": "python"}, i)
+                seen += 1
+                if lines := suspicious_code(stub.source, ex):
+                    flagged[ex] = lines
+    assert seen >= 52 and flagged == {}
 
 
 def test_the_bundled_tampering_answers_are_found():
@@ -419,3 +460,80 @@ def test_suspicious_code_is_flagged(source):
     lines = suspicious_code(source)
     assert any(line.startswith(SUSPICIOUS[source]) for line in lines), lines
     assert all(line.endswith(" (look at this)") for line in lines)
+
+
+#: Answers that are the exercise's own reference (issue #31): (exercise, cell) -> the finding's start.
+OWN_REFERENCE = {
+    ("ch01.1", "from reference.lora_math import lora_forward\n"):
+        "line 1: imports reference.lora_math.lora_forward, the reference's own answer to ch01.1",
+    ("ch01.1", "from reference.lora_math import lora_forward as mine\n\n\ndef lora_forward(x, W, A, B, scaling):\n"
+               "    return mine(x, W, A, B, scaling)\n"): "line 1: imports reference.lora_math.lora_forward",
+    ("ch01.1", "import reference\n\n\ndef lora_forward(*args):\n    return reference.lora_math.lora_forward(*args)\n"):
+        "line 5: uses reference.lora_math.lora_forward",
+    ("ch01.1", "import reference.lora_math as lm\n\nlora_forward = lm.lora_forward\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "from reference import lora_math\n\nlora_forward = lora_math.lora_forward\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "import importlib\n\nlm = importlib.import_module('reference.lora_math')\n"
+               "lora_forward = lm.lora_forward\n"):
+        "line 4: uses reference.lora_math.lora_forward",
+    ("ch01.1", "import importlib\n\nlora_forward = importlib.import_module('reference.lora_math').lora_forward\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "from importlib import import_module\n\n"
+               "lora_forward = getattr(import_module('reference.lora_math'), 'lora_forward')\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "lora_forward = __import__('reference.lora_math', fromlist=['lora_forward']).lora_forward\n"):
+        "line 1: imports reference.lora_math.lora_forward",
+    ("ch01.1", "ref = __import__('reference')\nlora_forward = ref.lora_math.lora_forward\n"):
+        "line 2: uses reference.lora_math.lora_forward",
+    ("ch01.1", "import reference.lora_math as lm\n\nlora_forward = getattr(lm, 'lora_forward')\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "import reference.lora_math as lm\n\nlora_forward = getattr(lm, 'lora_' + 'forward')\n"):
+        "line 3: getattr() on reference.lora_math with a name computed at run time",
+    ("ch01.1", "import reference.lora_math as lm\n\nlora_forward = vars(lm)['lora_forward']\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "from reference import lora_math\n\nlora_forward = lora_math.__dict__['lora_forward']\n"):
+        "line 3: uses reference.lora_math.lora_forward",
+    ("ch01.1", "from reference.lora_math import *\n\n\ndef mine(*args):\n    return lora_forward(*args)\n"):
+        "line 5: uses reference.lora_math.lora_forward",
+    # another module's op of the same name: the Triton op answers the torch exercise
+    ("ch02.6", "from reference.ops import sgmv_shrink\n"):
+        "line 1: imports reference.ops.sgmv_shrink (as reference.ops.torch_ref.sgmv_shrink), the reference's own",
+    ("ch02.6", "from reference.ops import torch_ref\n\nsgmv_shrink = torch_ref.sgmv_shrink\n"):
+        "line 3: uses reference.ops.torch_ref.sgmv_shrink",
+    ("ch03.1", "from reference.ops.sgmv_shrink import _sgmv_shrink_kernel\n"):
+        "line 1: imports reference.ops.sgmv_shrink._sgmv_shrink_kernel",
+    ("ch11.5", "from reference.engine.llm import engine_step\n"): "line 1: imports reference.engine.llm.engine_step",
+    # a method: inherited, called through super() or the class, or the class under the answer's name
+    ("ch08.2", "from reference.cuda_graph import StaticLoRABatch as Given\n\n\nclass StaticLoRABatch(Given):\n"
+               "    pass\n"): "line 4: class StaticLoRABatch inherits update from reference.cuda_graph.StaticLoRABatch",
+    ("ch08.2", "from reference.cuda_graph import StaticLoRABatch as Given\n\n\nclass StaticLoRABatch(Given):\n"
+               "    def update(self, *args):\n        return super().update(*args)\n"):
+        "line 6: calls super().update, that is reference.cuda_graph.StaticLoRABatch.update",
+    ("ch08.2", "from reference.cuda_graph import StaticLoRABatch as Given\n\n\nclass StaticLoRABatch(Given):\n"
+               "    def update(self, *args):\n        return Given.update(self, *args)\n"):
+        "line 6: uses reference.cuda_graph.StaticLoRABatch.update",
+    ("ch08.2", "from reference.cuda_graph import StaticLoRABatch as Given\n\nStaticLoRABatch = Given\n"):
+        "line 3: binds StaticLoRABatch to reference.cuda_graph.StaticLoRABatch, whose update is the reference's own",
+    ("ch05.1", "from reference import eviction\n\nLRUEvictionPolicy = eviction.LRUEvictionPolicy\n"):
+        "line 3: uses reference.eviction.LRUEvictionPolicy",
+}
+
+
+@pytest.mark.parametrize("exercise, source", list(OWN_REFERENCE))
+def test_an_answer_that_is_the_exercises_own_reference_is_flagged(exercise, source):
+    lines = suspicious_code(source, exercise)
+    assert any(line.startswith(OWN_REFERENCE[exercise, source]) for line in lines), lines
+    assert all(line.endswith(" (look at this)") for line in lines)
+    own = [line for line in lines if f"the reference's own answer to {exercise}" in line]
+    assert all("(the score stands: yours to judge)" in line for line in own), lines
+    assert own or "computed at run time" in OWN_REFERENCE[exercise, source]  # a name built at run time
+
+
+def test_another_exercises_reference_or_no_exercise_is_no_finding():
+    """Using a reference helper that is not the exercise's own answer is what solutions do."""
+    assert suspicious_code("from reference.lora_math import lora_forward\n", "ch01.2") == []
+    assert suspicious_code("from reference.lora_math import lora_forward\n") == []
+    assert suspicious_code("from reference.ops import torch_ref\n\nx = torch_ref.sgmv_expand\n", "ch02.6") == []
+    assert suspicious_code("from reference.cuda_graph import StaticLoRABatch as G\n\n\nclass StaticLoRABatch(G):\n"
+                           "    def update(self, *args):\n        return self.batch_info\n", "ch08.2") == []

@@ -325,11 +325,12 @@ def _source_graded_cells(source: Path) -> dict[str, dict[str, tuple[str | None, 
     return cells
 
 
-def _look_at(source: str) -> list[str]:
-    """``suspicious_code(source)``, and a finding instead of an exception: the scan reads learner
-    text in the trusted process after every answer was graded, so it must never stop the run."""
+def _look_at(source: str, exercise_id: str | None = None) -> list[str]:
+    """``suspicious_code(source, exercise_id)`` (the exercise's own reference used is a finding too),
+    and a finding instead of an exception: the scan reads learner text in the trusted process after
+    every answer was graded, so it must never stop the run."""
     try:
-        return suspicious_code(source)
+        return suspicious_code(source, exercise_id)
     except Exception as exc:  # noqa: BLE001
         return [f"line 1: the cell could not be checked ({type(exc).__name__}) (look at this)"]
 
@@ -429,7 +430,7 @@ def trusted_regrade(course: Path, assignment: str, secret: str | None = None) ->
         raise GradersChanged(diff, "found after verify's re-grade")
 
     look = impostors + [LookAtThis(student, ex, lines) for student, _, ex, source in jobs
-                        if (lines := _look_at(source))]
+                        if (lines := _look_at(source, ex))]
     trusted = {(student, notebook, ex): score for (student, notebook, ex, _), score in zip(jobs, results)}
     autograded = {(student, notebook) for student, notebook, _, _ in jobs}
     scores: dict[str, dict[str, float]] = {}

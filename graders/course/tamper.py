@@ -8,6 +8,16 @@ module, writes files, starts processes or talks to the gradebook. Comments and s
 use ``LoRABatchInfo``, ``torch_ref``; patching the reference is a finding), nor the torch / triton /
 math code of any chapter's solution (tests/test_verify.py checks every solution cell and every mutant).
 
+``suspicious_code(source, exercise_id)`` also reports an answer that uses that exercise's own
+reference (:func:`graders.machine.registry.shown_reference`, what ``show_reference`` prints): an import, an
+attribute, a ``getattr``/``vars()`` lookup with a constant name, ``importlib.import_module`` or
+``__import__`` with a constant name that reaches an object of ``reference`` bearing the
+reference's name (``from reference.lora_math import lora_forward`` for ch01.1, and the Triton
+``reference.ops.sgmv_shrink`` for ch02.6 as well as ``reference.ops.torch_ref.sgmv_shrink``); for a
+reference that is a method (ch08.2's ``StaticLoRABatch.update``), a subclass of its class that does
+not define the method, a call through ``super()`` to it, or the class bound to a new name. Imports
+of other objects of ``reference`` stay unflagged (solutions use them).
+
 A finding is a pointer for the instructor ("line N: ... (look at this)"), never proof of tampering:
 the trusted re-grade's scores are what count. The check sees what the code says, not what it
 computes at run time, so it complements the sandbox rather than replacing it.
@@ -46,11 +56,27 @@ GRADERS_SUBMODULES = frozenset({p.stem for p in _GRADERS_DIR.glob("*.py") if p.s
                                | {p.parent.name for p in _GRADERS_DIR.glob("*/__init__.py")})
 
 
-def suspicious_code(source: str) -> list[str]:
+def reference_targets(exercise_id: str | None) -> list[tuple[list[str], list[str]]]:
+    """The exercise's own reference objects as (module parts, qualname parts): ``"ch01.1"`` gives
+    ``[(["reference", "lora_math"], ["lora_forward"])]``; [] for None or an unknown id."""
+    if exercise_id is None:
+        return []
+    from graders.machine.registry import shown_reference
+
+    out = []
+    for name in shown_reference(exercise_id):
+        module, _, qualname = name.partition(":")
+        out.append((module.split("."), qualname.split(".")))
+    return out
+
+
+def suspicious_code(source: str, exercise_id: str | None = None) -> list[str]:
     """Lines of an answer cell whose code does something an exercise never needs.
 
     Args:
         source: the answer cell's source (Python; IPython magics and ``!`` lines count as unparsable).
+        exercise_id: the exercise the cell answers: its own reference used by the cell is a finding
+            too (the score stands; the instructor decides).
 
     Returns:
         One line per finding, in source order, each ``"line N: <what> (look at this)"``; empty
@@ -67,7 +93,7 @@ def suspicious_code(source: str) -> list[str]:
         return [f"line 1: the cell is nested too deeply to parse ({type(e).__name__}), so it was not checked "
                 "(look at this)"]
     try:
-        visitor = _Visitor(_bound_names(tree))
+        visitor = _Visitor(_bound_names(tree), exercise_id)
         visitor.visit(tree)  # recursive: a valid expression of a few thousand terms exhausts the stack
     except (RecursionError, MemoryError) as e:
         return [f"line 1: the cell is nested too deeply to check ({type(e).__name__}: an expression or "
@@ -92,17 +118,6 @@ def _torch_machinery(path: str) -> str | None:
     return ".".join(parts[:2]) if parts[0] == "torch" and parts[1:2] and parts[1] in TORCH_DEFAULTS else None
 
 
-def _dotted(node: ast.AST) -> list[str] | None:
-    """``a.b.c`` as ["a", "b", "c"] for a chain of names and attributes, else None."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return [node.id, *reversed(parts)]
-    return None
-
-
 def _bound_names(tree: ast.AST) -> set[str]:
     """Names the cell binds to its own values (variables, parameters, functions, classes): a
     variable called ``reference`` or ``os`` is not the module of that name."""
@@ -121,9 +136,18 @@ def _bound_names(tree: ast.AST) -> set[str]:
     return names
 
 
+#: Calls that import a module named by a string: ``importlib.import_module(name)``, ``__import__(name)``.
+_IMPORT_CALLS = frozenset({"importlib.import_module", "importlib.__import__", "__import__", "builtins.__import__"})
+
+
 class _Visitor(ast.NodeVisitor):
-    def __init__(self, bound: set[str]) -> None:
+    def __init__(self, bound: set[str], exercise_id: str | None = None) -> None:
         self.findings: list[tuple[int, str]] = []
+        self.exercise_id = exercise_id
+        #: the exercise's own reference objects (module parts, qualname parts)
+        self.targets = reference_targets(exercise_id)
+        #: reference modules the cell star-imported (a bare name may come from them)
+        self.star_reference: list[str] = []
         #: names the cell binds to values of its own (not modules), unless aliased below
         self.bound = bound
         #: local name -> the dotted module path (or module attribute) it is bound to by an import
@@ -144,12 +168,19 @@ class _Visitor(ast.NodeVisitor):
         return None if name in self.bound else name
 
     def resolve(self, node: ast.AST) -> str | None:
-        """The dotted path a name/attribute chain refers to, through import aliases."""
-        parts = _dotted(node)
-        if parts is None:
+        """The dotted path a name/attribute chain refers to, through import aliases (its base may
+        also be an import by a constant name: ``importlib.import_module("a.b").c`` is ``a.b.c``)."""
+        attrs = []
+        while isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name):
+            head = self.name_path(node.id)
+        elif attrs:
+            head = self.imported_by_call(node)
+        else:
             return None
-        head = self.name_path(parts[0])
-        return None if head is None else ".".join([head, *parts[1:]])
+        return None if head is None else ".".join([head, *reversed(attrs)])
 
     def module_rooted(self, path: str | None) -> bool:
         """``path`` hangs from a module the cell imported, or from one of the protected names."""
@@ -168,10 +199,44 @@ class _Visitor(ast.NodeVisitor):
                 break
         if isinstance(node, ast.Name):
             return self.name_path(node.id)
+        return self.imported_by_call(node)
+
+    # -- the exercise's own reference -----------------------------------------------------------
+    def reference_hit(self, path: str | None) -> str | None:
+        """The exercise's reference object that the dotted ``path`` reaches, as
+        ``module.qualname``: the object itself or anything inside it, under its module or under any
+        other module of ``reference`` (a re-export, the Triton op of a torch exercise); else None."""
+        if not path or not self.targets:
+            return None
+        parts = path.split(".")
+        if parts[0] != "reference":
+            return None
+        for module, qualname in self.targets:
+            n = len(qualname)
+            if any(parts[i:i + n] == qualname for i in range(1, len(parts) - n + 1)):
+                return ".".join(module) + "." + ".".join(qualname)
         return None
 
-    def check_path(self, node: ast.AST, path: str) -> None:
+    def own_reference(self) -> str:
+        """The end of a finding on the exercise's own reference: what it is and who decides."""
+        return f"the reference's own answer to {self.exercise_id} (the score stands: yours to judge)"
+
+    def flag_reference(self, node: ast.AST, path: str, how: str = "uses") -> None:
+        if (hit := self.reference_hit(path)) is not None:
+            shown = f" (as {hit})" if hit != path else ""
+            self.flag(node, f"{how} {path}{shown}, {self.own_reference()}")
+
+    def class_targets(self, path: str | None) -> list[tuple[str, str]]:
+        """(class, method) of each reference that is a method of the class ``path`` reaches (its
+        last name is the class's, under ``reference``)."""
+        if not path or path.split(".")[0] != "reference":
+            return []
+        last = path.split(".")[-1]
+        return [(q[0], q[1]) for _, q in self.targets if len(q) == 2 and q[0] == last]
+
+    def check_path(self, node: ast.AST, path: str, how: str = "uses") -> None:
         """Findings for a use of the dotted ``path`` (after alias resolution)."""
+        self.flag_reference(node, path, how)
         parts = path.split(".")
         if parts[:2] == ["sys", "modules"]:
             self.flag(node, "reads or changes sys.modules, the interpreter's table of loaded modules")
@@ -201,6 +266,7 @@ class _Visitor(ast.NodeVisitor):
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
             self.check_import(node, a.name)
+            self.flag_reference(node, a.name, "imports")
             self.imported.add(a.name.split(".")[0])
             if a.asname:
                 self.aliases[a.asname] = a.name
@@ -222,13 +288,19 @@ class _Visitor(ast.NodeVisitor):
                 if a.name == "*":
                     if module in ("os", "shutil", "sys"):
                         self.flag(node, f"imports everything from {module}")
+                    if module.split(".")[0] == "reference":
+                        self.star_reference.append(module)
                     continue
-                self.check_path(node, full)
+                self.check_path(node, full, "imports")
             self.imported.add(full.split(".")[0])
             self.aliases[a.asname or a.name] = full
 
     # -- names and attributes --------------------------------------------------------------------
     def visit_Name(self, node: ast.Name) -> None:
+        if (self.star_reference and isinstance(node.ctx, ast.Load) and node.id not in self.bound
+                and node.id not in self.aliases):
+            for module in self.star_reference:  # from reference.x import *: a bare name may be its
+                self.flag_reference(node, f"{module}.{node.id}")
         if node.id == "__builtins__":
             self.flag(node, "uses __builtins__")
         elif node.id == "__import__":
@@ -252,6 +324,34 @@ class _Visitor(ast.NodeVisitor):
     def visit_Subscript(self, node: ast.Subscript) -> None:
         if isinstance(node.ctx, (ast.Store, ast.Del)):
             self.check_write_target(node)
+        # vars(module)["name"], module.__dict__["name"]: the module's attribute of that name
+        key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            value, owner = node.value, None
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "vars" \
+                    and len(value.args) == 1:
+                owner = value.args[0]
+            elif isinstance(value, ast.Attribute) and value.attr == "__dict__":
+                owner = value.value
+            if owner is not None and (root := self.resolve(owner)) is not None:
+                self.flag_reference(node, f"{root}.{key.value}")
+        self.generic_visit(node)
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        """A subclass of a reference class whose method is the exercise's reference, which does
+        not define that method (it inherits the reference's) or calls it through ``super()``."""
+        defined = {b.name for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+            t.id for b in node.body if isinstance(b, ast.Assign) for t in b.targets if isinstance(t, ast.Name)}
+        for base in node.bases:
+            path = self.resolve(base)
+            for cls, method in self.class_targets(path):
+                if method not in defined:
+                    self.flag(node, f"class {node.name} inherits {method} from {path}: {method} is "
+                                    f"{self.own_reference()}")
+                for sub in ast.walk(node):
+                    if (isinstance(sub, ast.Attribute) and sub.attr == method and isinstance(sub.value, ast.Call)
+                            and isinstance(sub.value.func, ast.Name) and sub.value.func.id == "super"):
+                        self.flag(sub, f"calls super().{method}, that is {path}.{method}, {self.own_reference()}")
         self.generic_visit(node)
 
     def check_write_target(self, target: ast.AST) -> None:
@@ -267,12 +367,33 @@ class _Visitor(ast.NodeVisitor):
             self.flag(target, f"{verb} {what} on the imported module {root} (a patch)")
 
     # -- assignments (aliases) and calls ---------------------------------------------------------
+    def imported_by_call(self, node: ast.AST) -> str | None:
+        """The module a call imports by a constant name: ``importlib.import_module("a.b")`` gives
+        ``a.b``, ``__import__("a.b")`` gives ``a`` (``a.b`` with a ``fromlist``); else None."""
+        if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
+            return None
+        func = self.resolve(node.func) if isinstance(node.func, (ast.Name, ast.Attribute)) else None
+        if func not in _IMPORT_CALLS:
+            return None
+        name = node.args[0].value
+        if func == "importlib.import_module":
+            return name
+        fromlist = node.args[3] if len(node.args) > 3 else next(
+            (kw.value for kw in node.keywords if kw.arg == "fromlist"), None)
+        return name if fromlist is not None else name.split(".")[0]
+
     def visit_Assign(self, node: ast.Assign) -> None:
         path = self.resolve(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
+        if path is None and (module := self.imported_by_call(node.value)) is not None:
+            path = module  # m = importlib.import_module("reference.x"): m is that module
+            self.imported.add(module.split(".")[0])
         for t in node.targets:
             if isinstance(t, ast.Name):
                 if self.module_rooted(path):
                     self.aliases[t.id] = path
+                    for cls, method in self.class_targets(path):
+                        self.flag(node, f"binds {t.id} to {path}, whose {method} is {self.own_reference()}")
                 else:
                     self.aliases.pop(t.id, None)
         self.generic_visit(node)
@@ -287,6 +408,15 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
+        if self.imported_by_call(node) is not None:
+            name = node.args[0].value
+            self.flag_reference(node, name, "imports")
+            fromlist = node.args[3] if len(node.args) > 3 else next(
+                (kw.value for kw in node.keywords if kw.arg == "fromlist"), None)
+            if isinstance(fromlist, (ast.List, ast.Tuple)):
+                for item in fromlist.elts:
+                    if isinstance(item, ast.Constant) and isinstance(item.value, str):
+                        self.flag_reference(node, f"{name}.{item.value}", "imports")
         if isinstance(func, ast.Name):
             if func.id in ("setattr", "delattr") and node.args:
                 root = self.root(node.args[0])

@@ -18,7 +18,7 @@ from typing import Iterator, Mapping
 from graders.machine.exercise import Exercise
 from graders.machine.points import POINTS
 
-__all__ = ["EXERCISES", "CHAPTERS_PACKAGE", "chapter_of", "load_all"]
+__all__ = ["EXERCISES", "CHAPTERS_PACKAGE", "chapter_of", "load_all", "shown_reference"]
 
 #: Where the case libraries live: one or more modules per chapter, ``chNN`` / ``chNN_*``.
 CHAPTERS_PACKAGE = "graders.chapters"
@@ -81,3 +81,9 @@ def load_all() -> None:
     """Import every chapter's case library now (the fork server does, so its children inherit them)."""
     for chapter in dict.fromkeys(chapter_of(i) for i in POINTS):
         EXERCISES._load(chapter)  # type: ignore[attr-defined]
+
+
+def shown_reference(exercise_id: str) -> tuple[str, ...]:
+    """The reference objects of ``exercise_id`` as ``"module:qualname"``: what ``show_reference``
+    prints (the chapters' ``shown`` table, reached by name); () for an id it does not list."""
+    return tuple(importlib.import_module(f"{CHAPTERS_PACKAGE}.shown").SHOWN.get(exercise_id, ()))
