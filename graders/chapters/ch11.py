@@ -530,7 +530,10 @@ def _drain_draw(rng: random.Random, name: str) -> Case:
 
 
 def _drain_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
-    bad = [(0, rng.randint(0, 5)), (rng.randint(1, 3), -rng.randint(1, 5))]
+    # a negative threshold with the slots full (cap 1, one adapter running) and with a slot free
+    # (cap 2-3): an answer that checks its arguments after the free-slot answer fails only the
+    # second, so every draw holds both (a draw of cap 1 alone let it pass one secret's hidden group)
+    bad = [(0, rng.randint(0, 5)), (1, -rng.randint(1, 5)), (rng.randint(2, 3), -rng.randint(1, 5))]
     return _drain_families(rng, "family") + [_drain_draw(rng, f"random_{i}") for i in range(12)] + [
         _drain_case(f"random_bad_limits_{k}", [_w(1, "c", 9)], [("a", 3)], *b) for k, b in enumerate(bad)]
 
