@@ -286,3 +286,20 @@ def test_the_shared_scan_is_read_only_from_a_file_only_this_user_can_write(tmp_p
     link.symlink_to(path)
     monkeypatch.setenv(sandbox.MASKS_ENV, str(link))
     assert sandbox._read_shared() == {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the masks are scanned only as root")
+def test_a_grading_run_shares_its_scan_with_the_processes_it_starts(tmp_path, monkeypatch):
+    """``share_masks`` writes the scan into the run's folder; a process started with its
+    environment (a kernel wrapper) reads it and scans nothing."""
+    book = _stand_in_checkout(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env = sandbox.share_masks(run)
+    assert set(env) == {sandbox.MASKS_ENV} and Path(env[sandbox.MASKS_ENV]).parent == run
+    scanned = sandbox._scanned([str(book)])
+    monkeypatch.setenv(sandbox.MASKS_ENV, env[sandbox.MASKS_ENV])
+    monkeypatch.setattr(sandbox, "_SCANNED", {})
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: pytest.fail(f"scanned again ({name})"))
+    monkeypatch.setattr(sandbox, "_unreadable_walk", lambda tree: pytest.fail("scanned again"))
+    assert sandbox._scanned([str(book)]) == scanned

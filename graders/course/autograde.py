@@ -211,7 +211,7 @@ def autograde_many(course: Path, assignments: Sequence[str], students: Optional[
     # kernel would find in the folders a submission fills
     run_env[sandbox.COURSE_ENV] = str(Path(course).resolve())
     if sandboxed:  # graded as root: the folders every kernel binds, scanned once for all kernels
-        run_env.update(sandbox.share_masks())
+        run_env.update(sandbox.share_masks(work))
     _ensure_students(db_url, sorted({s for _, s in pairs}))
     seconds: dict[str, dict[str, float]] = {a: {} for a in assignments}
     errors: dict[str, dict[str, Optional[str]]] = {a: {} for a in assignments}

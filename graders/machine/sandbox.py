@@ -41,7 +41,6 @@ the grading sandboxes of online judges (read-only root, private tmpfs, no networ
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import functools
@@ -88,9 +87,9 @@ MASKS_PER_FOLDER = 16
 #: Graded as root: at most this many masks in one sandbox's argv (past it the folders are masked
 #: more coarsely; a host that still needs more refuses to sandbox rather than show root's files).
 MAX_MASKS = 2048
-#: Set by the first process that scans the bound folders as root (:func:`_root_masks`), inherited by
-#: the processes it starts (a grading run's kernel wrappers): a JSON file, in a folder only root
-#: can write, of the masks found per folder; they read it instead of scanning again.
+#: Set by a grading run for the processes it starts (:func:`share_masks`: nbgrader's kernel
+#: wrappers): a JSON file, in a folder only root can write, of the masks found per folder as root;
+#: they read it instead of scanning again.
 MASKS_ENV = "LORA_BOOK_SANDBOX_MASKS"
 
 
@@ -347,24 +346,10 @@ def _read_shared() -> dict[str, dict[str, bool]]:
         return {}
 
 
-def _write_shared() -> None:
-    """Write what this process scanned for the processes it starts (:data:`MASKS_ENV`), unless a
-    parent's file is already named; the folder goes when this process exits."""
-    if os.environ.get(MASKS_ENV):
-        return
-    with contextlib.suppress(OSError):
-        folder = tempfile.mkdtemp(prefix="lora-book-masks-")
-        me = os.getpid()
-        atexit.register(lambda: os.getpid() == me and shutil.rmtree(folder, ignore_errors=True))
-        path = os.path.join(folder, "masks.json")
-        with open(path, "x") as f:
-            json.dump({"trees": {t: sorted(found.items()) for t, found in _SCANNED.items()}}, f)
-        os.environ[MASKS_ENV] = path
-
-
 def _scanned(trees: Sequence[str]) -> dict[str, dict[str, bool]]:
     """The masks of each folder in ``trees`` ({path: is a folder}, collapsed): from this process's
-    cache, else from the file a parent wrote, else scanned (one ``find`` per folder, side by side)."""
+    cache, else from the file a grading run wrote (:func:`share_masks`), else scanned (one ``find``
+    per folder, side by side)."""
     with _SCAN_LOCK:
         return _scanned_locked(trees)
 
@@ -393,7 +378,6 @@ def _scanned_locked(trees: Sequence[str]) -> dict[str, dict[str, bool]]:
                 out = proc.communicate()[0]
                 found = {e[2:].decode(errors="surrogateescape"): e[:1] == b"d" for e in out.split(b"\0") if e}
             _SCANNED[t] = _collapse(t, found)
-        _write_shared()
     return {t: _SCANNED[t] for t in trees}
 
 
@@ -467,15 +451,22 @@ def _mask_trees() -> list[Path]:
     return system + _needed_paths()
 
 
-def share_masks() -> dict[str, str]:
-    """Graded as root: scan the folders every sandbox binds now, once, and return the environment
-    (:data:`MASKS_ENV`) that lets the processes started with it (nbgrader's kernel wrappers, one per
-    notebook) read this scan instead of repeating it; {} when not root."""
+def share_masks(folder: Path) -> dict[str, str]:
+    """Graded as root: scan the folders every sandbox binds now, write the masks to ``folder``
+    (the grading run's own, which only root can write and which the run removes) and return the
+    environment (:data:`MASKS_ENV`) that lets the processes started with it (nbgrader's kernel
+    wrappers, one per notebook) read them instead of scanning again; {} when not root or the file
+    cannot be written."""
     if os.geteuid() != 0:
         return {}
-    _scanned([str(t) for t in _mask_trees()])
-    path = os.environ.get(MASKS_ENV)
-    return {MASKS_ENV: path} if path else {}
+    scanned = _scanned([str(t) for t in _mask_trees()])
+    path = Path(folder) / "sandbox-masks.json"
+    try:
+        with open(path, "x") as f:
+            json.dump({"trees": {t: sorted(found.items()) for t, found in scanned.items()}}, f)
+    except OSError:
+        return {}
+    return {MASKS_ENV: str(path)}
 
 
 def sandbox_env(extra: Optional[dict] = None) -> dict:
