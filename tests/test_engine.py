@@ -89,6 +89,21 @@ def peft_greedy(pm, prompt, adapter, params: SamplingParams) -> list[int]:
     return tokens
 
 
+_PEFT_WANTS: dict = {}
+
+
+def peft_want(pm, prompt, adapter, params: SamplingParams) -> list[int]:
+    """:func:`peft_greedy`, computed once per module's PEFT model and request: the engine, graph
+    and other-attention judges compare three engine runs of the same workload with the same PEFT
+    tokens (each recomputed them: about 50 generate calls per judge). PEFT's greedy generate is a
+    pure function of the model and the request, so the comparison is the same; the calls that check
+    generate itself still call :func:`peft_greedy`."""
+    key = (id(pm), tuple(prompt), adapter, repr(params))
+    if key not in _PEFT_WANTS:
+        _PEFT_WANTS[key] = (pm, peft_greedy(pm, prompt, adapter, params))  # pm kept: its id stays its own
+    return list(_PEFT_WANTS[key][1])
+
+
 # skewed, with reuse inside the CPU tier's 4 copies (a cycle over all 8 would never hit it under LRU)
 ORDER = [None, "a0", "a1", "a2", "a0", "a3", "a1", "a4", "a5", "a0", "a6", "a7", "a2", "a0", None, "a3", "a1",
          "a0", "a7", "a6", "a2", "a5"]
@@ -138,11 +153,11 @@ def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
     base_tokens = {}
     for out, prompt, name, p in zip(outs, prompts, names, params):
         assert out.error is None
-        want = peft_greedy(peft_model, prompt, name, p)
+        want = peft_want(peft_model, prompt, name, p)
         assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
         base_tokens.setdefault(tuple(prompt), {})[name] = want
     # the adapters matter: some request's tokens differ from the base model's for the same prompt
-    differs = sum(peft_greedy(peft_model, pr, None, p) != o.token_ids for pr, n, p, o in zip(prompts, names, params, outs)
+    differs = sum(peft_want(peft_model, pr, None, p) != o.token_ids for pr, n, p, o in zip(prompts, names, params, outs)
                   if n is not None)
     assert differs >= 5
 
@@ -161,7 +176,7 @@ def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_m
     prompts, names, params = workload()
     for out, prompt, name, p in zip(outs, prompts, names, params):
         assert out.error is None
-        want = peft_greedy(peft_model, prompt, name, p)
+        want = peft_want(peft_model, prompt, name, p)
         assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
     s = llm.stats
     assert s["decode_mode"] == ("cuda_graph" if DEVICE == "cuda" else "static"), s
@@ -192,7 +207,7 @@ def test_the_other_attention_kernel_equals_peft_generate_alone(other_attention_r
     prompts, names, params = workload()
     for out, prompt, name, p in zip(outs, prompts, names, params):
         assert out.error is None
-        want = peft_greedy(peft_model, prompt, name, p)
+        want = peft_want(peft_model, prompt, name, p)
         assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
     assert llm.stats["graph_decode_steps"] > 0 and llm.stats["preemptions"] >= 1, llm.stats
 
