@@ -634,3 +634,31 @@ def test_a_submission_holding_a_link_is_refused_before_autograde(tmp_path):
     (tmp_path / "submitted" / "other").mkdir()
     (tmp_path / "submitted" / "other" / chapter).symlink_to(folder)
     assert unsafe_entries(tmp_path, "other", chapter) == [f"submitted/other/{chapter} (a symbolic link)"]
+
+
+_DEV_WRITES = textwrap.dedent('''
+    import glob, os
+    seen = []
+    for path in ["/dev/fill", "/dev/shm/fill", "/dev/null", "/tmp/fill", *sorted(glob.glob("/dev/nvidia[0-9]*"))[:1]]:
+        try:
+            with open(path, "wb") as f:
+                f.write(b"0" * 4096) if not path.startswith("/dev/nvidia") else None
+            seen.append(path + " written")
+        except OSError as e:
+            seen.append(path + " " + os.strerror(e.errno))
+    print("SEEN " + ", ".join(seen) + " END")
+''')
+
+
+@needs_bwrap
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_sandboxs_own_dev_is_read_only_but_its_devices_and_shm_work(gpu):
+    """bwrap's ``--dev`` makes /dev a RAM tmpfs with no size bound (issue #31: as root, learner code
+    could fill host memory through it); it is remounted read-only after its device nodes are made,
+    while /dev/null, the bounded /dev/shm, /tmp and the GPU's device nodes stay usable."""
+    argv = sandbox.bwrap_argv([sys.executable, "-c", _DEV_WRITES], gpu=gpu)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    seen = re.search(r"SEEN (.*?) END", out.stdout).group(1).split(", ")
+    assert seen[:4] == ["/dev/fill Read-only file system", "/dev/shm/fill written", "/dev/null written",
+                        "/tmp/fill written"], (seen, out.stderr)
+    assert all(s.endswith(" written") for s in seen[4:]), seen  # a GPU's node opens for writing

@@ -12,8 +12,8 @@ What a sandboxed process gets (:func:`bwrap_argv`):
   course folder is, holds or lies in the checkout), and so is the instructor's TMPDIR when it is not
   /tmp (a grading run's work folder: kernels' keys and sockets); only the folders in ``writable``
   writable, the root itself read-only;
-- a private ``/tmp`` of bounded size (``tmp_mb``), a private ``/dev`` with a bounded ``/dev/shm``
-  (:data:`SHM_MB`; plus ``/dev/nvidia*`` when a GPU is to be used), its own ``/proc``;
+- a private ``/tmp`` of bounded size (``tmp_mb``), a private read-only ``/dev`` with a bounded
+  ``/dev/shm`` (:data:`SHM_MB`; plus ``/dev/nvidia*`` when a GPU is to be used), its own ``/proc``;
 - no network, its own PID, IPC, UTS and user namespaces (``--unshare-all``): it sees no process of
   the host, and every process it starts dies with it (``--die-with-parent``: when the process that
   started bwrap dies, the sandbox's first process gets SIGKILL, and with it the namespace);
@@ -636,6 +636,11 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*")):
             args += ["--dev-bind", dev, dev]
+    # the /dev that --dev makes is a RAM tmpfs with no size bound that learner code could fill (as
+    # root, with only the cgroup's memory limit, if any, above it); read-only once its device nodes and
+    # mount points exist: writing a device node (/dev/null) needs no write access to the folder, and
+    # /dev/shm and /dev/pts are mounts of their own that stay as they are
+    args += ["--remount-ro", "/dev"]
     args += ["--clearenv"]
     for k, v in (env if env is not None else sandbox_env()).items():
         args += ["--setenv", k, str(v)]
