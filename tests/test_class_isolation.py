@@ -350,6 +350,69 @@ def test_every_output_type_counts_toward_a_cells_cap_and_the_cut_is_visible():
     assert cap_notebook({"cells": [{"cell_type": "code", "outputs": [big_line]}, untouched]}, limit) == 1
 
 
+def test_the_live_cap_bounds_a_running_cell_and_keeps_what_decides_its_score():
+    """nbgrader's worker holds a cell's outputs until the run ends: capped as they arrive, past the cap
+    only the note and the first output that decides nbgrader's grade (error, stderr that IgnorePattern
+    keeps, execute_result) stay; clear_output starts the count again."""
+    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, LiveCap
+
+    def run(outputs, ignore=None, limit=1000):
+        cap, outs = LiveCap(limit, ignore), []
+        for out in outputs:
+            if out == "clear":
+                outs.clear()
+                continue
+            outs.append(dict(out))
+            cap.add(outs, outs[-1])
+        return outs
+
+    line = {"output_type": "stream", "name": "stdout", "text": "x" * 300}
+    flood = run([line] * 1000)
+    assert len(flood) == 5 and sum(len(o["text"]) for o in flood[:4]) == 1000, flood  # 3 whole, 1 cut, the note
+    assert flood[-1]["text"].strip().startswith(CUT_NOTE) and "299,000 bytes of stream output left out, 996" in flood[-1]["text"]
+    error = {"output_type": "error", "ename": "AssertionError", "evalue": "e" * 9000, "traceback": ["t" * 9000] * 9}
+    late = run([line] * 50 + [error, error])
+    assert [o["output_type"] for o in late].count("error") == 1 and late[-2]["output_type"] == "error", late
+    assert len(late[-2]["evalue"]) == DECISIVE_BYTES and len(late[-2]["traceback"]) == 3
+    stderr = {"output_type": "stream", "name": "stderr", "text": "a warning here"}
+    assert [o["name"] for o in run([line] * 9 + [stderr])][-2:] == ["stderr", "stdout"]  # it zeroes a grade cell
+    assert [o["name"] for o in run([line] * 9 + [stderr], ignore="warning")] == ["stdout"] * 5  # IgnorePattern's
+    result = {"output_type": "execute_result", "execution_count": 1, "metadata": {}, "data": {"text/plain": "0.5"}}
+    assert run([line] * 9 + [result, result])[-2]["data"] == {"text/plain": "0.5"}  # partial credit, once
+    assert run([line] * 9 + [stderr, result])[-2]["output_type"] == "stream"  # the first decides: the rest go
+    cleared = run([line] * 9 + ["clear"] + [line] * 3)
+    assert cleared == [line] * 3, cleared
+
+
+_GRADE_CELL = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True, "schema_version": 3}
+
+
+@pytest.mark.slow
+def test_nbgraders_execute_with_the_live_cap_holds_a_flood_to_the_cap(tmp_path):
+    """A real kernel through nbgrader's Execute preprocessor (what ``grade`` runs): 8 MB printed in
+    many messages and a failing grade cell after it; the cell keeps about the cap, and the grade
+    cell's error (so its score of 0) survives the cut."""
+    import nbformat
+
+    from nbgrader.preprocessors import Execute
+    from nbgrader.utils import determine_grade
+
+    from graders.course.output_cap import CUT_NOTE, MAX_CELL_OUTPUT_BYTES, install_live_cap
+
+    install_live_cap()
+    flood = "import sys\nfor _ in range(400):\n    print('x' * 20000, flush=True)\n"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(flood),
+        nbformat.v4.new_code_cell(flood + "assert False, 'the answer is wrong'", metadata={"nbgrader": _GRADE_CELL}),
+        nbformat.v4.new_code_cell("print('fine')", metadata={"nbgrader": {**_GRADE_CELL, "grade_id": "u"}})])
+    nb, _ = Execute(timeout=120).preprocess(nb, {"metadata": {"path": str(tmp_path)}})
+    sizes = [len(json.dumps(c.outputs)) for c in nb.cells]
+    assert all(s < MAX_CELL_OUTPUT_BYTES + 20_000 for s in sizes), sizes
+    assert all(CUT_NOTE in c.outputs[-1].get("text", "") for c in nb.cells[:2]), [c.outputs[-1] for c in nb.cells[:2]]
+    assert [o.output_type for o in nb.cells[1].outputs][-2] == "error"
+    assert determine_grade(nb.cells[1])[0] == 0 and determine_grade(nb.cells[2])[0] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The attacks through the README's command: `grade --jobs 2` of a class with attackers in it, with
 # a TMPDIR that is not /tmp (inside the checkout, which every sandbox sees)

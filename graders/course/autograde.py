@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from graders.course import output_cap
 from graders.machine import sandbox
 from graders.machine.kernel_sandbox import KERNEL_NAME, install_kernelspec, ipc_folder
 
@@ -227,7 +228,9 @@ def autograde_many(course: Path, assignments: Sequence[str], students: Optional[
                                            f"folder, not autograded: {'; '.join(unsafe[:5])}"
                                            + (f" and {len(unsafe) - 5} more" if len(unsafe) > 5 else ""))
             return
-        cmd = [sys.executable, "-m", "nbgrader", "autograde", assignment, "--student", student,
+        # nbgrader's command with each cell's outputs capped while it runs (graders.course.output_cap:
+        # run by path with -P, so the worker imports neither this package nor torch)
+        cmd = [sys.executable, "-P", str(Path(output_cap.__file__)), "autograde", assignment, "--student", student,
                "--create", "--force", "--log-level=ERROR", f"--CourseDirectory.db_url={db_url}"]
         if sandboxed:
             ipc = ipc_folder(work)
