@@ -351,13 +351,14 @@ def test_every_output_type_counts_toward_a_cells_cap_and_the_cut_is_visible():
 
 
 def test_the_live_cap_bounds_a_running_cell_and_keeps_what_decides_its_score():
-    """nbgrader's worker holds a cell's outputs until the run ends: capped as they arrive, past the cap
-    only the note and the first output that decides nbgrader's grade (error, stderr that IgnorePattern
-    keeps, execute_result) stay; clear_output starts the count again."""
-    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, LiveCap
+    """nbgrader's worker holds a cell's outputs until the run ends: capped as they arrive (bytes,
+    metadata and a cost per output, per cell and per notebook), past the cap only the note, the first
+    output that decides nbgrader's grade (error, stderr that IgnorePattern keeps, execute_result) and
+    the first error stay; clear_output starts the cell's count again."""
+    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, OUTPUT_COST, LiveCap, NotebookBudget
 
-    def run(outputs, ignore=None, limit=1000):
-        cap, outs = LiveCap(limit, ignore), []
+    def run(outputs, ignore=None, limit=4000, budget=None):
+        cap, outs = LiveCap(limit, ignore, budget=budget), []
         for out in outputs:
             if out == "clear":
                 outs.clear()
@@ -366,22 +367,76 @@ def test_the_live_cap_bounds_a_running_cell_and_keeps_what_decides_its_score():
             cap.add(outs, outs[-1])
         return outs
 
+    def kept_bytes(outs):
+        return sum(len(json.dumps(o)) for o in outs)
+
     line = {"output_type": "stream", "name": "stdout", "text": "x" * 300}
-    flood = run([line] * 1000)
-    assert len(flood) == 5 and sum(len(o["text"]) for o in flood[:4]) == 1000, flood  # 3 whole, 1 cut, the note
-    assert flood[-1]["text"].strip().startswith(CUT_NOTE) and "299,000 bytes of stream output left out, 996" in flood[-1]["text"]
+    flood = run([line] * 1000, limit=4300)
+    per = 300 + OUTPUT_COST
+    whole = 4300 // per
+    assert len(flood) == whole + 2 and [len(o["text"]) for o in flood[:whole]] == [300] * whole, flood
+    assert len(flood[whole]["text"]) == 4300 - whole * per - OUTPUT_COST > 0  # what fits of the crossing one
+    assert flood[-1]["text"].strip().startswith(CUT_NOTE) and f"{1000 - whole - 1} output(s) whole" in flood[-1]["text"]
     error = {"output_type": "error", "ename": "AssertionError", "evalue": "e" * 9000, "traceback": ["t" * 9000] * 9}
     late = run([line] * 50 + [error, error])
     assert [o["output_type"] for o in late].count("error") == 1 and late[-2]["output_type"] == "error", late
     assert len(late[-2]["evalue"]) == DECISIVE_BYTES and len(late[-2]["traceback"]) == 3
     stderr = {"output_type": "stream", "name": "stderr", "text": "a warning here"}
-    assert [o["name"] for o in run([line] * 9 + [stderr])][-2:] == ["stderr", "stdout"]  # it zeroes a grade cell
-    assert [o["name"] for o in run([line] * 9 + [stderr], ignore="warning")] == ["stdout"] * 5  # IgnorePattern's
+    assert [o["name"] for o in run([line] * 19 + [stderr])][-2:] == ["stderr", "stdout"]  # it zeroes a grade cell
+    assert all(o["name"] == "stdout" for o in run([line] * 19 + [stderr], ignore="warning"))  # IgnorePattern's
     result = {"output_type": "execute_result", "execution_count": 1, "metadata": {}, "data": {"text/plain": "0.5"}}
-    assert run([line] * 9 + [result, result])[-2]["data"] == {"text/plain": "0.5"}  # partial credit, once
-    assert run([line] * 9 + [stderr, result])[-2]["output_type"] == "stream"  # the first decides: the rest go
-    cleared = run([line] * 9 + ["clear"] + [line] * 3)
+    assert run([line] * 19 + [result, result])[-2]["data"] == {"text/plain": "0.5"}  # partial credit, once
+    assert [o["output_type"] for o in run([line] * 19 + [stderr, result])][-2:] == ["stream", "stream"]
+    # the first error stays after a stderr decided the cell (nbgrader would append the reply's, uncut)
+    assert [o["output_type"] for o in run([line] * 19 + [stderr, error])][-3:] == ["stream", "error", "stream"]
+    cleared = run([line] * 19 + ["clear"] + [line] * 3)
     assert cleared == [line] * 3, cleared
+    # red-team review of this cap: what a byte count of data alone missed
+    meta = {"output_type": "display_data", "data": {}, "metadata": {"m": "y" * 50_000}}
+    empty = {"output_type": "display_data", "data": {}, "metadata": {}}
+    for flood in ([meta] * 40, [empty] * 40_000):
+        outs = run(flood)
+        assert kept_bytes(outs) < 4000 + 40 * 64 and outs[-1]["text"].lstrip().startswith(CUT_NOTE), len(outs)
+    budget = NotebookBudget(10_000)  # many cells, each under its own cap, stop at the notebook's
+    cells = [run([line] * 10, budget=budget) for _ in range(10)]
+    assert sum(kept_bytes(c) for c in cells) < 10_000 + 10 * 600 and CUT_NOTE in cells[-1][-1]["text"]
+    assert run([{"output_type": "stream", "name": "stdout", "text": "a\ud800b"}]) != []  # a lone surrogate counts
+
+
+def test_the_live_cap_through_nbclients_own_handlers():
+    """The paths around ``output``: a display update replaces a kept output's data in place (cut past
+    DECISIVE_BYTES), comm messages keep no widget state, and a cut display's id is forgotten."""
+    from nbgrader.preprocessors import Execute
+
+    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, install_live_cap
+
+    install_live_cap(limit=4000)
+    try:
+        _nbclient_handlers(Execute, CUT_NOTE, DECISIVE_BYTES)
+    finally:
+        install_live_cap()
+
+
+def _nbclient_handlers(Execute, CUT_NOTE, DECISIVE_BYTES):
+    ex = Execute()
+    ex.reset_execution_trackers()
+    ex.clear_before_next_output = False  # set by nbclient when a cell starts
+    ex.nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("")])
+    outs = ex.nb.cells[0].outputs
+
+    def msg(kind, content):
+        return {"msg_type": kind, "header": {"msg_type": kind}, "parent_header": {"msg_id": "m"}, "content": content}
+
+    for i in range(40):
+        data = {"data": {"text/plain": "d" * 1000}, "metadata": {}, "transient": {"display_id": f"id{i}"}}
+        ex.output(outs, msg("display_data", data), f"id{i}", 0)
+    assert sum(1 for o in outs if o["output_type"] == "display_data") < 5
+    assert len(ex._display_id_map) == sum(1 for o in outs if o["output_type"] == "display_data"), ex._display_id_map
+    big = {"data": {"text/plain": "z" * 5_000_000}, "metadata": {}, "transient": {"display_id": "id0"}}
+    ex._update_display_id("id0", msg("update_display_data", big))
+    assert outs[0]["data"]["text/plain"].startswith(CUT_NOTE) and len(json.dumps(outs)) < 4000 + DECISIVE_BYTES + 2000
+    ex.handle_comm_msg(outs, msg("comm_msg", {"comm_id": "c", "data": {"state": {"k": "w" * 1_000_000}}}), 0)
+    assert ex.widget_state == {}
 
 
 _GRADE_CELL = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True, "schema_version": 3}

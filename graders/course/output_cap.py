@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["MAX_CELL_OUTPUT_BYTES", "cap_cell", "cap_notebook", "cap_notebook_file", "CapOutput", "CUT_NOTE",
-           "LIVE_BYTES", "DECISIVE_BYTES", "LiveCap", "install_live_cap"]
+           "LIVE_BYTES", "DECISIVE_BYTES", "OUTPUT_COST", "NOTEBOOK_LIVE_BYTES", "NotebookBudget", "LiveCap",
+           "install_live_cap"]
 
 #: Output bytes a code cell keeps (the chapters' own figures are a few hundred kB at most).
 MAX_CELL_OUTPUT_BYTES = 1 << 20
@@ -40,6 +41,11 @@ DECISIVE_BYTES = 4096
 #: Output bytes a cell keeps while it runs: room left under :data:`MAX_CELL_OUTPUT_BYTES` for one
 #: deciding output and the note, so the cap after the run never cuts the same cell again.
 LIVE_BYTES = MAX_CELL_OUTPUT_BYTES - DECISIVE_BYTES - 1024
+#: What each output costs the live cap beyond its bytes (nbformat's keys and the worker's objects):
+#: a flood of empty outputs is bounded too.
+OUTPUT_COST = 256
+#: Output bytes a whole notebook keeps while it runs (the chapters' own outputs are a few MB at most).
+NOTEBOOK_LIVE_BYTES = 32 << 20
 
 
 def _text(value: Any) -> str:
@@ -51,15 +57,21 @@ def _text(value: Any) -> str:
 def _size(output: dict) -> int:
     kind = output.get("output_type")
     if kind == "stream":
-        return len(_text(output.get("text", "")).encode())
+        return _bytes(output.get("text", ""))
     if kind == "error":
-        parts = [_text(output.get("ename", "")), _text(output.get("evalue", "")), *map(_text, output.get("traceback", []))]
-        return sum(len(p.encode()) for p in parts)
-    return sum(len(_text(v).encode()) for v in (output.get("data") or {}).values())
+        return sum(_bytes(p) for p in (output.get("ename", ""), output.get("evalue", ""), *output.get("traceback", [])))
+    metadata = output.get("metadata") or {}
+    return sum(_bytes(v) for v in (output.get("data") or {}).values()) + (_bytes(metadata) if metadata else 0)
+
+
+def _bytes(value: Any) -> int:
+    # surrogatepass: a kernel can send a lone surrogate, which a plain encode() refuses (a crash of the
+    # worker's run, not a count)
+    return len(_text(value).encode(errors="surrogatepass"))
 
 
 def _clip(text: str, budget: int) -> str:
-    return text.encode()[:max(0, budget)].decode(errors="ignore")
+    return text.encode(errors="surrogatepass")[:max(0, budget)].decode(errors="ignore")
 
 
 def _shortened(output: dict, budget: int) -> dict | None:
@@ -120,21 +132,37 @@ def cap_notebook_file(path: Path, limit: int = MAX_CELL_OUTPUT_BYTES) -> int:
     return cut
 
 
+class NotebookBudget:
+    """Output bytes left to one notebook's run, shared by its cells' :class:`LiveCap`: a notebook of
+    many cells (a learner can add them) keeps at most :data:`NOTEBOOK_LIVE_BYTES` in all."""
+
+    def __init__(self, left: int = None):
+        self.left = NOTEBOOK_LIVE_BYTES if left is None else left
+
+
 class LiveCap:
     """The live cap's bookkeeping for one cell of one notebook run (see the module docstring).
 
     ``add(outs, out)`` is called right after ``out`` was appended to ``outs`` (the cell's outputs, a
     list nbclient keeps per cell) and returns what stays there: ``out``, a shortened copy, or None
-    (``out`` removed, counted in the note). ``ignore`` is nbgrader's ``IgnorePattern.pattern`` when it
-    is enabled (its stderr outputs decide nothing: that preprocessor removes them after the run)."""
+    (``out`` removed, counted in the note). Each output costs its bytes plus :data:`OUTPUT_COST` (so
+    many empty outputs count too), against the cell's ``limit`` and the notebook's ``budget``.
+    ``ignore`` is nbgrader's ``IgnorePattern.pattern`` when it is enabled (its stderr outputs decide
+    nothing: that preprocessor removes them after the run). Past the cap the first output that
+    decides the cell's grade is kept, and so is the first error (nbgrader's ``on_cell_executed``
+    appends the execute reply's error, uncut, when no error output of its name is there)."""
 
-    def __init__(self, limit: int = LIVE_BYTES, ignore: Optional[str] = None, node=dict):
+    def __init__(self, limit: int = LIVE_BYTES, ignore: Optional[str] = None, node=dict,
+                 budget: Optional[NotebookBudget] = None):
         self.limit, self.ignore, self.node = limit, ignore, node  # node: nbformat.from_dict in nbclient
+        self.budget = budget if budget is not None else NotebookBudget()
+        self.kept = 0
         self._reset()
 
     def _reset(self) -> None:
+        self.budget.left += self.kept  # what a clear_output removed is the notebook's again
         self.kept = self.count = self.cut_bytes = self.cut_outputs = 0
-        self.decided = False  # the output that decides the score is among the kept ones
+        self.decided = self.error_kept = False  # the output that decides the score / an error is kept
         self.note: Optional[dict] = None
         self.kinds: set[str] = set()
 
@@ -145,30 +173,41 @@ class LiveCap:
                 self.ignore and re.search(self.ignore, _text(out.get("text", ""))))
         return kind in ("error", "execute_result")
 
+    def _keep(self, cost: int) -> None:
+        self.kept += cost
+        self.budget.left -= cost
+
     def add(self, outs: list, out: dict) -> Optional[dict]:
         if len(outs) != self.count + 1:  # cleared (clear_output) since the last output: a fresh start
             self._reset()
         size, decides = _size(out), self._decides(out)
-        if self.note is None and self.kept + size <= self.limit:
-            self.kept += size
+        is_error = out.get("output_type") == "error"
+        room = min(self.limit - self.kept, self.budget.left) - OUTPUT_COST
+        if self.note is None and size <= room:
+            self._keep(size + OUTPUT_COST)
             self.decided |= decides
+            self.error_kept |= is_error
             self.count = len(outs)
             return out
         outs.pop()
         kept = None
         ignored = out.get("output_type") == "stream" and out.get("name") == "stderr" and not decides
-        if self.note is None and not ignored:  # the output that crosses the cap: what fits of it (a
-            # stderr output IgnorePattern removes is left out whole: its match may lie past the cut)
-            kept = _shortened(out, max(self.limit - self.kept, DECISIVE_BYTES if decides else 0))
-        elif decides and not self.decided:
+        if self.note is None and not ignored and room > 0:  # the output that crosses the cap: what
+            # fits of it (a stderr output IgnorePattern removes is left out whole: its match may lie
+            # past the cut)
+            kept = _shortened(out, max(room, DECISIVE_BYTES if decides else 0))
+        elif (decides and not self.decided) or (is_error and not self.error_kept):
             kept = _shortened(out, DECISIVE_BYTES)
-        if kept is not None and kept.get("output_type") == "error":
+        if kept is not None and is_error:
             kept["traceback"] = [_clip(_text(t), DECISIVE_BYTES) for t in out.get("traceback", [])[-3:]]
-        if decides and not self.decided and kept is None:  # a deciding output that kept no text
+        if kept is None and ((decides and not self.decided) or (is_error and not self.error_kept)):
             kept = {**out, "data": {"text/plain": ""}, "metadata": {}} if out.get("output_type") == "execute_result" \
-                else {**out, "text": ""}
-        kept = self.node(kept) if kept is not None else None
+                else {**out, "text": ""}  # a deciding output with no text to keep
+        if kept is not None:
+            kept = self.node(kept)
+            self._keep(_size(kept) + OUTPUT_COST)
         self.decided |= decides and kept is not None
+        self.error_kept |= is_error and kept is not None
         self.cut_bytes += size - (_size(kept) if kept is not None else 0)
         self.cut_outputs += kept is None
         self.kinds.add(out.get("output_type", "?"))
@@ -177,41 +216,69 @@ class LiveCap:
             outs.append(self.note)
         if kept is not None:
             outs.insert(len(outs) - 1, kept)  # before the note
-        self.note["text"] = (f"\n{CUT_NOTE} while the cell ran: over the {self.limit:,} bytes a cell keeps; "
-                             f"{self.cut_bytes:,} bytes of {', '.join(sorted(self.kinds))} output left out, "
-                             f"{self.cut_outputs} output(s) whole]\n")
+        self.note["text"] = (f"\n{CUT_NOTE} while the cell ran: over the {self.limit:,} bytes a cell keeps "
+                             f"(or what was left of the notebook's {NOTEBOOK_LIVE_BYTES:,}); {self.cut_bytes:,} bytes "
+                             f"of {', '.join(sorted(self.kinds))} output left out, {self.cut_outputs} output(s) whole]\n")
         self.count = len(outs)
         return kept
 
 
 def install_live_cap(limit: int = LIVE_BYTES) -> None:
     """Make nbgrader's ``Execute`` preprocessor (an nbclient ``NotebookClient``) cap each cell's
-    outputs as they arrive (:class:`LiveCap`). Idempotent; raises ImportError without nbgrader."""
+    outputs as they arrive (:class:`LiveCap` with ``limit``, one :class:`NotebookBudget` per notebook
+    run; a later call only sets ``limit``, for the notebooks run after it), cut
+    display updates larger than :data:`DECISIVE_BYTES` (they replace a kept output's data in place)
+    and keep no widget state (comm messages: a graded notebook needs none, and nbclient would keep
+    every state sent, and the outputs of an Output widget past the cap). Idempotent; raises
+    ImportError without nbgrader."""
     from nbformat import from_dict
     from nbgrader.preprocessors.execute import Execute
 
+    Execute._lora_book_live_limit = limit
     if getattr(Execute.output, "_lora_book_live_cap", False):
         return
-    original = Execute.output
+    original_output, original_update = Execute.output, Execute._update_display_id
 
     def output(self, outs, msg, display_id, cell_index):
-        out = original(self, outs, msg, display_id, cell_index)
+        out = original_output(self, outs, msg, display_id, cell_index)
         if out is None or not outs or outs[-1] is not out:
             return out
         caps = self.__dict__.setdefault("_lora_book_live_caps", {})
         if cell_index not in caps:
             ignore = self.config.IgnorePattern
-            caps[cell_index] = LiveCap(limit, ignore.get("pattern") or None if ignore.get("enabled") else None, from_dict)
+            budget = self.__dict__.setdefault("_lora_book_budget", NotebookBudget())
+            caps[cell_index] = LiveCap(self._lora_book_live_limit,
+                                       ignore.get("pattern") or None if ignore.get("enabled") else None, from_dict, budget)
         position = len(outs) - 1
         kept = caps[cell_index].add(outs, out)
-        if kept is not out and display_id:  # nbclient recorded the index of an output no longer there
-            indices = self._display_id_map.get(display_id, {}).get(cell_index, [])
+        if kept is not out and display_id:  # nbclient recorded where ``out`` was: where ``kept`` is now
+            cell_map = self._display_id_map.get(display_id, {})
+            indices = cell_map.get(cell_index, [])
             if position in indices:
                 indices.remove(position)
+            if kept is not None:
+                indices.append(next(i for i in range(len(outs) - 1, -1, -1) if outs[i] is kept))
+            elif not indices:
+                cell_map.pop(cell_index, None)
+                if not cell_map:
+                    self._display_id_map.pop(display_id, None)
         return kept
+
+    def _update_display_id(self, display_id, msg):
+        content = msg.get("content") or {}
+        size = _size({"output_type": "display_data", "data": content.get("data"), "metadata": content.get("metadata")})
+        if size > DECISIVE_BYTES:
+            msg = {**msg, "content": {**content, "metadata": {}, "data": {
+                "text/plain": f"{CUT_NOTE}: a display update of {size:,} bytes left out]"}}}
+        return original_update(self, display_id, msg)
+
+    def handle_comm_msg(self, outs, msg, cell_index):
+        return None
 
     output._lora_book_live_cap = True
     Execute.output = output
+    Execute._update_display_id = _update_display_id
+    Execute.handle_comm_msg = handle_comm_msg
 
 
 try:
