@@ -394,9 +394,13 @@ def test_the_live_cap_bounds_a_running_cell_and_keeps_what_decides_its_score():
     # red-team review of this cap: what a byte count of data alone missed
     meta = {"output_type": "display_data", "data": {}, "metadata": {"m": "y" * 50_000}}
     empty = {"output_type": "display_data", "data": {}, "metadata": {}}
-    for flood in ([meta] * 40, [empty] * 40_000):
+    keys = {"output_type": "display_data", "data": {f"k{j}" + "x" * 5000: "" for j in range(20)}, "metadata": {}}
+    objects = {"output_type": "display_data", "data": {"application/json": [{} for _ in range(20_000)]}, "metadata": {}}
+    blank = {"output_type": "error", "ename": "E", "evalue": "", "traceback": [""] * 100_000}
+    for flood in ([meta] * 40, [empty] * 40_000, [keys] * 40, [objects] * 40, [blank] * 3):
         outs = run(flood)
-        assert kept_bytes(outs) < 4000 + 40 * 64 and outs[-1]["text"].lstrip().startswith(CUT_NOTE), len(outs)
+        assert kept_bytes(outs) < 4000 + 40 * 64 + DECISIVE_BYTES and outs[-1]["text"].lstrip().startswith(CUT_NOTE), \
+            len(outs)
     budget = NotebookBudget(10_000)  # many cells, each under its own cap, stop at the notebook's
     cells = [run([line] * 10, budget=budget) for _ in range(10)]
     assert sum(kept_bytes(c) for c in cells) < 10_000 + 10 * 600 and CUT_NOTE in cells[-1][-1]["text"]
@@ -437,6 +441,12 @@ def _nbclient_handlers(Execute, CUT_NOTE, DECISIVE_BYTES):
     assert outs[0]["data"]["text/plain"].startswith(CUT_NOTE) and len(json.dumps(outs)) < 4000 + DECISIVE_BYTES + 2000
     ex.handle_comm_msg(outs, msg("comm_msg", {"comm_id": "c", "data": {"state": {"k": "w" * 1_000_000}}}), 0)
     assert ex.widget_state == {}
+    ex._update_display_id("zz", msg("update_display_data", {"data": [1], "metadata": {}}))  # an unknown id: ignored
+    # nbgrader appends the reply's error when no error output of its name is there: shortened
+    cell = ex.nb.cells[0]
+    reply = {"content": {"status": "error", "ename": "ValueError", "evalue": "v" * 5_000_000, "traceback": ["t"] * 10}}
+    ex.on_cell_executed(cell=cell, cell_index=0, execute_reply=reply)
+    assert cell.outputs[-1]["output_type"] == "error" and len(cell.outputs[-1]["evalue"]) == DECISIVE_BYTES
 
 
 _GRADE_CELL = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True, "schema_version": 3}

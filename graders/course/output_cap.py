@@ -55,19 +55,38 @@ def _text(value: Any) -> str:
 
 
 def _size(output: dict) -> int:
+    """What ``output`` costs: the bytes of its strings (keys too) plus :data:`ITEM_COST` per list or
+    dict entry, so that neither many MIME keys, nor thousands of empty JSON objects (each one a
+    Python object in the worker), nor a traceback of a million empty lines counts as nothing."""
     kind = output.get("output_type")
     if kind == "stream":
-        return _bytes(output.get("text", ""))
+        return _weight(output.get("text", ""))
     if kind == "error":
-        return sum(_bytes(p) for p in (output.get("ename", ""), output.get("evalue", ""), *output.get("traceback", [])))
-    metadata = output.get("metadata") or {}
-    return sum(_bytes(v) for v in (output.get("data") or {}).values()) + (_bytes(metadata) if metadata else 0)
+        return _weight([output.get("ename", ""), output.get("evalue", ""), output.get("traceback", [])])
+    return _weight(output.get("data") or {}) + _weight(output.get("metadata") or {})
 
 
-def _bytes(value: Any) -> int:
-    # surrogatepass: a kernel can send a lone surrogate, which a plain encode() refuses (a crash of the
-    # worker's run, not a count)
-    return len(_text(value).encode(errors="surrogatepass"))
+#: What each entry of a list or dict in an output costs beyond its strings' bytes.
+ITEM_COST = 16
+
+
+def _weight(value: Any) -> int:
+    total, todo = 0, [value]
+    while todo:  # a loop, not recursion: a kernel can nest JSON deeper than Python's stack
+        v = todo.pop()
+        if isinstance(v, str):
+            # surrogatepass: a kernel can send a lone surrogate, which a plain encode() refuses
+            total += len(v.encode(errors="surrogatepass"))
+        elif isinstance(v, dict):
+            total += ITEM_COST * (1 + len(v))
+            todo += v.keys()
+            todo += v.values()
+        elif isinstance(v, (list, tuple)):
+            total += ITEM_COST * (1 + len(v))
+            todo += v
+        else:
+            total += ITEM_COST
+    return total
 
 
 def _clip(text: str, budget: int) -> str:
@@ -238,6 +257,7 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
     if getattr(Execute.output, "_lora_book_live_cap", False):
         return
     original_output, original_update = Execute.output, Execute._update_display_id
+    original_executed = Execute.on_cell_executed
 
     def output(self, outs, msg, display_id, cell_index):
         out = original_output(self, outs, msg, display_id, cell_index)
@@ -266,6 +286,8 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
 
     def _update_display_id(self, display_id, msg):
         content = msg.get("content") or {}
+        if not isinstance(content, dict) or not isinstance(content.get("data"), dict):
+            return original_update(self, display_id, msg)  # nbclient's own answer to malformed content
         size = _size({"output_type": "display_data", "data": content.get("data"), "metadata": content.get("metadata")})
         if size > DECISIVE_BYTES:
             msg = {**msg, "content": {**content, "metadata": {}, "data": {
@@ -275,10 +297,26 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
     def handle_comm_msg(self, outs, msg, cell_index):
         return None
 
+    def on_cell_executed(self, **kwargs):
+        # nbgrader appends the execute reply's error when no error output of its name is there (a
+        # kernel that shows no traceback sends none): shortened like any error past the cap
+        cell = kwargs.get("cell")
+        before = len(cell.outputs) if cell is not None else 0
+        result = original_executed(self, **kwargs)
+        if cell is not None:
+            for k in range(before, len(cell.outputs)):
+                out = cell.outputs[k]
+                if out.get("output_type") == "error" and _size(out) > DECISIVE_BYTES:
+                    short = _shortened(out, DECISIVE_BYTES)
+                    short["traceback"] = [_clip(_text(t), DECISIVE_BYTES) for t in (out.get("traceback") or [])[-3:]]
+                    cell.outputs[k] = from_dict(short)
+        return result
+
     output._lora_book_live_cap = True
     Execute.output = output
     Execute._update_display_id = _update_display_id
     Execute.handle_comm_msg = handle_comm_msg
+    Execute.on_cell_executed = on_cell_executed
 
 
 try:
