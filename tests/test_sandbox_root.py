@@ -303,3 +303,67 @@ def test_a_grading_run_shares_its_scan_with_the_processes_it_starts(tmp_path, mo
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: pytest.fail(f"scanned again ({name})"))
     monkeypatch.setattr(sandbox, "_unreadable_walk", lambda tree: pytest.fail("scanned again"))
     assert sandbox._scanned([str(book)]) == scanned
+
+
+def _run_bpf(prog: bytes, arch: int, nr: int) -> int:
+    """What the classic-BPF seccomp program returns for one syscall (seccomp_data: nr, arch)."""
+    import struct
+
+    insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    data, acc, pc = struct.pack("=iI", nr, arch), 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = struct.unpack("=I", data[k:k + 4])[0]
+        elif code == 0x06:
+            return k
+        elif code in (0x15, 0x35):
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", sorted(sandbox._NO_EFFECT_SYSCALLS))
+def test_the_seccomp_program_answers_each_syscall(machine):
+    """Every listed syscall (chmod, chown, xattr family) returns 0 without effect; any other of the
+    machine's runs; a syscall through another architecture's entry point (x86's 32-bit, x32) fails."""
+    arch, numbers = sandbox._NO_EFFECT_SYSCALLS[machine]
+    prog = sandbox._seccomp_program(machine)
+    allow, no_effect, eperm = 0x7FFF0000, 0x00050000, 0x00050001
+    for nr in numbers:
+        assert _run_bpf(prog, arch, nr) == no_effect, nr
+    others = [n for n in range(0, 470) if n not in numbers]
+    assert {_run_bpf(prog, arch, n) for n in others} == {allow}
+    assert _run_bpf(prog, 0x40000003, 15) == eperm  # i386's chmod
+    assert _run_bpf(prog, arch, 0x40000000 | 90) == eperm  # x32
+    assert sandbox._seccomp_program("sparc64") is None
+
+
+@needs_root_bwrap
+def test_root_sandbox_cannot_change_a_files_mode_owner_or_attributes(tmp_path):
+    """Graded as root, uid 0 inside owns root's files it can reach, the host's device nodes in its
+    /dev among them (chmod needs no capability for an owner): mode, owner and extended attributes
+    stay as they are, while writing, copying and /dev/null keep working."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    target = folder / "f"
+    target.write_text("x")
+    target.chmod(0o644)
+    code = textwrap.dedent(f'''
+        import os, shutil
+        path, seen = {str(target)!r}, []
+        os.chmod(path, 0o600)
+        os.chown(path, 1000, 1000)
+        os.setxattr(path, "user.planted", b"1")
+        os.chmod("/dev/null", 0o666)
+        shutil.copy(path, path + ".copy")
+        open("/dev/null", "w").write("still a device")
+        print("SEEN", oct(os.stat(path).st_mode & 0o777), os.stat(path).st_uid, os.listxattr(path), "END")
+    ''')
+    argv = sandbox.bwrap_argv([sys.executable, "-c", code], writable=[folder])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert re.search(r"SEEN (.*) END", out.stdout).group(1) == "0o644 0 []", (out.stdout, out.stderr)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.stat().st_uid == 0
+    assert (folder / "f.copy").read_text() == "x"
+    assert stat.S_IMODE(os.stat("/dev/null").st_mode) == 0o666

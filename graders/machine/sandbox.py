@@ -29,7 +29,9 @@ What a sandboxed process gets (:func:`bwrap_argv`):
   CAP_DAC_OVERRIDE over root's files), and every entry of the folders bound for the code and the
   system that other users could not read masked (:func:`_root_masks`): uid 0 inside is still the
   owner of root's files, so without the masks it would read ``/etc/shadow`` or a 0600 file of the
-  checkout.
+  checkout; and, being that owner, it could chmod the host's device nodes bound into its /dev: a
+  seccomp filter (:func:`_seccomp_program`, installed by a boot before the command) makes chmod,
+  chown and the extended-attribute calls succeed without effect.
 
 Policy (:func:`mode`): ``LORA_BOOK_SANDBOX=auto`` (default) sandboxes when bwrap works here and runs
 unsandboxed otherwise (self-study on a laptop, macOS); ``required`` refuses to run learner code
@@ -50,7 +52,9 @@ import os
 import resource
 import shutil
 import signal
+import platform
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -231,6 +235,80 @@ def _root_args() -> tuple[str, ...]:
     except (OSError, subprocess.TimeoutExpired):
         return drop
     return (*drop, "--unshare-user", "--disable-userns") if proc.returncode == 0 else drop
+
+
+#: Syscalls that change a file's mode, owner or extended attributes (ACLs), per machine: graded as
+#: root, uid 0 inside the sandbox owns the host's device nodes that bwrap binds into its /dev
+#: (/dev/null, /dev/zero, /dev/tty, /dev/urandom, /dev/nvidia*), and owning a file needs no
+#: capability to chmod it, so learner code could have changed the host's /dev/null (red-team
+#: review of this session). They succeed without effect (SECCOMP_RET_ERRNO with errno 0): a
+#: program that copies a file's mode (shutil.copy) or GNU ld making its output executable goes on,
+#: and nothing of the host changes. (x86_64 / aarch64 numbers from the kernel's syscall tables.)
+_NO_EFFECT_SYSCALLS = {
+    # chmod fchmod chown fchown lchown fchownat fchmodat fchmodat2, setxattr lsetxattr fsetxattr
+    # removexattr lremovexattr fremovexattr setxattrat removexattrat
+    "x86_64": (0xC000003E, (90, 91, 92, 93, 94, 260, 268, 452, 188, 189, 190, 197, 198, 199, 463, 466)),
+    # fchmod fchmodat fchownat fchown fchmodat2, setxattr lsetxattr fsetxattr removexattr
+    # lremovexattr fremovexattr setxattrat removexattrat (no legacy chmod/chown there)
+    "aarch64": (0xC00000B7, (52, 53, 54, 55, 452, 5, 6, 7, 14, 15, 16, 463, 466)),
+}
+#: Run inside the sandbox before the command (root only): installs the filter (argv[1], hex), then
+#: execs the command; the filter cannot be removed by anything the command runs.
+_SECCOMP_BOOT = (
+    "import ctypes, os, sys\n"
+    "prog = ctypes.create_string_buffer(bytes.fromhex(sys.argv[1]))\n"
+    "class P(ctypes.Structure):\n"
+    "    _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n"
+    "fprog = P(len(sys.argv[1]) // 16, ctypes.cast(prog, ctypes.c_void_p))\n"
+    "libc, u = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong\n"
+    "if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(fprog), u(0), u(0)):\n"
+    "    sys.exit('graders sandbox: the seccomp filter was refused: ' + os.strerror(ctypes.get_errno()))\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def _seccomp_program(machine: str) -> Optional[bytes]:
+    """The classic-BPF seccomp program for ``machine`` (platform.machine()), or None where the
+    syscall numbers are not known here: the listed syscalls return 0 without effect, a syscall of
+    another architecture (x86's 32-bit or x32 entry points, 32-bit Arm) returns EPERM, every other
+    syscall runs."""
+    if machine not in _NO_EFFECT_SYSCALLS:
+        return None
+    arch, numbers = _NO_EFFECT_SYSCALLS[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, no_effect, eperm = 0x7FFF0000, 0x00050000, 0x00050000 | 1  # RET_ALLOW, RET_ERRNO | errno
+    n = len(numbers)  # a jump goes to its index + 1 + jt
+    prog = [(ld, 0, 0, 4),                       # 0: seccomp_data.arch
+            (jeq, 1, 0, arch),                   # 1: this machine's: to 3
+            (ret, 0, 0, eperm),                  # 2: another architecture's entry point
+            (ld, 0, 0, 0),                       # 3: seccomp_data.nr
+            (jge, n + 2, 0, 0x40000000)]         # 4: x32's numbers: to the last eperm
+    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(numbers)]  # 5 + i: to no_effect
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, no_effect), (ret, 0, 0, eperm)]
+    return b"".join(struct.pack("=HBBI", *f) for f in prog)
+
+
+@functools.lru_cache(maxsize=None)
+def _seccomp_hex() -> str:
+    """The filter for this machine as hex, when root runs the sandbox and a probe sandbox with it ran
+    (a kernel without seccomp filters, or an unknown machine: "" and none, as before)."""
+    prog = _seccomp_program(platform.machine()) if os.geteuid() == 0 else None
+    bwrap = shutil.which("bwrap")
+    if prog is None or bwrap is None:
+        return ""
+    try:
+        binds = [a for p in _needed_paths() for a in ("--ro-bind", str(p), str(p))]  # Python's prefixes
+        proc = subprocess.run([bwrap, *_system_view(), *binds, "--proc", "/proc", "--dev", "/dev", "--unshare-all",
+                               *_root_args(), "--", sys.executable, "-I", "-S", "-c", _SECCOMP_BOOT, prog.hex(),
+                               "/bin/true"], stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return prog.hex() if proc.returncode == 0 else ""
+
+
+def _with_seccomp(command: Sequence[str]) -> list[str]:
+    """``command`` behind the seccomp boot (graded as root, where the probe ran), else unchanged."""
+    hexed = _seccomp_hex()
+    return [sys.executable, "-I", "-S", "-c", _SECCOMP_BOOT, hexed, *command] if hexed else list(command)
 
 
 #: The host's folders every sandbox sees, read-only: the system's programs, libraries and settings.
@@ -644,7 +722,7 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     args += ["--clearenv"]
     for k, v in (env if env is not None else sandbox_env()).items():
         args += ["--setenv", k, str(v)]
-    args += ["--chdir", str(cwd or "/tmp"), "--", *command]
+    args += ["--chdir", str(cwd or "/tmp"), "--", *_with_seccomp(command)]
     return args
 
 
