@@ -326,14 +326,17 @@ def _run_bpf(prog: bytes, arch: int, nr: int) -> int:
 
 @pytest.mark.parametrize("machine", sorted(sandbox._NO_EFFECT_SYSCALLS))
 def test_the_seccomp_program_answers_each_syscall(machine):
-    """Every listed syscall (chmod, chown, xattr family) returns 0 without effect; any other of the
-    machine's runs; a syscall through another architecture's entry point (x86's 32-bit, x32) fails."""
+    """Every listed syscall (chmod, chown, xattr family) returns 0 without effect; io_uring's fail;
+    any other of the machine's runs; one through another architecture's entry point (x86's 32-bit,
+    x32) fails."""
     arch, numbers = sandbox._NO_EFFECT_SYSCALLS[machine]
     prog = sandbox._seccomp_program(machine)
     allow, no_effect, eperm = 0x7FFF0000, 0x00050000, 0x00050001
     for nr in numbers:
         assert _run_bpf(prog, arch, nr) == no_effect, nr
-    others = [n for n in range(0, 470) if n not in numbers]
+    for nr in sandbox._REFUSED_SYSCALLS:
+        assert _run_bpf(prog, arch, nr) == eperm, nr
+    others = [n for n in range(0, 470) if n not in numbers and n not in sandbox._REFUSED_SYSCALLS]
     assert {_run_bpf(prog, arch, n) for n in others} == {allow}
     assert _run_bpf(prog, 0x40000003, 15) == eperm  # i386's chmod
     assert _run_bpf(prog, arch, 0x40000000 | 90) == eperm  # x32

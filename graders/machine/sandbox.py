@@ -252,6 +252,9 @@ _NO_EFFECT_SYSCALLS = {
     # lremovexattr fremovexattr setxattrat removexattrat (no legacy chmod/chown there)
     "aarch64": (0xC00000B7, (52, 53, 54, 55, 452, 5, 6, 7, 14, 15, 16, 463, 466)),
 }
+#: Refused (EPERM) everywhere: io_uring (setup, enter, register; the same numbers on both
+#: machines), whose requests include setxattr and would not pass through the filter above.
+_REFUSED_SYSCALLS = (425, 426, 427)
 #: Run inside the sandbox before the command (root only): installs the filter (argv[1], hex), then
 #: execs the command; the filter cannot be removed by anything the command runs.
 _SECCOMP_BOOT = (
@@ -268,21 +271,22 @@ _SECCOMP_BOOT = (
 
 def _seccomp_program(machine: str) -> Optional[bytes]:
     """The classic-BPF seccomp program for ``machine`` (platform.machine()), or None where the
-    syscall numbers are not known here: the listed syscalls return 0 without effect, a syscall of
-    another architecture (x86's 32-bit or x32 entry points, 32-bit Arm) returns EPERM, every other
-    syscall runs."""
+    syscall numbers are not known here: the listed syscalls return 0 without effect, io_uring's and
+    a syscall of another architecture (x86's 32-bit or x32 entry points, 32-bit Arm) return EPERM,
+    every other syscall runs."""
     if machine not in _NO_EFFECT_SYSCALLS:
         return None
     arch, numbers = _NO_EFFECT_SYSCALLS[machine]
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     allow, no_effect, eperm = 0x7FFF0000, 0x00050000, 0x00050000 | 1  # RET_ALLOW, RET_ERRNO | errno
-    n = len(numbers)  # a jump goes to its index + 1 + jt
+    n, m = len(numbers), len(_REFUSED_SYSCALLS)  # a jump goes to its index + 1 + jt
     prog = [(ld, 0, 0, 4),                       # 0: seccomp_data.arch
             (jeq, 1, 0, arch),                   # 1: this machine's: to 3
             (ret, 0, 0, eperm),                  # 2: another architecture's entry point
             (ld, 0, 0, 0),                       # 3: seccomp_data.nr
-            (jge, n + 2, 0, 0x40000000)]         # 4: x32's numbers: to the last eperm
-    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(numbers)]  # 5 + i: to no_effect
+            (jge, n + m + 2, 0, 0x40000000)]     # 4: x32's numbers: to the last eperm
+    prog += [(jeq, n + m - i, 0, nr) for i, nr in enumerate(numbers)]  # 5 + i: to no_effect
+    prog += [(jeq, m - j + 1, 0, nr) for j, nr in enumerate(_REFUSED_SYSCALLS)]  # to eperm
     prog += [(ret, 0, 0, allow), (ret, 0, 0, no_effect), (ret, 0, 0, eperm)]
     return b"".join(struct.pack("=HBBI", *f) for f in prog)
 
