@@ -30,8 +30,8 @@ What a sandboxed process gets (:func:`bwrap_argv`):
   system that other users could not read masked (:func:`_root_masks`): uid 0 inside is still the
   owner of root's files, so without the masks it would read ``/etc/shadow`` or a 0600 file of the
   checkout; and, being that owner, it could chmod the host's device nodes bound into its /dev: a
-  seccomp filter (:func:`_seccomp_program`, installed by a boot before the command) makes chmod,
-  chown and the extended-attribute calls succeed without effect.
+  seccomp filter (:func:`_seccomp_program`, given to bwrap, which applies it to its own init and
+  to the command) makes chmod, chown and the extended-attribute calls succeed without effect.
 
 Policy (:func:`mode`): ``LORA_BOOK_SANDBOX=auto`` (default) sandboxes when bwrap works here and runs
 unsandboxed otherwise (self-study on a laptop, macOS); ``required`` refuses to run learner code
@@ -255,20 +255,6 @@ _NO_EFFECT_SYSCALLS = {
 #: Refused (EPERM) everywhere: io_uring (setup, enter, register; the same numbers on both
 #: machines), whose requests include setxattr and would not pass through the filter above.
 _REFUSED_SYSCALLS = (425, 426, 427)
-#: Run inside the sandbox before the command (root only): installs the filter (argv[1], hex), then
-#: execs the command; the filter cannot be removed by anything the command runs.
-_SECCOMP_BOOT = (
-    "import ctypes, os, sys\n"
-    "prog = ctypes.create_string_buffer(bytes.fromhex(sys.argv[1]))\n"
-    "class P(ctypes.Structure):\n"
-    "    _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_void_p)]\n"
-    "fprog = P(len(sys.argv[1]) // 16, ctypes.cast(prog, ctypes.c_void_p))\n"
-    "libc, u = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong\n"
-    "if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(fprog), u(0), u(0)):\n"
-    "    sys.exit('graders sandbox: the seccomp filter was refused: ' + os.strerror(ctypes.get_errno()))\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n")
-
-
 def _seccomp_program(machine: str) -> Optional[bytes]:
     """The classic-BPF seccomp program for ``machine`` (platform.machine()), or None where the
     syscall numbers are not known here: the listed syscalls return 0 without effect, io_uring's and
@@ -291,28 +277,58 @@ def _seccomp_program(machine: str) -> Optional[bytes]:
     return b"".join(struct.pack("=HBBI", *f) for f in prog)
 
 
+#: The seccomp program of this process (a memfd it keeps open, not closed on exec), read by each
+#: bwrap it starts through ``/proc/<pid>/fd/<n>``: every open is a new file description at offset 0
+#: (bwrap reads the descriptor to its end), and no caller has to pass a descriptor to its child.
+_SECCOMP_FD: dict[int, int] = {}
+
+
+def _seccomp_source() -> Optional[str]:
+    """``/proc/<pid>/fd/<n>`` holding this machine's filter, or None (not root, an unknown machine,
+    no memfd). One memfd per process (a fork makes its own: its pid is another)."""
+    if os.geteuid() != 0:
+        return None
+    pid = os.getpid()
+    if pid not in _SECCOMP_FD:
+        prog = _seccomp_program(platform.machine())
+        if prog is None or not hasattr(os, "memfd_create"):
+            return None
+        fd = os.memfd_create("lora-book-seccomp", 0)  # no MFD_CLOEXEC: a process that execs bwrap keeps it
+        os.write(fd, prog)
+        _SECCOMP_FD[pid] = fd
+    return f"/proc/{pid}/fd/{_SECCOMP_FD[pid]}"
+
+
+#: How bwrap gets the filter: ``sh -c 'exec "$@" 9<FILE' sh bwrap ... --seccomp 9 ...``.
+_SECCOMP_SHELL = 'exec "$@" 9<"$LORA_BOOK_SECCOMP_SOURCE"'
+
+
 @functools.lru_cache(maxsize=None)
-def _seccomp_hex() -> str:
-    """The filter for this machine as hex, when root runs the sandbox and a probe sandbox with it ran
-    (a kernel without seccomp filters, or an unknown machine: "" and none, as before)."""
-    prog = _seccomp_program(platform.machine()) if os.geteuid() == 0 else None
-    bwrap = shutil.which("bwrap")
-    if prog is None or bwrap is None:
-        return ""
+def _seccomp_works() -> bool:
+    """Whether bwrap here takes the filter (``--seccomp``: a kernel with seccomp filters), tried once."""
+    source, bwrap = _seccomp_source(), shutil.which("bwrap")
+    if source is None or bwrap is None:
+        return False
     try:
-        binds = [a for p in _needed_paths() for a in ("--ro-bind", str(p), str(p))]  # Python's prefixes
-        proc = subprocess.run([bwrap, *_system_view(), *binds, "--proc", "/proc", "--dev", "/dev", "--unshare-all",
-                               *_root_args(), "--", sys.executable, "-I", "-S", "-c", _SECCOMP_BOOT, prog.hex(),
-                               "/bin/true"], stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
+        proc = subprocess.run(["/bin/sh", "-c", _SECCOMP_SHELL.replace("$LORA_BOOK_SECCOMP_SOURCE", source), "sh",
+                               bwrap, *_system_view(), "--proc", "/proc", "--dev", "/dev", "--unshare-all",
+                               *_root_args(), "--seccomp", "9", "--", "/bin/true"],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return prog.hex() if proc.returncode == 0 else ""
+        return False
+    return proc.returncode == 0
 
 
-def _with_seccomp(command: Sequence[str]) -> list[str]:
-    """``command`` behind the seccomp boot (graded as root, where the probe ran), else unchanged."""
-    hexed = _seccomp_hex()
-    return [sys.executable, "-I", "-S", "-c", _SECCOMP_BOOT, hexed, *command] if hexed else list(command)
+def _with_seccomp(args: list[str]) -> list[str]:
+    """bwrap's argv ``args`` ([bwrap, options..., "--", command...]) with the filter (graded as root,
+    where it works): bwrap applies it to its own init (pid 1 inside, which learner code could
+    otherwise drive through ptrace or /proc/1/mem) and to the command. Unchanged otherwise."""
+    if not _seccomp_works():
+        return args
+    source = _seccomp_source()
+    cut = args.index("--")
+    return ["/bin/sh", "-c", _SECCOMP_SHELL.replace("$LORA_BOOK_SECCOMP_SOURCE", source), "sh",
+            *args[:cut], "--seccomp", "9", *args[cut:]]
 
 
 #: The host's folders every sandbox sees, read-only: the system's programs, libraries and settings.
@@ -726,8 +742,8 @@ def bwrap_argv(command: Sequence[str], *, writable: Iterable[Path] = (), hidden:
     args += ["--clearenv"]
     for k, v in (env if env is not None else sandbox_env()).items():
         args += ["--setenv", k, str(v)]
-    args += ["--chdir", str(cwd or "/tmp"), "--", *_with_seccomp(command)]
-    return args
+    args += ["--chdir", str(cwd or "/tmp"), "--", *command]
+    return _with_seccomp(args)
 
 
 def _bind_back(entry: Path) -> list[str]:
