@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import functools
 import glob
 import json
@@ -293,8 +294,12 @@ def _seccomp_source() -> Optional[str]:
         prog = _seccomp_program(platform.machine())
         if prog is None or not hasattr(os, "memfd_create"):
             return None
-        fd = os.memfd_create("lora-book-seccomp", 0)  # no MFD_CLOEXEC: a process that execs bwrap keeps it
+        # no MFD_CLOEXEC: a process that execs into bwrap (the kernel wrapper) keeps it; sealed, so no
+        # process it reaches (bwrap passes inherited descriptors on) can change the program
+        fd = os.memfd_create("lora-book-seccomp", os.MFD_ALLOW_SEALING)
         os.write(fd, prog)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE)
         _SECCOMP_FD[pid] = fd
     return f"/proc/{pid}/fd/{_SECCOMP_FD[pid]}"
 
