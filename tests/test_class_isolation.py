@@ -412,41 +412,41 @@ def test_the_live_cap_through_nbclients_own_handlers():
     DECISIVE_BYTES), comm messages keep no widget state, and a cut display's id is forgotten."""
     from nbgrader.preprocessors import Execute
 
-    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, install_live_cap
+    from graders.course.output_cap import CUT_NOTE, DECISIVE_BYTES, NOTEBOOK_LIVE_BYTES, install_live_cap
 
     install_live_cap(limit=4000)
     try:
-        _nbclient_handlers(Execute, CUT_NOTE, DECISIVE_BYTES)
+        ex = Execute()
+        ex.reset_execution_trackers()
+        ex.clear_before_next_output = False  # set by nbclient when a cell starts
+        ex.nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("")])
+        outs = ex.nb.cells[0].outputs
+
+        def msg(kind, content):
+            return {"msg_type": kind, "header": {"msg_type": kind}, "parent_header": {"msg_id": "m"}, "content": content}
+
+        for i in range(40):
+            data = {"data": {"text/plain": "d" * 1000}, "metadata": {}, "transient": {"display_id": f"id{i}"}}
+            ex.output(outs, msg("display_data", data), f"id{i}", 0)
+        assert sum(1 for o in outs if o["output_type"] == "display_data") < 5
+        assert len(ex._display_id_map) == sum(1 for o in outs if o["output_type"] == "display_data"), ex._display_id_map
+        big = {"data": {"text/plain": "z" * 5_000_000}, "metadata": {}, "transient": {"display_id": "id0"}}
+        ex._update_display_id("id0", msg("update_display_data", big))
+        assert outs[0]["data"]["text/plain"].startswith(CUT_NOTE) and len(json.dumps(outs)) < 4000 + DECISIVE_BYTES + 2000
+        ex.handle_comm_msg(outs, msg("comm_msg", {"comm_id": "c", "data": {"state": {"k": "w" * 1_000_000}}}), 0)
+        assert ex.widget_state == {}
+        ex._update_display_id("zz", msg("update_display_data", {"data": [1], "metadata": {}}))  # an unknown id: ignored
+        # nbgrader appends the reply's error when no error output of its name is there: shortened
+        cell = ex.nb.cells[0]
+        reply = {"content": {"status": "error", "ename": "ValueError", "evalue": "v" * 5_000_000, "traceback": ["t"] * 10}}
+        ex.on_cell_executed(cell=cell, cell_index=0, execute_reply=reply)
+        assert cell.outputs[-1]["output_type"] == "error" and len(cell.outputs[-1]["evalue"]) == DECISIVE_BYTES
+        # nbclient resets before each notebook: the next one an Execute runs starts with a whole budget
+        assert ex._lora_book_budget.left < NOTEBOOK_LIVE_BYTES and ex._lora_book_live_caps
+        ex.reset_execution_trackers()
+        assert ex._lora_book_budget.left == NOTEBOOK_LIVE_BYTES and ex._lora_book_live_caps == {}
     finally:
         install_live_cap()
-
-
-def _nbclient_handlers(Execute, CUT_NOTE, DECISIVE_BYTES):
-    ex = Execute()
-    ex.reset_execution_trackers()
-    ex.clear_before_next_output = False  # set by nbclient when a cell starts
-    ex.nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("")])
-    outs = ex.nb.cells[0].outputs
-
-    def msg(kind, content):
-        return {"msg_type": kind, "header": {"msg_type": kind}, "parent_header": {"msg_id": "m"}, "content": content}
-
-    for i in range(40):
-        data = {"data": {"text/plain": "d" * 1000}, "metadata": {}, "transient": {"display_id": f"id{i}"}}
-        ex.output(outs, msg("display_data", data), f"id{i}", 0)
-    assert sum(1 for o in outs if o["output_type"] == "display_data") < 5
-    assert len(ex._display_id_map) == sum(1 for o in outs if o["output_type"] == "display_data"), ex._display_id_map
-    big = {"data": {"text/plain": "z" * 5_000_000}, "metadata": {}, "transient": {"display_id": "id0"}}
-    ex._update_display_id("id0", msg("update_display_data", big))
-    assert outs[0]["data"]["text/plain"].startswith(CUT_NOTE) and len(json.dumps(outs)) < 4000 + DECISIVE_BYTES + 2000
-    ex.handle_comm_msg(outs, msg("comm_msg", {"comm_id": "c", "data": {"state": {"k": "w" * 1_000_000}}}), 0)
-    assert ex.widget_state == {}
-    ex._update_display_id("zz", msg("update_display_data", {"data": [1], "metadata": {}}))  # an unknown id: ignored
-    # nbgrader appends the reply's error when no error output of its name is there: shortened
-    cell = ex.nb.cells[0]
-    reply = {"content": {"status": "error", "ename": "ValueError", "evalue": "v" * 5_000_000, "traceback": ["t"] * 10}}
-    ex.on_cell_executed(cell=cell, cell_index=0, execute_reply=reply)
-    assert cell.outputs[-1]["output_type"] == "error" and len(cell.outputs[-1]["evalue"]) == DECISIVE_BYTES
 
 
 _GRADE_CELL = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True, "schema_version": 3}

@@ -46,6 +46,8 @@ LIVE_BYTES = MAX_CELL_OUTPUT_BYTES - DECISIVE_BYTES - 1024
 OUTPUT_COST = 256
 #: Output bytes a whole notebook keeps while it runs (the chapters' own outputs are a few MB at most).
 NOTEBOOK_LIVE_BYTES = 32 << 20
+#: What each entry of a list or dict in an output costs beyond its strings' bytes.
+ITEM_COST = 16
 
 
 def _text(value: Any) -> str:
@@ -65,9 +67,6 @@ def _size(output: dict) -> int:
         return _weight([output.get("ename", ""), output.get("evalue", ""), output.get("traceback", [])])
     return _weight(output.get("data") or {}) + _weight(output.get("metadata") or {})
 
-
-#: What each entry of a list or dict in an output costs beyond its strings' bytes.
-ITEM_COST = 16
 
 
 def _weight(value: Any) -> int:
@@ -151,6 +150,15 @@ def cap_notebook_file(path: Path, limit: int = MAX_CELL_OUTPUT_BYTES) -> int:
     return cut
 
 
+def _kept_part(output: dict, budget: int) -> dict | None:
+    """:func:`_shortened`, where an error also keeps the last three lines of its traceback (each
+    clipped to :data:`DECISIVE_BYTES`): what the live cap keeps of an output past its cap."""
+    short = _shortened(output, budget)
+    if short is not None and output.get("output_type") == "error":
+        short["traceback"] = [_clip(_text(t), DECISIVE_BYTES) for t in (output.get("traceback") or [])[-3:]]
+    return short
+
+
 class NotebookBudget:
     """Output bytes left to one notebook's run, shared by its cells' :class:`LiveCap`: a notebook of
     many cells (a learner can add them) keeps at most :data:`NOTEBOOK_LIVE_BYTES` in all."""
@@ -214,11 +222,9 @@ class LiveCap:
         if self.note is None and not ignored and room > 0:  # the output that crosses the cap: what
             # fits of it (a stderr output IgnorePattern removes is left out whole: its match may lie
             # past the cut)
-            kept = _shortened(out, max(room, DECISIVE_BYTES if decides else 0))
+            kept = _kept_part(out, max(room, DECISIVE_BYTES if decides else 0))
         elif (decides and not self.decided) or (is_error and not self.error_kept):
-            kept = _shortened(out, DECISIVE_BYTES)
-        if kept is not None and is_error:
-            kept["traceback"] = [_clip(_text(t), DECISIVE_BYTES) for t in out.get("traceback", [])[-3:]]
+            kept = _kept_part(out, DECISIVE_BYTES)
         if kept is None and ((decides and not self.decided) or (is_error and not self.error_kept)):
             kept = {**out, "data": {"text/plain": ""}, "metadata": {}} if out.get("output_type") == "execute_result" \
                 else {**out, "text": ""}  # a deciding output with no text to keep
@@ -257,18 +263,23 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
     if getattr(Execute.output, "_lora_book_live_cap", False):
         return
     original_output, original_update = Execute.output, Execute._update_display_id
-    original_executed = Execute.on_cell_executed
+    original_executed, original_reset = Execute.on_cell_executed, Execute.reset_execution_trackers
+
+    def reset_execution_trackers(self):
+        # called by nbclient before each notebook: a fresh budget and fresh caps for its cells
+        original_reset(self)
+        self._lora_book_live_caps, self._lora_book_budget = {}, NotebookBudget()
 
     def output(self, outs, msg, display_id, cell_index):
         out = original_output(self, outs, msg, display_id, cell_index)
         if out is None or not outs or outs[-1] is not out:
             return out
-        caps = self.__dict__.setdefault("_lora_book_live_caps", {})
+        caps = self._lora_book_live_caps
         if cell_index not in caps:
             ignore = self.config.IgnorePattern
-            budget = self.__dict__.setdefault("_lora_book_budget", NotebookBudget())
             caps[cell_index] = LiveCap(self._lora_book_live_limit,
-                                       ignore.get("pattern") or None if ignore.get("enabled") else None, from_dict, budget)
+                                       ignore.get("pattern") or None if ignore.get("enabled") else None, from_dict,
+                                       self._lora_book_budget)
         position = len(outs) - 1
         kept = caps[cell_index].add(outs, out)
         if kept is not out and display_id:  # nbclient recorded where ``out`` was: where ``kept`` is now
@@ -288,7 +299,7 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
         content = msg.get("content") or {}
         if not isinstance(content, dict) or not isinstance(content.get("data"), dict):
             return original_update(self, display_id, msg)  # nbclient's own answer to malformed content
-        size = _size({"output_type": "display_data", "data": content.get("data"), "metadata": content.get("metadata")})
+        size = _weight(content["data"]) + _weight(content.get("metadata") or {})
         if size > DECISIVE_BYTES:
             msg = {**msg, "content": {**content, "metadata": {}, "data": {
                 "text/plain": f"{CUT_NOTE}: a display update of {size:,} bytes left out]"}}}
@@ -307,9 +318,7 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
             for k in range(before, len(cell.outputs)):
                 out = cell.outputs[k]
                 if out.get("output_type") == "error" and _size(out) > DECISIVE_BYTES:
-                    short = _shortened(out, DECISIVE_BYTES)
-                    short["traceback"] = [_clip(_text(t), DECISIVE_BYTES) for t in (out.get("traceback") or [])[-3:]]
-                    cell.outputs[k] = from_dict(short)
+                    cell.outputs[k] = from_dict(_kept_part(out, DECISIVE_BYTES))
         return result
 
     output._lora_book_live_cap = True
@@ -317,6 +326,7 @@ def install_live_cap(limit: int = LIVE_BYTES) -> None:
     Execute._update_display_id = _update_display_id
     Execute.handle_comm_msg = handle_comm_msg
     Execute.on_cell_executed = on_cell_executed
+    Execute.reset_execution_trackers = reset_execution_trackers
 
 
 try:

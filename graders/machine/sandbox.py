@@ -50,10 +50,11 @@ import functools
 import glob
 import json
 import os
+import platform
 import resource
+import shlex
 import shutil
 import signal
-import platform
 import stat
 import struct
 import subprocess
@@ -256,6 +257,8 @@ _NO_EFFECT_SYSCALLS = {
 #: Refused (EPERM) everywhere: io_uring (setup, enter, register; the same numbers on both
 #: machines), whose requests include setxattr and would not pass through the filter above.
 _REFUSED_SYSCALLS = (425, 426, 427)
+
+
 def _seccomp_program(machine: str) -> Optional[bytes]:
     """The classic-BPF seccomp program for ``machine`` (platform.machine()), or None where the
     syscall numbers are not known here: the listed syscalls return 0 without effect, io_uring's and
@@ -304,8 +307,10 @@ def _seccomp_source() -> Optional[str]:
     return f"/proc/{pid}/fd/{_SECCOMP_FD[pid]}"
 
 
-#: How bwrap gets the filter: ``sh -c 'exec "$@" 9<FILE' sh bwrap ... --seccomp 9 ...``.
-_SECCOMP_SHELL = 'exec "$@" 9<"$LORA_BOOK_SECCOMP_SOURCE"'
+def _seccomp_shell(source: str) -> list[str]:
+    """What goes before bwrap's argv so that its ``--seccomp 9`` reads ``source``: a shell that opens
+    it as descriptor 9 and execs the rest (``sh -c 'exec "$@" 9<FILE' sh bwrap ...``)."""
+    return ["/bin/sh", "-c", f'exec "$@" 9<{shlex.quote(source)}', "sh"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,9 +320,8 @@ def _seccomp_works() -> bool:
     if source is None or bwrap is None:
         return False
     try:
-        proc = subprocess.run(["/bin/sh", "-c", _SECCOMP_SHELL.replace("$LORA_BOOK_SECCOMP_SOURCE", source), "sh",
-                               bwrap, *_system_view(), "--proc", "/proc", "--dev", "/dev", "--unshare-all",
-                               *_root_args(), "--seccomp", "9", "--", "/bin/true"],
+        proc = subprocess.run([*_seccomp_shell(source), bwrap, *_system_view(), "--proc", "/proc", "--dev", "/dev",
+                               "--unshare-all", *_root_args(), "--seccomp", "9", "--", "/bin/true"],
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -330,10 +334,8 @@ def _with_seccomp(args: list[str]) -> list[str]:
     otherwise drive through ptrace or /proc/1/mem) and to the command. Unchanged otherwise."""
     if not _seccomp_works():
         return args
-    source = _seccomp_source()
     cut = args.index("--")
-    return ["/bin/sh", "-c", _SECCOMP_SHELL.replace("$LORA_BOOK_SECCOMP_SOURCE", source), "sh",
-            *args[:cut], "--seccomp", "9", *args[cut:]]
+    return [*_seccomp_shell(_seccomp_source()), *args[:cut], "--seccomp", "9", *args[cut:]]
 
 
 #: The host's folders every sandbox sees, read-only: the system's programs, libraries and settings.
