@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,31 @@ import reference  # noqa: E402,F401  (device choice before anything imports trit
 import torch  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_configure(config):
+    """Run as root, the controller scans the host for the sandbox's masks once and shares the scan
+    (``graders.machine.sandbox.share_masks``, as a grading run does) with every process the run
+    starts: xdist workers, notebook kernels, fork servers. Each would otherwise scan on its own: 5 s
+    of CPU each on an H100 host (49 masks; /usr with CUDA, /sys), and under ``-n 14`` those scans
+    were part of the load that pushed correct answers past the grader's budget. A test that needs a
+    fresh scan scans a folder of its own (tmp_path), which the shared scan does not hold."""
+    if os.geteuid() != 0 or hasattr(config, "workerinput"):
+        return
+    from graders.machine import sandbox
+
+    if sandbox.MASKS_ENV in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="lora-book-masks-")  # 0700: only root reads or replaces the scan
+    os.environ.update(sandbox.share_masks(Path(folder)))
+    config._lora_book_masks = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_lora_book_masks", None)
+    if folder:
+        os.environ.pop("LORA_BOOK_SANDBOX_MASKS", None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(params=DEVICES)
