@@ -274,6 +274,8 @@ def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adap
         t += g
         due.append(t)
     params, outs, i = SamplingParams(max_new_tokens=new_tokens), [], 0
+    work_of_step = record_step_work(llm)
+    steps: list[list] = []  # [ms, decode rows, prefill tokens] per step
     t0 = time.perf_counter()
     while i < len(prompts) or llm.has_unfinished():
         now = time.perf_counter() - t0
@@ -281,7 +283,10 @@ def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adap
             outs.append(llm.add_request(prompts[i], params, names[i]))
             i += 1
         if llm.has_unfinished():
-            llm.step()
+            work_of_step[:] = [0, 0]
+            s0 = time.perf_counter()
+            llm.step()  # ends on the host's copy of the sampled tokens: the step's GPU work is done
+            steps.append([round(1e3 * (time.perf_counter() - s0), 3), *work_of_step])
         elif i < len(prompts):
             time.sleep(max(0.0, due[i] - (time.perf_counter() - t0)))
     wall = time.perf_counter() - t0
@@ -295,8 +300,53 @@ def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adap
                 tpot_ms_p50=round(1e3 * percentile(tpot, 0.5), 3), tpot_ms_p99=round(1e3 * percentile(tpot, 0.99), 3),
                 tpot_p99_over_p50=round(percentile(tpot, 0.99) / percentile(tpot, 0.5), 2),
                 ttft_s_p50=round(percentile(ttft, 0.5), 3), ttft_s_p99=round(percentile(ttft, 0.99), 3),
+                step_costs=step_costs(steps, percentile(tpot, 0.5), percentile(tpot, 0.99)), step_log=steps,
                 **{k: v for k, v in llm.stats.items() if k in ("steps", "mixed_steps", "prefill_steps", "decode_steps",
                                                                "preemptions")})
+
+
+def record_step_work(llm) -> list[int]:
+    """Wrap ``llm.runner.forward`` to add up, per step, the decode rows (one new token) and the
+    prefill tokens (rows of more) it ran; the caller zeroes the returned [rows, tokens] before
+    each step and reads it after."""
+    work_of_step = [0, 0]
+    forward = llm.runner.forward
+
+    def counted(work, running=()):
+        for w in work:
+            n = len(w.token_ids)
+            if n == 1:
+                work_of_step[0] += 1
+            else:
+                work_of_step[1] += n
+        return forward(work, running)
+
+    llm.runner.forward = counted
+    return work_of_step
+
+
+def step_costs(steps: list[list], tpot_p50_s: float, tpot_p99_s: float) -> dict:
+    """What a step costs by what it carries, from ``steps`` ([ms, decode rows, prefill tokens] each):
+    a least-squares line ms = fixed + per_token * prefill tokens over the steps that decoded; the
+    median of the decode-only steps; the steps at least as long as TPOT p99 (a request decoding
+    every step waits one step per token, so those are the steps its slowest gaps sat in) and the
+    prefill they carried; and the prefill tokens per step the line allows for TPOT p99 <= 3x p50
+    (None when the line does not rise). Issue #30 asked what limits the p99 target."""
+    decoding = [s for s in steps if s[1] > 0]
+    pure = [s[0] for s in decoding if s[2] == 0]
+    out: dict = dict(steps=len(steps), decode_only_steps=len(pure),
+                     decode_only_ms_p50=round(statistics.median(pure), 3) if pure else None)
+    if len({s[2] for s in decoding}) >= 2:
+        fit = statistics.linear_regression([s[2] for s in decoding], [s[0] for s in decoding])
+        out.update(fixed_ms=round(fit.intercept, 3), ms_per_1k_prefill_tokens=round(1e3 * fit.slope, 3))
+        room_ms = 3 * 1e3 * tpot_p50_s - fit.intercept
+        out["prefill_tokens_for_p99_3x_p50"] = int(room_ms / fit.slope) if fit.slope > 0 and room_ms > 0 else None
+    slow = [s for s in decoding if s[0] >= 1e3 * tpot_p99_s]
+    if slow:
+        carried = sorted(s[2] for s in slow)
+        out.update(steps_at_or_over_tpot_p99=len(slow), their_prefill_tokens_min=carried[0],
+                   their_prefill_tokens_p50=carried[len(carried) // 2], their_prefill_tokens_max=carried[-1])
+    return out
 
 
 def run_peft(model, adapters_peft: int, prompts, names, new_tokens: int, batch: int, rank: int, device) -> dict:
@@ -481,6 +531,7 @@ def main() -> None:
             tqdm.write(f"arrivals load {load:.2f} ({rate:.1f} req/s) D={D}: TPOT p50 {row['tpot_ms_p50']:.2f} ms p99 "
                        f"{row['tpot_ms_p99']:.2f} ms (x{row['tpot_p99_over_p50']}), TTFT p50 {row['ttft_s_p50']:.3f} s "
                        f"p99 {row['ttft_s_p99']:.3f} s, {row['tokens_per_s']:.1f} tok/s")
+            tqdm.write(f"  its steps: {row['step_costs']}")
     if not args.no_extras:
         # Prefix cache: 8 adapters over 4 shared system prompts; the adapter-keyed cache against the
         # unsafe tokens-only key (its extra hits are other adapters' KV: wrong outputs)
