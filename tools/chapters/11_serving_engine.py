@@ -1230,9 +1230,39 @@ if floor_rows:
 # its TPOT p50 near the others' while its throughput drops. Under Poisson arrivals many steps are
 # mixed: a mixed step carries the decodes and up to the token budget of prompt tokens, and this
 # benchmark's budget holds several of its longest prompts, so it caps a mixed step's cost at many
-# whole prompts' prefill. The likely source of the p99 is those largest mixed steps (the files do
-# not record each step's size, so this is the explanation to test, not a measurement); a smaller
-# `max_num_batched_tokens` would trade prefill throughput for that tail.
+# whole prompts' prefill. So the likely source of the p99 is those largest mixed steps. The arrival
+# runs below test it: they log every step's time and what it carried (`step_log`: milliseconds,
+# decode rows, prompt tokens), fit a line, milliseconds = fixed + per-token cost x prompt tokens,
+# over the steps that decoded, and list the steps at least as long as TPOT p99 (a request that
+# decodes every step waits one step per token, so its slowest gaps sat in those steps). Two runs,
+# at this benchmark's token budget and at a quarter of it (`--token-budget`), measured on an H100:
+
+# %%
+step_runs = [json.loads(p.read_text()) for p in (floor_path.with_name(n) for n in
+             ("engine_steps_h100.json", "engine_steps_tb2048_h100.json")) if p.exists()]
+if not step_runs:
+    print("the step logs are not committed yet: run `python benchmarks/benchmark_engine.py --adapters 1 "
+          "--no-extras --out benchmarks/results/engine_steps_h100.json` (and with --token-budget) on a GPU")
+for run in step_runs:
+    print(f"{run['device']}, token budget {run['engine_config']['max_num_batched_tokens']}:")
+    for r in (e for e in run["extras"] if e.get("experiment") == "poisson_arrivals"):
+        c = r["step_costs"]
+        print(f"  load {r['load']}: TPOT p50 {r['tpot_ms_p50']:.1f} ms, p99 {r['tpot_ms_p99']:.1f} ms "
+              f"({r['tpot_p99_over_p50']}x p50), {r['tokens_per_s']:.0f} tok/s; {c['steps']} steps, "
+              f"{c['decode_only_steps']} without a prompt (median {c['decode_only_ms_p50']:.1f} ms)")
+        print(f"    a step that decodes: {c['fixed_ms']:.1f} ms + {c['ms_per_1k_prefill_tokens']:.1f} ms per 1000 "
+              f"prompt tokens; p99 <= 3x p50 leaves room for about {c['prefill_tokens_for_p99_3x_p50']} per step")
+        if "steps_at_or_over_tpot_p99" in c:
+            print(f"    the {c['steps_at_or_over_tpot_p99']} step(s) at least p99 long carried "
+                  f"{c['their_prefill_tokens_min']}-{c['their_prefill_tokens_max']} prompt tokens")
+
+# %% [markdown]
+# At the full budget the slowest steps are the ones that carried a whole budget of prompt tokens, and
+# the line says how many a step could carry and keep p99 within three times p50: fewer than the
+# budget allows. At the smaller budget the target is met, and the printed rows show its price: more
+# steps carry a prompt, so the median gap grows and throughput falls. The token budget sets where a
+# server sits between the two (vLLM and SGLang expose it as `max_num_batched_tokens` and
+# `chunked_prefill_size`).
 
 # %% [markdown]
 # ## How production systems do it
