@@ -84,6 +84,15 @@ def test_reference_gets_full_marks_well_within_budget(exercise_id):
     seconds = float(result.report.split(", ")[1].split(" s)")[0])
     budget = default_timeout()
     print(f"{exercise_id}: graded in {seconds:.1f} s (budget {budget:.0f} s)")
+    if seconds >= budget / 2:
+        # A first check pays one-off costs (the fork server's start, Triton's compile), which 14 test
+        # workers side by side on 16 cores stretched from ~8 s to 43 s (H100, ch04.2): the cold check
+        # must fit the budget, and the warm one, what each later check costs, half of it.
+        assert seconds < budget, "the grader's first check no longer fits its hang timeout"
+        again = graders.grade_source(exercise_id, source, func_name=ex.func_name)
+        assert again.score == graders.total_points(exercise_id), again.report
+        seconds = float(again.report.split(", ")[1].split(" s)")[0])
+        print(f"{exercise_id}: graded again in {seconds:.1f} s")
     assert seconds < budget / 2, "the grader's case budget no longer fits its hang timeout"
 
 
