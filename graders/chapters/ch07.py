@@ -33,8 +33,10 @@ def batch_info_default(req_uids, req_lens, uid_to_slot, lora_ranks, scalings, de
     return batch_info_from_requests(req_uids, req_lens, uid_to_slot, lora_ranks, scalings, device)
 
 
-def _requests_case(name, uids, lens, uid_to_slot, ranks, scalings) -> Case:
-    device = str(default_device())
+def _requests_case(name, uids, lens, uid_to_slot, ranks, scalings, device=None) -> Case:
+    """``device``: the grading device unless given ("meta": a device that is never the default one, so
+    an answer that ignores its ``device`` argument fails on a CPU-only machine too)."""
+    device = device or str(default_device())
     desc = (f"req_uids {uids!r}, req_lens {lens}, uid_to_slot {uid_to_slot!r}, lora_ranks {ranks}, "
             f"scalings {scalings}, device {device!r}")
     return Case(name, [list(uids), list(lens), dict(uid_to_slot), list(ranks), list(scalings), device], desc,
@@ -60,6 +62,8 @@ def _requests_edge() -> list[Case]:
         _requests_case("uid_not_resident_raises_value_error", ["a", "z"], [1, 1], slots, ranks, scal),
         _requests_case("base_model_not_resident_raises_value_error", ["a", None], [1, 1], {"a": 1}, [0, 4], [0.0, 0.5]),
         _requests_case("zero_token_uid_not_resident_raises_value_error", ["z", "a"], [0, 2], slots, ranks, scal),
+        _requests_case("every_tensor_on_the_device_argument", ["a", None, "b"], [3, 10, 5], slots, ranks, scal,
+                       device="meta"),
     ]
 
 
@@ -115,8 +119,9 @@ def _requests_hint(case: Case, expected, got) -> Optional[str]:
 # ch07.2 slot_sorted_view
 
 
-def _view_case(name, slots, num_slots, tps) -> Case:
-    device = str(default_device())
+def _view_case(name, slots, num_slots, tps, device=None) -> Case:
+    """``device``: as in :func:`_requests_case`."""
+    device = device or str(default_device())
     return Case(name, [list(slots), num_slots, tps, device], f"token_slots {slots}, num_slots {num_slots}, "
                 f"tokens_per_seq {tps}, device {device!r}", op="exact")
 
@@ -136,6 +141,7 @@ def _view_edge() -> list[Case]:
         _view_case("negative_slot_raises_value_error", [0, -1], 4, 1),
         _view_case("tokens_per_seq_0_raises_value_error", [0, 1], 2, 0),
         _view_case("negative_tokens_per_seq_raises_value_error", [0, 1], 2, -2),
+        _view_case("every_tensor_on_the_device_argument", [2, 0, 2, 1], 4, 2, device="meta"),
     ]
 
 

@@ -551,7 +551,7 @@ EXERCISES = [
              _virtual_edge, _virtual_random, _virtual_hint, default_device_probe=True),
     Exercise("ch09.2", "moe_align_block_size", ("ids", "block_size", "num_ids", "skip"), _align_ref,
              _align_edge, _align_random, _align_hint, result_names=("sorted_pair_ids", "block_ids", "num_pairs"),
-             grade_on="cpu"),
+             grade_on="cpu", default_device_probe=True),
     Exercise("ch09.3", "fused_moe_lora", ("x", "A", "B", "out", "topk_ids", "token_slots", "lora_ranks", "scalings",
                                           "top_k", "rows_per_pair", "slice_offsets", "topk_weights"),
              fused_moe_lora_torch, _moe_edge, _moe_random, _moe_hint, default_device_probe=True),

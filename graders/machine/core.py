@@ -26,7 +26,7 @@ import torch
 from graders.machine.exercise import Case, Exercise
 from graders.machine.points import POINTS
 from graders.machine.tolerances import tolerance
-from graders.machine.wire import decode, encode, load_tensors, read_json, save_tensors, write_json
+from graders.machine.wire import decode, encode, load_tensors, meta_tensor, read_json, save_tensors, write_json
 from reference.batch_info import LoRABatchInfo
 from reference.device import default_device
 
@@ -255,6 +255,8 @@ def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case
     if not isinstance(desc, dict) or "tensor" not in desc:
         kind = desc.get("unsupported") or desc.get("kind") or "something else" if isinstance(desc, dict) else "?"
         return f"{name}: expected a torch.Tensor {list(exp.shape)} {exp.dtype}, got {kind}"
+    if exp.device.type == "meta" or desc.get("device") == "meta":
+        return _compare_placement(name, exp, desc, device)
     got = tensors[desc["tensor"]]
     if tuple(got.shape) != tuple(exp.shape):
         return f"{name}: shape {list(got.shape)}, expected {list(exp.shape)}"
@@ -279,6 +281,27 @@ def _compare_tensor(name: str, exp: torch.Tensor, desc: Any, tensors: dict, case
     if not bool(bad.any()):
         return None
     return _describe_mismatch(name, exp, got, bad, case)
+
+
+def _compare_placement(name: str, exp: torch.Tensor, desc: dict, device: torch.device) -> Optional[str]:
+    """A tensor of a case whose ``device`` argument is "meta" (a device every machine has and that
+    holds no data: chapter 07's host-built metadata), or one the answer put there: its device, shape
+    and dtype are all there is to compare. So a CPU-only learner learns that the results go on
+    ``device``, which a case on the grading device, the CPU, cannot show."""
+    where = desc.get("device")
+    if exp.device.type != "meta":
+        return f"{name}: tensor on {where}, expected on {device.type} (the inputs' device)"
+    if where != "meta":
+        return (f"{name}: tensor on {where}, expected on meta: this case passes device='meta' (a device that "
+                "holds no data: any machine has it), and the contract puts the results on `device`\n"
+                "  hint: create them there (torch.tensor(values, dtype=..., device=device)) or move them "
+                "(.to(device)); a tensor made without device= stays on torch's default device")
+    got = meta_tensor(desc)
+    if tuple(got.shape) != tuple(exp.shape):
+        return f"{name}: shape {list(got.shape)}, expected {list(exp.shape)}"
+    if got.dtype != exp.dtype:
+        return f"{name}: dtype {got.dtype}, expected {exp.dtype}"
+    return None
 
 
 def _describe_mismatch(name, exp, got, bad, case) -> str:
@@ -516,7 +539,7 @@ def _materialize(desc: Any, tensors: dict) -> Any:
     if isinstance(desc, dict) and "batch_info" in desc:
         return decode(desc, tensors, "cpu")
     if isinstance(desc, dict) and "tensor" in desc:
-        return tensors[desc["tensor"]]
+        return tensors.get(desc["tensor"]) if desc["tensor"] is not None else None  # a meta tensor: no data
     if isinstance(desc, dict) and "sequence" in desc:
         return tuple(_materialize(d, tensors) for d in desc["sequence"])
     if isinstance(desc, dict) and "value" in desc:

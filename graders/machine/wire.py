@@ -24,6 +24,9 @@ __all__ = ["encode", "decode", "save_tensors", "load_tensors", "write_json", "re
 def encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """JSON-able description of ``value``; its tensors go into ``tensors`` under keys from ``key``."""
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":  # no data to copy: where it is, its shape and dtype
+            return {"tensor": None, "device": "meta", "shape": list(value.shape),
+                    "dtype": str(value.dtype).removeprefix("torch.")}
         tensors[key] = value.detach().to("cpu").contiguous().clone()
         return {"tensor": key, "device": value.device.type}
     if isinstance(value, LoRABatchInfo):
@@ -54,7 +57,7 @@ def encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
 def decode(desc: Any, tensors: dict[str, torch.Tensor], device: torch.device | str) -> Any:
     """Inverse of :func:`encode`, placing tensors on ``device``."""
     if "tensor" in desc:
-        return tensors[desc["tensor"]].to(device)
+        return meta_tensor(desc) if desc["tensor"] is None else tensors[desc["tensor"]].to(device)
     if "batch_info" in desc:
         kw = {k: (decode(v, tensors, device) if v is not None else None) for k, v in desc["batch_info"].items()}
         return LoRABatchInfo(**kw)
@@ -70,6 +73,19 @@ def decode(desc: Any, tensors: dict[str, torch.Tensor], device: torch.device | s
     if "value" in desc:
         return desc["value"]
     raise ValueError(f"cannot decode {desc!r}")
+
+
+def meta_tensor(desc: dict) -> torch.Tensor:
+    """The tensor :func:`encode` described without data (one on the "meta" device), as a meta
+    tensor. ``desc`` comes from a process that ran learner code.
+
+    Raises:
+        ValueError: a shape that is not a list of non-negative ints, or a dtype torch does not have.
+    """
+    shape, dtype = desc.get("shape"), getattr(torch, str(desc.get("dtype")), None)
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)) or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"cannot decode {desc!r}")
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

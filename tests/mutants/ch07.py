@@ -39,6 +39,10 @@ MUTANTS = [
            (("token_slots=send(token_slots, torch.int32)", "token_slots=send(slots, torch.int32)"),),
            "token_slots: shape", "layout"),
 
+    Mutant("ch07.1", "device-argument-ignored",
+           (("        return host.to(device)\n", "        return host\n"),),
+           "the contract puts the results on `device`", "device"),
+
     # ch07.2 slot_sorted_view
     Mutant("ch07.2", "counts-sequences",
            (("counts[s] += tokens_per_seq", "counts[s] += 1"),),
@@ -62,6 +66,9 @@ MUTANTS = [
     Mutant("ch07.2", "tokens-per-seq-unchecked",
            (('    if tokens_per_seq < 1:\n        raise ValueError("tokens_per_seq must be at least 1")\n', ""),),
            "tokens_per_seq_0_raises_value_error", "error"),
+    Mutant("ch07.2", "device-argument-ignored",
+           (("torch.tensor(offsets, dtype=torch.int32).to(device)", "torch.tensor(offsets, dtype=torch.int32)"),),
+           "the contract puts the results on `device`", "device"),
     Mutant("ch07.2", "ids-in-int32",
            (("torch.tensor(ids, dtype=torch.int64)", "torch.tensor(ids, dtype=torch.int32)"),),
            "sorted_token_ids: dtype torch.int32, expected torch.int64", "dtype"),

@@ -176,4 +176,10 @@ MUTANTS += [
              "        pairs.append((A_e, B_e))\n"
              "    return pairs"),),
            "dtype torch.float32, expected torch.bfloat16", "dtype"),
+    # the contract's "on the device of ids": graded on the CPU, a tensor made without device= lands
+    # on torch's default device there (graders.machine.exercise.Exercise.default_device_probe)
+    Mutant("ch09.2", "blocks-on-the-default-device",
+           (("            torch.tensor(block_ids, dtype=torch.int32, device=ids.device), num_pairs)",
+             "            torch.tensor(block_ids, dtype=torch.int32), num_pairs)"),),
+           "default device", "device"),
 ]
