@@ -378,7 +378,7 @@ class DecodeGraphRunner:
             raise ValueError("input_ids, positions, cache_rows and req_uids need one entry per sequence")
         if not self.graphs:
             self.capture()
-        bucket = bucket_for(n, self.buckets)
+        bucket = self._bucket(n)
         uid_to_slot = self.pool.prepare_lora_batch(req_uids, running=[None])  # bookkeeping, every step
         slots = [uid_to_slot[u] for u in req_uids]
         ranks = self.pool.lora_ranks_host
@@ -399,6 +399,11 @@ class DecodeGraphRunner:
         else:
             out = self._step(bucket, lora)
         return out[:n].clone()
+
+    def _bucket(self, n: int) -> int:
+        """The bucket of a step of n sequences (:func:`bucket_for`). Chapter 08 replaces this,
+        :attr:`static`, :attr:`tracker` and :meth:`_write_inputs` with the learner's answers."""
+        return bucket_for(n, self.buckets)
 
     def _write_inputs(self, input_ids, positions, cache_rows, bucket: int) -> None:
         n, tps = len(input_ids), self.tokens_per_seq

@@ -128,7 +128,7 @@ def _view_case(name, slots, num_slots, tps, device=None) -> Case:
 
 def _view_edge() -> list[Case]:
     return [
-        _view_case("docstring_example_tps_2", [2, 0, 2, 1], 4, 2),
+        _view_case("example_in_the_text_tps_2", [2, 0, 2, 1], 4, 2),
         _view_case("one_token_per_seq", [1, 0, 1, 1, 0], 3, 1),
         _view_case("empty_slots_give_empty_segments", [3, 3], 5, 1),
         _view_case("last_slot_used", [0, 4, 4, 1], 5, 3),

@@ -57,7 +57,7 @@ def _bucket_case(name, n, buckets) -> Case:
 def _bucket_edge() -> list[Case]:
     nano = (1, 2, 4, 8, 16, 32, 40)  # default_buckets(40)
     return [
-        _bucket_case("docstring_example", 5, (1, 2, 4, 8, 16)),
+        _bucket_case("example_in_the_text", 5, (1, 2, 4, 8, 16)),
         _bucket_case("exact_fit", 8, (1, 2, 4, 8, 16, 32)),  # the next bucket up is not the largest
         _bucket_case("one_sequence", 1, (1, 2, 4, 8)),
         _bucket_case("one_sequence_smallest_bucket_4", 1, (4, 8, 16)),
@@ -304,7 +304,7 @@ def _static_edge() -> list[Case]:
     R2, S2 = [4, 2, 0, 8], [1.0, 0.5, 0.0, 2.0]  # base model in slot 2
     OTHER_R, OTHER_S = [0, 1, 1, 1], [0.0, 9.0, 9.0, 9.0]
     return [
-        _static_case("docstring_example", 4, 6, 1, None, [[[1, 3, 1], 4, 0, R, S, True]]),
+        _static_case("example_in_the_text", 4, 6, 1, None, [[[1, 3, 1], 4, 0, R, S, True]]),
         _static_case("flag_off_keeps_the_tables", 4, 6, 1, None,
                      [[[1, 3, 1], 4, 0, R, S, True], [[2], 2, 0, OTHER_R, OTHER_S, False]]),
         _static_case("first_update_flag_off_keeps_junk_tables", 4, 6, 1, _junk(r, 4, 6, 1),

@@ -64,7 +64,7 @@ def _virtual_case(name, topk, slots, num_experts, dtype=torch.int64, slot_dtype=
 
 def _virtual_edge() -> list[Case]:
     return [
-        _virtual_case("docstring_example_3_tokens_top2", [[1, 3], [0, 2], [3, 1]], [0, 2, 1], 4),
+        _virtual_case("example_in_the_text_3_tokens_top2", [[1, 3], [0, 2], [3, 1]], [0, 2, 1], 4),
         _virtual_case("slot_0_is_just_the_expert", [[2, 0]], [0], 4),
         _virtual_case("more_slots_than_experts", [[1, 0], [0, 1]], [3, 5], 2),
         _virtual_case("more_experts_than_slots", [[7, 2], [5, 6]], [1, 0], 8),
@@ -135,7 +135,7 @@ def _align_case(name, ids, block_size, num_ids, skip=None, dtype=torch.int64) ->
 
 def _align_edge() -> list[Case]:
     return [
-        _align_case("docstring_example", [[2, 0], [1, 2], [0, 2]], 2, 3),
+        _align_case("example_in_the_text", [[2, 0], [1, 2], [0, 2]], 2, 3),
         _align_case("groups_fill_whole_blocks", [[0, 1], [1, 0]], 2, 2),
         _align_case("one_pair_groups_pad_to_a_block", [[3], [1], [0]], 4, 4),
         _align_case("ids_with_no_pairs_get_no_blocks", [[5, 1], [5, 1]], 2, 8),
@@ -497,7 +497,7 @@ def _split_case(name, E, r, d_in, d_out, gen, dtype=torch.float32, a_rows=None, 
 def _split_edge() -> list[Case]:
     g = torch.Generator().manual_seed(5)
     return [
-        _split_case("docstring_example_E2_r2", 2, 2, 3, 4, g),
+        _split_case("example_in_the_text_E2_r2", 2, 2, 3, 4, g),
         _split_case("one_expert", 1, 4, 6, 5, g),
         _split_case("E4_r3_gate_up_shaped", 4, 3, 8, 12, g),
         _split_case("rank_1", 3, 1, 5, 7, g),

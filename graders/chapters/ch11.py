@@ -65,7 +65,7 @@ def _hash_case(name, tokens, adapter_id, block_size) -> Case:
 
 def _hash_edge() -> list[Case]:
     return [
-        _hash_case("docstring_example", [5, 6, 7], "a@0", 2),
+        _hash_case("example_in_the_text", [5, 6, 7], "a@0", 2),
         _hash_case("two_full_blocks_and_a_partial_one", [5, 6, 7, 8, 9], "a@0", 2),
         _hash_case("exact_multiple_of_the_block", [5, 6, 7, 8], "a@0", 2),
         _hash_case("repeated_identical_blocks_are_chained", [7, 7, 7, 7, 7, 7], "a@0", 2),
@@ -211,7 +211,7 @@ def _r(i, uid, blocks=1, waited=0):
 def _admit_edge() -> list[Case]:
     c = _admit_case
     return [
-        c("docstring_example", [_r(0, "b"), _r(1, "a"), _r(2, "a")], [None], ["a"], 2, 10, 8),
+        c("example_in_the_text", [_r(0, "b"), _r(1, "a"), _r(2, "a")], [None], ["a"], 2, 10, 8),
         c("arrival_is_list_order_not_seq_id", [_r(7, "a", 2), _r(3, "a", 2)], [], [], 2, 2, 8),
         # arrival order, not the longest wait: a preempted request waits less than the one behind it
         c("arrival_order_not_the_longest_wait", [_r(4, "a", 1, 1), _r(5, "a", 1, 6)], [], [], 2, 10, 1),
@@ -454,7 +454,7 @@ def _drain_edge() -> list[Case]:
         # remaining ("a") and the most remaining ("c") fail here apart (on the docstring's example both
         # return "a")
         c("smallest_uid_has_the_middle_remaining", [_w(9, "z", 9)], [("a", 5), ("b", 1), ("c", 9)], 3, 4),
-        c("docstring_example", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, 4),
+        c("example_in_the_text", [_w(9, "c", 5)], [("a", 30), ("b", 4)], 2, 4),
         c("waited_equal_to_threshold_is_not_starved", [_w(9, "c", 4)], [("a", 30), ("b", 4)], 2, 4),
         c("waited_one_past_threshold", [_w(9, "c", 5), _w(8, "d", 2)], [("b", 4), ("a", 30)], 2, 4),
         c("a_slot_is_free", [_w(9, "c", 9)], [("a", 30), ("b", 4)], 3, 4),

@@ -18,8 +18,8 @@
 #   where the routing weight goes, and one table that says where gate and up live.
 # - The edge cases that break real servers: experts or layers an adapter lacks (rank 0, explicitly),
 #   shared experts, base-model tokens.
-# - A Triton kernel over the sorted blocks, and the whole thing judged against PEFT on tiny Mixtral
-#   and Qwen2-MoE models.
+# - A Triton kernel over the sorted blocks, and the whole thing judged against PEFT on a tiny Mixtral
+#   here (the book's tests judge a tiny Qwen2-MoE the same way).
 # - Expert parallelism: local against global expert ids, and what the wrong pairing does.
 #
 # **Exercises**: ch09.1 `virtual_expert_ids`, ch09.2 `moe_align_block_size`, ch09.3 `fused_moe_lora`,
@@ -52,6 +52,10 @@ print("device:", device)
 #
 #     A [num_slots, num_experts, stack_num * max_rank, in]     B [num_slots, num_experts, out_total, max_rank]
 #     lora_ranks [num_slots, num_experts]
+#
+# As in chapter 04's stacked buffers, the slices of a stacked module are packed at the adapter's own
+# rank, not at `max_rank`: for a rank-`r` adapter, slice `i` of `A[s, e]` is rows `i*r .. (i+1)*r - 1`,
+# and the rows past `stack_num * r` are padding.
 #
 # The ranks are per (slot, expert): an adapter that covers only some experts, or none of a layer's,
 # carries **rank 0 there, explicitly**. A grouped kernel scheduled over those (slot, expert) groups
@@ -176,7 +180,9 @@ for name, id_tensor, n in (("base experts", experts, 8),
 # ### Exercise ch09.2: `moe_align_block_size`
 #
 # Write `moe_align_block_size(ids, block_size, num_ids, skip=None)` returning the tuple
-# `(sorted_pair_ids, block_ids, num_pairs)` described above: `ids` is `[num_tokens, top_k]` integer ids
+# `(sorted_pair_ids, block_ids, num_pairs)` described above (a plain tuple; the reference returns
+# `AlignedBlocks`, a named tuple of those three fields, which is why the demonstration reads them
+# by name): `ids` is `[num_tokens, top_k]` integer ids
 # in `[0, num_ids)`, or negative (left out); pair `p` is `ids.reshape(-1)[p]`, so
 # `p = token * top_k + choice`. Groups in increasing id order, pairs stable inside a group; each group
 # takes `ceil(count / block_size)` blocks of its own, its real pairs first and then the padding (the
