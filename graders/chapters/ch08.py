@@ -541,8 +541,8 @@ def _token_slots_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:
                     "(yours hold slot 0)")
         return f"padding sequences (n .. bucket-1) sit on the pad slot ({pad})"
     past = f"token {width}" if width == max_seqs * tps - 1 else f"tokens {width} .. {max_seqs * tps - 1}"
-    return (f"token_slots past the bucket ({past}) hold the pad slot ({pad}) too, so no row ever reads a stale "
-            "slot")
+    return (f"token_slots past the bucket ({past}) hold the pad slot ({pad}) too (the defensive rule of "
+            "section 3: no graph reads them, and none could find a stale slot there if one did)")
 
 
 def _segments_hint(case: Case, k: int, e: dict, g: dict) -> Optional[str]:

@@ -875,9 +875,10 @@ def _step_variant(**wrong) -> Callable:
     return step
 
 
-_RUNNING = ("pass running=[s.uid for s in scheduler.running] to runner.forward, the uid of every RUNNING "
-            "sequence, not only of this step's batch: in a prefill step the decoding sequences compute nothing, "
-            "and their adapters must stay resident (the pool may evict an adapter it is not told is in use)")
+_RUNNING = ("runner.forward's running argument names the adapters in use: every RUNNING sequence's (the "
+            "scheduler's running list), not only this step's batch's: in a prefill step the decoding sequences "
+            "compute nothing, and their adapters must stay resident (the pool may evict an adapter it is not told "
+            "is in use)")
 _STEP_MISTAKES = [
     (dict(start0=True), "a SeqWork's start is w.start, the position of its first token: a later chunk, a decode "
                         "and a recomputed sequence do not start at 0 (rotary positions and KV slots come from it)"),
