@@ -359,7 +359,7 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
             raise Refused(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         if len(p) + sp.max_new_tokens > llm.max_context:
             raise Refused(400, f"This model's maximum context length is {llm.max_context} tokens; the prompt "
-                               f"({len(p)} tokens) plus {max_key} ({sp.max_new_tokens}) exceeds it", param=max_key)
+                               f"({len(p)} token{'s' if len(p) != 1 else ''}) plus {max_key} ({sp.max_new_tokens}) exceeds it", param=max_key)
     return _Request(prompts, sp, None if model == served else model, model, stop, stream,
                     bool(options.get("include_usage", False)), chat, flags["include_stop_str_in_output"],
                     flags["skip_special_tokens"])
