@@ -120,9 +120,12 @@ else:
 #   `uid_to_slot`.
 # Compute everything from the host lists: no `.item()`, `.tolist()`, `bool(t)`, `int(t)` or `if t:`
 # on a tensor. The grader records every such read your function makes and fails the case, on the CPU
-# too. Build each tensor from a host list (`torch.tensor(values, dtype=...)`) and send it to `device`
-# with one copy; on CUDA stage it in pinned memory, `host.pin_memory().to(device, non_blocking=True)`,
-# since a copy from pageable memory waits for the GPU (the GPU grader records that too).
+# too. Build each tensor from a host list (`torch.tensor(values, dtype=..., device="cpu")`) and send it
+# to `device` with one copy; on CUDA stage it in pinned memory, `host.pin_memory().to(device,
+# non_blocking=True)`, since a copy from pageable memory waits for the GPU (the GPU grader records that
+# too). One case passes `device="meta"`, PyTorch's device of tensors that have shapes and dtypes but
+# no data (every machine has it): results built on the host and sent to `device` land there, so a
+# function that ignores `device` shows on a CPU-only machine too.
 
 # %% exercise="ch07.1" role="answer"
 import torch

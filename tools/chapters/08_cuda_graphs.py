@@ -35,6 +35,7 @@ import json
 import math
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -677,7 +678,7 @@ def run_trace(runner_cls, show=True):
     return model, pool, context, runner, worst
 
 
-model, pool, context, runner, _ = run_trace(cg.DecodeGraphRunner)
+model, pool, context, runner, reference_worst = run_trace(cg.DecodeGraphRunner)
 print("replays:", runner.replays)
 
 # %% [markdown]
@@ -742,11 +743,30 @@ class YourRunner(cg.DecodeGraphRunner):
                             self.positions, self.cache_rows)
 
 
+def piece_that_raised(exc):
+    """The innermost of your ch08 answers on the exception's way, e.g. 'bucket_for (ch08.1)'."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        name, owner = frame.f_code.co_name, frame.f_locals.get("self")
+        if name == "bucket_for" and frame.f_globals is globals():
+            found = "bucket_for (ch08.1)"
+        elif name == "write_decode_inputs" and frame.f_globals is globals():
+            found = "write_decode_inputs (ch08.4)"
+        elif type(owner) is StaticLoRABatch and name != "__init__":
+            found = f"StaticLoRABatch.{name} (ch08.2)"
+        elif type(owner) is SlotChangeTracker:
+            found = f"SlotChangeTracker.{name} (ch08.3)"
+    return found
+
+
 try:
     *_, yours, worst = run_trace(YourRunner, show=False)
-    print(f"your pieces: the trace's largest error vs PEFT {worst:.1e} of the scale; replays {yours.replays}")
-except Exception as exc:  # noqa: BLE001 (an unfinished or broken answer: its check says which and why)
-    print(f"your pieces raised {type(exc).__name__}: {exc}")
+    print(f"your pieces: the trace's largest error vs PEFT {worst:.1e} of the scale (the reference's: "
+          f"{reference_worst:.1e}); replays {yours.replays} (the reference's: {runner.replays})")
+except Exception as exc:  # noqa: BLE001 (an unfinished or broken answer: its check says why)
+    where = piece_that_raised(exc)
+    print(f"your pieces raised {type(exc).__name__}" + (f" in {where}" if where else "")
+          + (f": {exc}" if str(exc) else ""))
 
 # %% [markdown]
 # ## 7. On a GPU: a real capture and replay

@@ -55,7 +55,8 @@ print("device:", device)
 #
 # As in chapter 04's stacked buffers, the slices of a stacked module are packed at the adapter's own
 # rank, not at `max_rank`: for a rank-`r` adapter, slice `i` of `A[s, e]` is rows `i*r .. (i+1)*r - 1`,
-# and the rows past `stack_num * r` are padding.
+# and the rows past `stack * r` (`stack` = `stack_num`) are padding; of `B[s, e]` only the first `r`
+# columns hold weights.
 #
 # The ranks are per (slot, expert): an adapter that covers only some experts, or none of a layer's,
 # carries **rank 0 there, explicitly**. A grouped kernel scheduled over those (slot, expert) groups
@@ -180,10 +181,10 @@ for name, id_tensor, n in (("base experts", experts, 8),
 # ### Exercise ch09.2: `moe_align_block_size`
 #
 # Write `moe_align_block_size(ids, block_size, num_ids, skip=None)` returning the tuple
-# `(sorted_pair_ids, block_ids, num_pairs)` described above (a plain tuple; the reference returns
-# `AlignedBlocks`, a named tuple of those three fields, which is why the demonstration reads them
-# by name): `ids` is `[num_tokens, top_k]` integer ids
-# in `[0, num_ids)`, or negative (left out); pair `p` is `ids.reshape(-1)[p]`, so
+# `(sorted_pair_ids, block_ids, num_pairs)` described above (a plain tuple is enough; the reference
+# returns `AlignedBlocks`, a named tuple of those three fields, which is why the demonstration reads
+# them by name): `ids` is `[num_tokens, top_k]` integer ids in `[0, num_ids)`, or negative (left
+# out); pair `p` is `ids.reshape(-1)[p]`, so
 # `p = token * top_k + choice`. Groups in increasing id order, pairs stable inside a group; each group
 # takes `ceil(count / block_size)` blocks of its own, its real pairs first and then the padding (the
 # value `num_pairs`) that fills its last block. No blocks for ids without pairs, for negative ids, or
