@@ -344,7 +344,7 @@ DEFAULT_DEVICE_NOTE = ("\n  this case calls your function with torch's default d
                        "torch.set_default_device does in a process whose default device is not the inputs'): a "
                        "tensor created without device= lands there. Create every tensor, outputs and "
                        "intermediates alike, on the inputs' device: device=x.device, x.new_zeros(...), "
-                       "torch.zeros_like(x)")
+                       "torch.zeros_like(x), with x one of your tensor arguments")
 
 
 class DefaultDeviceRecorder(TorchFunctionMode):
