@@ -24,8 +24,14 @@ the rank named, so a case whose contract is ``ValueError`` still sees ``ValueErr
 ranks raise, that is the failure: the others would wait in a collective forever); an input modified
 in place (each rank checks its arguments after the call); a result that is not a tensor; a rank that
 never finishes (a collective that only some ranks call, or called in a different order): after
-``RANK_TIMEOUT_S`` every rank is killed and the case fails with a ``TimeoutError`` saying so. Ranks
-die with the child (``PR_SET_PDEATHSIG``), so a killed grader leaves no process behind.
+``RANK_TIMEOUT_S`` every rank is killed and the case fails saying so. Ranks die with the child
+(``PR_SET_PDEATHSIG``), so a killed grader leaves no process behind.
+
+What the grader saw the ranks DO (a rank that waited in a collective, raised alone, changed an input,
+used another group) is raised as :class:`GraderObservation`, never as an exception class the
+learner's code could have raised itself: the checking machine recognises the class by its name
+(``graders.machine.core.OBSERVED``) and reports "the grader observed: ...", not "your function
+raised RuntimeError: ..." (a learner once read the latter as an error of their own code).
 
 The expected results never come from forked processes: the graders' references simulate the ranks
 in one process (the notebook's kernel must not fork: Python warns on stderr when a multi-threaded
@@ -47,13 +53,18 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks", "RANK_TIMEOUT_S"]
+__all__ = ["run_ranks", "RANK_TIMEOUT_S", "GraderObservation"]
 
 #: How long every rank of one case may take, seconds (a tiny layer: milliseconds when correct; the
 #: budget covers the gloo rendezvous on a loaded 2-core machine).
 RANK_TIMEOUT_S = 6.0
 _hung: list[str] = []  # the first hang's message: later cases fail at once instead of hanging too
 _PR_SET_PDEATHSIG = 1
+
+
+class GraderObservation(RuntimeError):
+    """What the grader saw the ranks do, not an exception the learner's code raised (the checking
+    machine reports it as "the grader observed: <message>"; it knows the class by its name only)."""
 
 
 def _die_with_parent() -> None:
@@ -83,7 +94,7 @@ def _watched(tp_group, as_tp: tuple | None = None):
                 time.sleep(1)
         if group is not tp_group:
             what = "the default group (every process of this job)" if group in (None, dist.group.WORLD) else "another group"
-            raise RuntimeError(f"torch.distributed.{name} on {what}, not on `group` (the "
+            raise GraderObservation(f"torch.distributed.{name} on {what}, not on `group` (the "
                                f"{saved['get_world_size'](tp_group)} tensor-parallel ranks): pass group=group to "
                                "every collective and query")
         return group
@@ -156,7 +167,7 @@ def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callabl
                 result = fn(*args, group)
             changed = [n for n, a, b in zip(names, args, before) if not _same(a, b)]
             if changed:
-                raise RuntimeError(f"your function modified its input {changed[0]!r} on rank {rank}; inputs must stay "
+                raise GraderObservation(f"your function modified its input {changed[0]!r} on rank {rank}; inputs must stay "
                                    "unchanged (a pool's buffers are read again by the next batch)")
             if isinstance(result, torch.Tensor):
                 outcome = {"tensor": result.detach().cpu().contiguous()}
@@ -178,11 +189,13 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _raise_from_rank(rank: int, outcome: dict) -> None:
+    if outcome["exc"] == GraderObservation.__name__:  # a check of the grader's, in the rank
+        raise GraderObservation(f"rank {rank}: {outcome['msg']}")
     cls = getattr(builtins, outcome["exc"], None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = RuntimeError
     if any(p in outcome["msg"] for p in _PEER_GONE):
-        raise RuntimeError(
+        raise GraderObservation(
             f"rank {rank}: a collective failed because another rank had already left the group (gloo: "
             f"{next(p for p in _PEER_GONE if p in outcome['msg'])}): the ranks called different collectives, "
             "e.g. one inside an if that differs per rank, or a rank that returned before the others")
@@ -200,16 +213,18 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
     parent (which runs no learner code) from which ranks finished: nothing recorded in a rank decides.
     Raises:
         the exception a rank raised (same class when it is a built-in exception, else RuntimeError),
-            with "rank j:" before its message; RuntimeError when only some ranks raised;
-        RuntimeError: a rank modified an input or used another group than ``group``;
+            with "rank j:" before its message;
+        GraderObservation: what the grader saw the ranks do: only some ranks raised; a refused input
+            met a collective before any rank raised; a rank modified an input or used another group
+            than ``group``; a collective failed because a peer had left; some rank did not finish
+            within ``RANK_TIMEOUT_S`` (every rank is killed; once that happened in this process, every
+            later call raises it at once: the same mistake would hang every case, and the exercise's
+            time budget would stop the grading before the report);
         TypeError: a rank returned something other than a tensor, or ranks returned tensors of
-            different shapes or dtypes (which stacking would hide);
-        TimeoutError: some rank did not finish within ``RANK_TIMEOUT_S`` (every rank is killed); once
-            that happened in this process, every later call raises it at once (the same mistake would
-            hang every case, and the exercise's time budget would stop the grading before the report).
+            different shapes or dtypes (which stacking would hide).
     """
     if _hung:
-        raise TimeoutError(f"not run: an earlier case's ranks hung ({_hung[0]})")
+        raise GraderObservation(f"not run: an earlier case's ranks hung ({_hung[0]})")
     folder = tempfile.mkdtemp(prefix="tp-ranks-")
     pids: list[int] = []
     try:
@@ -234,10 +249,12 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
         shutil.rmtree(folder, ignore_errors=True)
     if before_any_collective and any("pending" in o for o in outcomes) and not any("exc" in o for o in outcomes):
         waiting = [j for j, o in enumerate(outcomes) if "pending" in o]
-        raise RuntimeError(f"rank(s) {waiting} called a collective before raising: given an input the contract "
-                           f"refuses, every rank must raise ValueError BEFORE any collective (these ranks waited "
-                           f"{RANK_TIMEOUT_S:g} s in one; in a server, a rank that raises after another already "
-                           "waits in an all-reduce hangs the group)")
+        raise GraderObservation(
+            f"rank(s) {waiting} entered a collective without raising first: for this input, which the contract "
+            f"refuses, the grader gave the ranks a group that also holds a process that never joins, so every "
+            f"collective waits; these ranks waited in one for {RANK_TIMEOUT_S:g} s, where every rank must raise "
+            "ValueError BEFORE any collective (in a server, a rank that raises while another already waits in an "
+            "all-reduce hangs the group)")
     died = [j for j, o in enumerate(outcomes) if o.get("died")]
     if died:
         _raise_from_rank(died[0], outcomes[died[0]])
@@ -251,7 +268,10 @@ def run_ranks(tp: int, fn: Callable, rank_args: Callable[[int], tuple], names: S
                    "an error the contract names is raised on EVERY rank, before any collective")
         if "did not finish" in how and not before_any_collective:  # (the probe's group makes them wait)
             _hung.append(message)  # the same answer would leave a rank waiting in every later case
-        raise RuntimeError(message)
+        observed = [k for k in raised if outcomes[k]["exc"] == GraderObservation.__name__]
+        if observed:  # a grader's check in a rank (an input changed, another group): what it saw
+            _raise_from_rank(observed[0], outcomes[observed[0]])
+        raise GraderObservation(message)
     for rank in raised:
         _raise_from_rank(rank, outcomes[rank])
     for rank, outcome in enumerate(outcomes):
@@ -292,6 +312,6 @@ def _wait(pids: list[int], folder: str, record_hang: bool = True) -> list[dict]:
                     f"rank(s) {waiting} did not finish within {RANK_TIMEOUT_S:g} s while rank(s) "
                     f"{returned or 'none'} returned: a collective that only some ranks call (inside an if "
                     "that differs per rank?), or collectives called in a different order on different ranks")
-                raise TimeoutError(_hung[0])
+                raise GraderObservation(_hung[0])
             time.sleep(0.002)
     return [done[j] for j in range(len(pids))]

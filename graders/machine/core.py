@@ -316,10 +316,12 @@ def _describe_mismatch(name, exp, got, bad, case) -> str:
     else:
         lines.append(f"{name}: {int(bad.sum())} of {bad.numel()} elements differ")
     nan = got.is_floating_point() and bool((torch.isnan(got) & bad).any())
-    if nan:
-        lines.append(f"  NaN in {int((torch.isnan(got) & bad).sum())} element(s) of the result: either an element "
-                     "the contract defines was left unwritten (shrink outputs start as NaN), or NaN was read "
-                     "(where a case says so, padding past a rank holds NaN)")
+    if nan:  # true of every exercise: an unwritten element is named only where the case poisons an `out`
+        unwritten = (f"an element the contract defines was left unwritten (`{name}` is filled with NaN before the "
+                     "call where the case says so), " if case.out_index is not None else "")
+        lines.append(f"  NaN in {int((torch.isnan(got) & bad).sum())} element(s) of the result: either {unwritten}"
+                     "NaN was read from an input (where the case says an input holds NaN, e.g. padding past a rank), "
+                     "or NaN was computed (0 * inf, inf - inf)")
     shown = torch.nonzero(bad & torch.isnan(got))[:3] if nan else torch.nonzero(bad)[:3]  # the NaN ones first
     for idx in shown.tolist():
         e, g = exp[tuple(idx)].item(), got[tuple(idx)].item()
@@ -445,6 +447,16 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
     return msg
 
 
+#: A driver raises an exception of a class with this name (e.g. graders.chapters.tp_ranks'
+#: GraderObservation) for what it saw the learner's code do (ranks that waited in a collective):
+#: reported as the grader's observation, not as "your function raised RuntimeError: ...".
+OBSERVED = "GraderObservation"
+
+
+def _observed(error: str) -> str:
+    return "the grader observed: " + error[len(OBSERVED) + 2:]
+
+
 def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dict,
              device: torch.device, with_hint: bool = True) -> Optional[str]:
     if result.get("on_default_device"):  # a default-device case (Exercise.default_device_probe)
@@ -458,8 +470,12 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     if isinstance(expected, Raises):
         if result.get("error", "").startswith(expected.name + ":"):
             return None
+        if result.get("error", "").startswith(OBSERVED + ": "):  # the driver's, not the answer's exception
+            return f"the contract says this input raises {expected.name}; " + _observed(result["error"])
         got = ("raised " + result["error"]) if "error" in result else "returned normally"
         return f"the contract says this input raises {expected.name}; your function {got}"
+    if result.get("error", "").startswith(OBSERVED + ": "):
+        return _observed(result["error"])
     if "error" in result:
         if result["error"].startswith("NotImplementedError"):
             where = result["error"].partition(" (answer cell")[2]

@@ -33,14 +33,14 @@ MUTANTS = [
                    "            per, first = max(n // tp_size, 1), tp_rank * max(n // tp_size, 1)\n"),),
            "replicated", "clause"),
     Mutant("ch10.1", "ranges-relative-to-the-part",
-           (("        lo = start + first * (width // n)\n", "        lo = first * (width // n)\n"),),
+           (("        lo = start + first * head_width\n", "        lo = first * head_width\n"),),
            "PACKED output", "layout"),
     Mutant("ch10.1", "contiguous-slice-of-the-packed-output",
-           (("        lo = start + first * (width // n)\n"
-             "        ranges.append((lo, lo + per * (width // n)))\n",
+           (("        lo = start + first * head_width\n"
+             "        ranges.append((lo, lo + per * head_width))\n",
              "        total = sum(out_features)\n"
-             "        lo = start + tp_rank * (total // tp_size) * width // total\n"
-             "        ranges.append((lo, lo + (total // tp_size) * width // total))\n"),),
+             "        lo = start + tp_rank * (total // tp_size) * rows // total\n"
+             "        ranges.append((lo, lo + (total // tp_size) * rows // total))\n"),),
            "replicated", "layout"),
     Mutant("ch10.1", "floor-split-of-indivisible-heads",
            ((_PER + "        else:\n            raise ValueError(f\"{n} heads cannot be split over {tp_size} ranks\")\n",
@@ -57,6 +57,13 @@ MUTANTS = [
     Mutant("ch10.1", "negative-rank-accepted",
            (("    if not 0 <= tp_rank < tp_size:\n", "    if tp_rank >= tp_size:\n"),),
            "negative_tp_rank_raises_value_error", "error"),
+    # issue #33 (learner report ch10): "width" is a head's rows only; a part's rows are out_features[i]
+    Mutant("ch10.1", "start-advanced-by-the-owned-rows",
+           (("        start += rows\n", "        start += per * head_width\n"),),
+           "FULL out_features[i] rows", "layout"),
+    Mutant("ch10.1", "rows-not-checked-against-heads",
+           (("        if n < 1 or rows % n:\n", "        if n < 1:\n"),),
+           "rows_not_a_multiple_of_heads_raises_value_error", "error"),
 
     # ch10.2 fully_sharded_A
     Mutant("ch10.2", "parts-read-at-the-max-rank",
@@ -142,7 +149,7 @@ MUTANTS = [
              "    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"
              "        raise ValueError(f\"unknown variant {variant!r}\")\n"
              "    y = y / dist.get_world_size(group)\n")),
-           "called a collective before raising", "error"),
+           "the grader observed: rank(s) [0, 1] entered a collective without raising first", "error"),
     Mutant("ch10.3", "scaling-left-in-fp32",
            (("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
              "    delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
@@ -171,8 +178,8 @@ MUTANTS = [
              "        delta = torch.einsum(\"tr,tor->to\", ti, Bi)\n"),),
            "the scaling is not applied", "math"),
     Mutant("ch10.4", "rank-mask-at-the-local-width",
-           (("    keep = torch.arange(R) < r.unsqueeze(1)                        # [T, R]\n",
-             "    keep = torch.arange(R) < torch.clamp(r, max=R // tp).unsqueeze(1)\n"),),
+           (("    keep = torch.arange(R, device=x.device) < r.unsqueeze(1)       # [T, R]\n",
+             "    keep = torch.arange(R, device=x.device) < torch.clamp(r, max=R // tp).unsqueeze(1)\n"),),
            "not below min(r, R/tp)", "math"),
     Mutant("ch10.4", "default-group",
            (("    tp, stack, R = dist.get_world_size(group), len(slice_offsets) - 1, B_local.shape[2]\n",
@@ -190,7 +197,7 @@ MUTANTS = [
              "    dist.all_gather(pieces, t_local, group=group)\n"
              "    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
              "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n")),
-           "called a collective before raising", "error"),
+           "the grader observed: rank(s) [0, 1] entered a collective without raising first", "error"),
     Mutant("ch10.4", "no-row-count-check",
            (("    if R % tp or A_local.shape[1] != stack * (R // tp):\n"
              "        raise ValueError(f\"A_local must have stack * R / tp = {stack} * {R} / {tp} rows\")\n", ""),),

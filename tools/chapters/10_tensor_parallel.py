@@ -111,11 +111,11 @@ print(json.dumps(tp_lora.garbled_column_rule(x, A, B, tp_size=2), indent=1))
 # - With `units[i] < tp_size` and `tp_size` divisible by it, each head is replicated on
 #   `tp_size / units[i]` consecutive ranks: rank j owns head `j // (tp_size / units[i])`.
 #
-# Raise `ValueError` when `out_features` and `units` differ in length, a width is not a multiple of its
-# heads, neither of `units[i]` and `tp_size` divides the other, or `tp_rank` is not in
-# `0..tp_size-1`. The example above gives `((8, 16), (20, 24), (28, 32))`; heads `(4, 1, 1)` of
-# widths `(16, 4, 4)` at tp 2, rank 1, give `((8, 16), (16, 20), (20, 24))` (the one kv head on both
-# ranks).
+# Raise `ValueError` when `out_features` and `units` differ in length, an `out_features[i]` is not a
+# multiple of `units[i]` (its heads would not have one width), neither of `units[i]` and `tp_size`
+# divides the other, or `tp_rank` is not in `0..tp_size-1`. The example above gives
+# `((8, 16), (20, 24), (28, 32))`; `out_features = (16, 4, 4)` with `units = (4, 1, 1)` (head width 4
+# again) at tp 2, rank 1, gives `((8, 16), (16, 20), (20, 24))` (the one kv head on both ranks).
 
 # %% exercise="ch10.1" role="answer"
 def column_part_ranges(out_features, units, tp_rank, tp_size):
@@ -126,18 +126,19 @@ def column_part_ranges(out_features, units, tp_rank, tp_size):
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside 0..{tp_size - 1}")
     ranges, start = [], 0
-    for width, n in zip(out_features, units):
-        if n < 1 or width % n:
-            raise ValueError(f"width {width} is not a multiple of {n} heads")
+    for rows, n in zip(out_features, units):
+        if n < 1 or rows % n:
+            raise ValueError(f"{rows} rows are not a multiple of {n} heads")
         if n >= tp_size and n % tp_size == 0:
             per, first = n // tp_size, tp_rank * (n // tp_size)
         elif n < tp_size and tp_size % n == 0:
             per, first = 1, tp_rank // (tp_size // n)
         else:
             raise ValueError(f"{n} heads cannot be split over {tp_size} ranks")
-        lo = start + first * (width // n)
-        ranges.append((lo, lo + per * (width // n)))
-        start += width
+        head_width = rows // n
+        lo = start + first * head_width
+        ranges.append((lo, lo + per * head_width))
+        start += rows
     return tuple(ranges)
     ### END SOLUTION
 
@@ -174,8 +175,8 @@ print("one kv head, tp 2:   ", tp_lora.interleave_packed(torch.arange(24.0).unsq
 # rank j holds rank-rows `[j r/tp, (j+1) r/tp)` of A and computes those columns of the shrink output
 # `t = x A^T`; an **all-gather** of the pieces gives every rank the whole `t [T, r]`, which it expands
 # with its rows of B (all `r` columns). The all-gather carries `T x r` numbers per part, tiny beside
-# the base layer's own traffic (`T x hidden` per all-reduce). (In a pool the width is the padded max
-# rank `R`, not the adapter's `r`: below.)
+# the base layer's own traffic (`T x hidden` per all-reduce). (In a pool `t` has the padded max rank
+# `R` columns, not the adapter's `r`: below.)
 #
 # In a pool the split meets rank padding. The pool's buffers hold every slot at the same max rank `R`
 # but pack each adapter's parts at its *own* rank `r` (chapter 05: part i in rows `[i r, (i+1) r)` of
@@ -252,7 +253,11 @@ graders.show_reference("ch10.2")
 # extra, but the delta must be added *before* the base layer's all-reduce, so the LoRA sits inside
 # the base layer's forward (vLLM's `RowParallelLinearWithLoRA` does this). `reduce_shrink` leaves the
 # base layer alone and pays a second collective per layer: small, but each collective is a separate
-# launch and synchronization, which is what costs at decode (section 7 measures both).
+# launch and synchronization, which is what costs at decode (section 7 counts each variant's
+# collectives and their bytes).
+#
+# By linearity the two variants compute the same `y`. They differ only in where the sum is taken,
+# hence in what crosses between the GPUs and, in bf16, in rounding.
 
 # %% [markdown]
 # ### Exercise ch10.3: `row_parallel_lora` (runs on every rank)
@@ -270,10 +275,27 @@ graders.show_reference("ch10.2")
 #   with `r = lora_ranks[slot]`.
 # - Rows of A and columns of B past a slot's rank are junk (even NaN): read only the first `r`.
 #   Tokens of rank-0 slots (the base model) get **exactly** the reduced base output.
+# - Precision: the reference computes each rank's partials (`x_local W_local^T`, `t_j`, the delta) in
+#   `x_local`'s dtype and all-reduces tensors of that dtype: in bf16 each partial is rounded to bf16
+#   before the sum, as in a server that all-reduces bf16 activations. In bf16 the grader compares `y`
+#   with the formula computed in float32 and rounded to bf16, within 3e-2 (relative and absolute); its
+#   inputs are chosen so that bf16 partials summed in bf16 (in either variant's order) and partials
+#   summed in float32 both land within that. In float32 the tolerance is 1e-5.
 # - Raise `ValueError` for another variant, on every rank, before any collective (a rank that raises
 #   while the other waits in an all-reduce would hang the group).
 #
-# The grader runs your function on 2 and 4 ranks (gloo, CPU), each with its own shard.
+# **What the grader checks**, on 2 and 4 ranks (gloo, CPU), each with its own shard: every rank's
+# `y` (its values, its dtype, the same `y` on every rank, rank-0 tokens bit for bit); that the inputs
+# are unchanged and every collective is on `group`; and, for an unknown variant, that every rank
+# raises `ValueError` before any collective (the grader makes any collective wait there, and says so).
+# It does **not** check which collectives run or how many. The variant names the communication the
+# table above describes, but both variants give the same `y` (up to rounding), so an answer that
+# all-reduces once for both (`reduce_with_base`'s scheme) scores the same, and so does one that fuses
+# `reduce_shrink`'s two all-reduces into one call on `torch.cat([y, t], dim=1)` (the same sums in one
+# launch: allowed, though the LoRA then no longer leaves the base layer's all-reduce alone). The
+# grader cannot see collectives: it could only record them inside the rank processes, next to your
+# code, which could write any record it liked. Implement each variant as the table says; section 7
+# counts what the reference's variants send.
 
 # %% exercise="ch10.3" role="answer"
 import torch.distributed as dist
@@ -286,7 +308,7 @@ def row_parallel_lora(x_local, W_local, A_local, B, token_slots, lora_ranks, sca
         raise ValueError(f"unknown variant {variant!r}")
     slots = token_slots.long()
     r = lora_ranks.long()[slots]                                   # [T]
-    keep = torch.arange(B.shape[2]) < r.unsqueeze(1)               # [T, R]: columns below each rank
+    keep = torch.arange(B.shape[2], device=x_local.device) < r.unsqueeze(1)  # [T, R]: columns below each rank
     y = x_local @ W_local.T
     t = torch.einsum("ti,tri->tr", x_local, A_local[slots]).contiguous()
     if variant == "reduce_shrink":
@@ -353,7 +375,7 @@ def fully_sharded_column_lora(x, W_local, A_local, B_local, token_slots, lora_ra
         raise ValueError(f"A_local must have stack * R / tp = {stack} * {R} / {tp} rows")
     slots = token_slots.long()
     r = lora_ranks.long()[slots]
-    keep = torch.arange(R) < r.unsqueeze(1)                        # [T, R]
+    keep = torch.arange(R, device=x.device) < r.unsqueeze(1)       # [T, R]
     t_local = torch.einsum("ti,tki->tk", x, A_local[slots]).contiguous()
     pieces = [torch.empty_like(t_local) for _ in range(tp)]
     dist.all_gather(pieces, t_local, group=group)
@@ -402,7 +424,8 @@ for tokens, what in ((64, "decode, 64 sequences"), (8192, "prefill, 8192 tokens"
 # %% [markdown]
 # A few percent of the bytes, but four more collectives per layer: at decode, where each collective
 # is a latency (a launch and a synchronization of every rank, whatever its size), the count matters more
-# than the bytes. The replicated-A and reduce-with-base variants add no collective at all and pay in
+# than the bytes. (A cost of the design, counted here with the reference; ch10.3's grader checks the
+# outputs, not the count.) The replicated-A and reduce-with-base variants add no collective at all and pay in
 # memory (A on every rank) and in placement (the delta inside the base layer's forward).
 #
 # The same layer at a small size on two real processes (gloo on this CPU, through a script:
