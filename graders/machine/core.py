@@ -294,8 +294,9 @@ def _compare_placement(name: str, exp: torch.Tensor, desc: dict, device: torch.d
     if where != "meta":
         return (f"{name}: tensor on {where}, expected on meta: this case passes device='meta' (a device that "
                 "holds no data: any machine has it), and the contract puts the results on `device`\n"
-                "  hint: create them there (torch.tensor(values, dtype=..., device=device)) or move them "
-                "(.to(device)); a tensor made without device= stays on torch's default device")
+                "  hint: build them from your host lists and send each to `device` with one copy "
+                "(.to(device); on CUDA from pinned memory, as the chapter says); a tensor made without device= "
+                "stays where it was made")
     got = meta_tensor(desc)
     if tuple(got.shape) != tuple(exp.shape):
         return f"{name}: shape {list(got.shape)}, expected {list(exp.shape)}"
@@ -477,9 +478,18 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     if result.get("error", "").startswith(OBSERVED + ": "):
         return _observed(result["error"])
     if "error" in result:
-        if result["error"].startswith("NotImplementedError"):
-            where = result["error"].partition(" (answer cell")[2]
-            return "not implemented yet: NotImplementedError" + (" (answer cell" + where if where else "")
+        if "device 'meta'" in case.describe and "meta" in result["error"].lower():
+            # torch's NotImplementedError for an op that needs values, not an unfinished answer
+            return ("raised " + result["error"] + "\n  hint: this case passes device='meta', PyTorch's device of "
+                    "shapes without data: an operation that needs values (torch.bincount, .tolist(), .item(), "
+                    "indexing by a tensor's values) cannot run there. Compute from the host lists, then send "
+                    "the results to `device`")
+        said, _, where = result["error"].partition(" (answer cell")
+        if said.startswith("NotImplementedError") and "raise NotImplementedError" in where:
+            # the answer's own raise (nbgrader's stub, or a learner's "not done yet"), not torch's
+            message = said.partition(":")[2].strip()
+            return ("not implemented yet: NotImplementedError" + (f": {message}" if message else "")
+                    + " (answer cell" + where)
         if result["error"].startswith("NameError"):
             return ("raised " + result["error"] + "\n  hint: the grader runs your answer cell on its own "
                     "(after import math, torch): define or import that name inside the cell")

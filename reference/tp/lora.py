@@ -101,31 +101,33 @@ def column_part_ranges(out_features: Sequence[int], units: Sequence[int], tp_ran
                        tp_size: int) -> tuple[tuple[int, int], ...]:
     """Rows [lo, hi) of the packed (global) output that ``tp_rank`` owns, one range per part.
 
-    Part i has ``units[i]`` heads (or columns) of width ``out_features[i] // units[i]``. With at least
+    Part i has ``out_features[i]`` rows made of ``units[i]`` heads (or columns), each
+    ``out_features[i] // units[i]`` rows wide (the head width). With at least
     as many heads as ranks each rank takes a contiguous ``units[i] / tp`` of them; with fewer (GQA kv
     heads below tp) each head is replicated on ``tp / units[i]`` ranks and rank j takes head
     ``j // (tp / units[i])``.
     Example, (q, k, v) = (16, 8, 8) with heads (4, 2, 2), tp 2, rank 1 -> ((8, 16), (20, 24), (28, 32));
-    heads (4, 1, 1) with widths (16, 4, 4), tp 2, rank 1 -> ((8, 16), (16, 20), (20, 24)).
+    heads (4, 1, 1) with out_features (16, 4, 4), tp 2, rank 1 -> ((8, 16), (16, 20), (20, 24)).
     Raises:
-        ValueError: lengths differ; a width not divisible by its heads; heads and tp where neither
+        ValueError: lengths differ; a part's rows not a multiple of its heads; heads and tp where neither
         divides the other; tp_rank outside 0..tp_size-1.
     """
     if len(out_features) != len(units):
         raise ValueError(f"{len(out_features)} out_features but {len(units)} unit counts")
     _check_rank(tp_rank, tp_size)
     offsets, ranges = slice_offsets_for(out_features), []
-    for i, (width, n) in enumerate(zip(out_features, units)):
-        if n < 1 or width % n:
-            raise ValueError(f"part {i}: width {width} is not a multiple of its {n} heads")
+    for i, (rows, n) in enumerate(zip(out_features, units)):
+        if n < 1 or rows % n:
+            raise ValueError(f"part {i}: {rows} rows are not a multiple of its {n} heads")
         if n >= tp_size and n % tp_size == 0:
             per, first = n // tp_size, tp_rank * (n // tp_size)
         elif n < tp_size and tp_size % n == 0:
             per, first = 1, tp_rank // (tp_size // n)  # replicated: tp/n ranks share this head
         else:
             raise ValueError(f"part {i}: {n} heads cannot be split over {tp_size} ranks (neither divides the other)")
-        lo = offsets[i] + first * (width // n)
-        ranges.append((lo, lo + per * (width // n)))
+        head_width = rows // n
+        lo = offsets[i] + first * head_width
+        ranges.append((lo, lo + per * head_width))
     return tuple(ranges)
 
 
