@@ -299,7 +299,7 @@ def _wait(pids: list[int], folder: str, record_hang: bool = True) -> list[dict]:
             if os.path.exists(path):
                 done[k] = torch.load(path, weights_only=True)
             elif os.waitpid(pid, os.WNOHANG)[0]:
-                done[k] = {"exc": "RuntimeError", "msg": "the rank's process ended without a result "
+                done[k] = {"exc": GraderObservation.__name__, "msg": "the rank's process ended without a result "
                            "(os._exit, sys.exit or a crash in the answer?)", "died": True}
                 return [done.get(j, {"pending": True}) for j in range(len(pids))]
         if len(done) < len(pids):
