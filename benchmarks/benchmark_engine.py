@@ -429,6 +429,9 @@ def main() -> None:
                     help="per row, one more profiled generate: GPU-busy fraction of the decode steps")
     ap.add_argument("--token-budget", type=int, default=None,
                     help="max_num_batched_tokens of the engine (default 8192; --smoke: 64)")
+    ap.add_argument("--prefill-while-decoding", type=int, default=None,
+                    help="max_prefill_tokens_while_decoding of the engine: the prompt tokens a step that also "
+                         "decodes may carry (default: what the token budget leaves)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -447,7 +450,8 @@ def main() -> None:
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
                               max_num_seqs=n, max_num_batched_tokens=args.token_budget or (8192 if not args.smoke else 64),
                               backend="triton" if device.type == "cuda" else "torch",
-                              cuda_graph=False if args.no_cuda_graph else None)
+                              cuda_graph=False if args.no_cuda_graph else None,
+                              max_prefill_tokens_while_decoding=args.prefill_while_decoding)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}

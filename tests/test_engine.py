@@ -162,6 +162,18 @@ def test_every_request_equals_peft_generate_alone(engine_run, peft_model):
     assert differs >= 5
 
 
+def test_a_prompt_cap_while_decoding_keeps_every_request_equal_to_peft(base, adapter_dirs, peft_model):
+    """max_prefill_tokens_while_decoding (mixed steps, the engine's default): steps that decode carry
+    at most 5 prompt tokens, so the prompts are chunked differently; the tokens stay PEFT's."""
+    llm, outs = run_workload(base, adapter_dirs, max_prefill_tokens_while_decoding=5)
+    prompts, names, params = workload()
+    for out, prompt, name, p in zip(outs, prompts, names, params):
+        assert out.error is None
+        want = peft_want(peft_model, prompt, name, p)
+        assert out.token_ids == want, f"request {out.request_id} ({name}): {out.token_ids} != PEFT {want}"
+    assert llm.stats["mixed_steps"] >= 1, llm.stats
+
+
 @pytest.fixture(scope="module")
 def graph_run(base, adapter_dirs):
     return run_workload(base, adapter_dirs, cuda_graph=True, mixed_steps=False)

@@ -176,6 +176,9 @@ def run(seqs, config, num_blocks, block_size, resident=lambda: ()):
         assert len({w.seq.uid for w in work} | {s.uid for s in sched.running}) <= config.max_loras_per_batch
         assert sum(w.end - w.start for w in work) <= config.max_num_batched_tokens or (kind == "decode" and
                                                                                       not config.mixed_steps)
+        cap = config.max_prefill_tokens_while_decoding
+        if cap is not None and any(w.end - w.start == 1 and not w.seq.in_prefill for w in work):
+            assert sum(w.end - w.start for w in work if w.seq.in_prefill) <= cap, (cap, work)
         if config.mixed_steps:  # every sequence past its prompt decodes in every step the budget allows
             decoding = [s for s in sched.running if not s.in_prefill and s.num_tokens - s.num_computed == 1]
             assert {w.seq.seq_id for w in work if w.end - w.start == 1} >= {s.seq_id for s in decoding
@@ -203,7 +206,8 @@ def test_scheduler_outputs_survive_chunking_preemption_and_prefix_sharing(seed, 
         params = SamplingParams(max_new_tokens=rng.randint(1, 9), stop_token_ids=(rng.randrange(V),))
         seqs.append(Sequence(i, prompt, rng.choice([None, "a", "b", "c", "d"]), params))
     config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=rng.choice([4, 7, 64]), max_loras_per_batch=3,
-                             drain_threshold=rng.choice([None, 3]), mixed_steps=mixed)
+                             drain_threshold=rng.choice([None, 3]), mixed_steps=mixed,
+                             max_prefill_tokens_while_decoding=rng.choice([None, 1, 3]) if mixed else None)
     sched, bm = run(seqs, config, num_blocks=16, block_size=rng.choice([2, 4]))
     # the fake model's "adapter" token is added to the prompt: compute what each sequence must give
     for s in seqs:
@@ -256,6 +260,39 @@ def test_mixed_steps_keep_decoding_while_a_long_prompt_is_chunked():
     assert "mixed" in kinds and overlap >= 4, (kinds, overlap)  # 30 tokens in chunks of 6
     kinds, overlap = trace(False)
     assert "mixed" not in kinds and overlap == 0, kinds
+
+
+def test_a_step_that_decodes_carries_at_most_the_prompt_cap_and_one_that_does_not_takes_the_budget():
+    """max_prefill_tokens_while_decoding: while sequences decode, the prompts of a step take at most 3
+    tokens together (not the 6-7 the budget of 8 leaves); alone, a prompt takes the whole budget; the
+    outputs are those of the uncapped run."""
+    def trace(cap):
+        sched = Scheduler(SchedulerConfig(4, 8, 4, mixed_steps=True, max_prefill_tokens_while_decoding=cap),
+                          BlockManager(64, 4))
+        seqs = [seq(0, list(range(20)), n=12), seq(1, [3, 4], n=12), seq(2, list(range(30)), n=2)]
+        sched.add(seqs[0])
+        chunks, step = [], 0
+        while sched.has_unfinished() or step <= 4:
+            if step == 4:
+                for s in seqs[1:]:
+                    sched.add(s)
+            kind, work = sched.schedule()
+            decoding = any(w.end - w.start == 1 and not w.seq.in_prefill for w in work)
+            chunks += [(w.seq.seq_id, w.end - w.start, decoding) for w in work if w.seq.in_prefill]
+            sched.postprocess(work, {w.seq.seq_id: (7 * w.end) % 11 for w in work if w.end == w.seq.num_tokens})
+            step += 1
+        return chunks, {s.seq_id: list(s.output) for s in seqs}
+
+    capped, outs = trace(3)
+    assert capped[:3] == [(0, 8, False), (0, 8, False), (0, 4, False)], capped  # alone: the whole budget
+    assert all(n <= 3 for _, n, decoding in capped if decoding) and any(d for *_, d in capped), capped
+    # the cap is per step, over every prompt in it: seq 1's 2 tokens and 1 of seq 2's, then 3 a step
+    assert [n for i, n, d in capped if i in (1, 2)][:5] == [2, 1, 3, 3, 3], capped
+    uncapped, outs_uncapped = trace(None)
+    assert max(n for i, n, d in uncapped if i == 2 and d) > 3, uncapped  # the cap made the difference
+    assert outs == outs_uncapped
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0).check()
 
 
 def _drain_trace(threshold, resident=tuple):

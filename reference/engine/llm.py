@@ -65,6 +65,9 @@ class EngineConfig:
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
+    # mixed steps only: the prompt tokens a step that also decodes may carry
+    # (``SchedulerConfig.max_prefill_tokens_while_decoding``); None = what the token budget leaves
+    max_prefill_tokens_while_decoding: Optional[int] = None
     # the longest prompt + max_new_tokens a request may ask (vLLM's --max-model-len); None = the
     # model's max_position_embeddings, and never more than it
     max_model_len: Optional[int] = None
@@ -183,7 +186,8 @@ class LLM:
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             enable_graph_decode(self.runner, config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,
-                                    config.drain_threshold, config.mixed_steps)
+                                    config.drain_threshold, config.mixed_steps,
+                                    config.max_prefill_tokens_while_decoding)
         # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,
         # so a later call (or a re-registered name) reuses exactly the KV that is still valid for it
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, policies.block_hashes)

@@ -46,6 +46,13 @@ class SchedulerConfig:
     # False: a step is all prefill or all decode (prefill first: nano-vllm). True: mixed steps, every
     # running decode plus prefill chunks within the token budget (vLLM V1, Sarathi-Serve)
     mixed_steps: bool = False
+    # Mixed steps only: the prompt tokens a step may carry while it also decodes (None: what the
+    # budget leaves). A step's time grows with its prompt tokens, and every decoding sequence waits
+    # for the whole step: this bounds the gap between two of its tokens (TPOT p99) while a step with
+    # nothing to decode still takes the whole budget of prompt. Sarathi-Serve picks its chunk size
+    # from a time-between-tokens target the same way; vLLM's long_prefill_token_threshold caps a
+    # single prompt's chunk.
+    max_prefill_tokens_while_decoding: Optional[int] = None
 
     def check(self) -> None:
         """Raises ValueError for a limit < 1 or a negative threshold."""
@@ -53,6 +60,9 @@ class SchedulerConfig:
             raise ValueError(f"limits must be >= 1: {self}")
         if self.drain_threshold is not None and self.drain_threshold < 0:
             raise ValueError(f"drain_threshold must be >= 0, got {self.drain_threshold}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1 (or None), got "
+                             f"{self.max_prefill_tokens_while_decoding}")
 
 
 class Work(NamedTuple):
@@ -146,7 +156,10 @@ class Scheduler:
     def _mixed_work(self) -> tuple[str, list[Work]]:
         """Sarathi-Serve's stall-free batch: decodes first, so a long prompt never holds them back."""
         decodes = self._decode_work(self.config.max_num_batched_tokens)
-        prefills = self._prefill_work(self.config.max_num_batched_tokens - len(decodes))
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        if decodes and self.config.max_prefill_tokens_while_decoding is not None:
+            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        prefills = self._prefill_work(budget)
         kind = "mixed" if decodes and prefills else "decode" if decodes else "prefill" if prefills else "idle"
         return kind, decodes + prefills
 
