@@ -191,7 +191,8 @@ class LLM:
         # the prefix cache outlives a generate() call, as a server's does: keys carry the adapter's uid,
         # so a later call (or a re-registered name) reuses exactly the KV that is still valid for it
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, policies.block_hashes)
-        self.scheduler = Scheduler(sched_cfg, self.blocks, lambda: self.pool.uid_to_buffer_id.keys(),
+        pool = self.pool  # not self: a closure over the engine would keep it (and its KV cache) alive
+        self.scheduler = Scheduler(sched_cfg, self.blocks, lambda: pool.uid_to_buffer_id.keys(),
                                    policies.admit_requests, policies.choose_drain)
         self.stats: dict = {}
         self._next_id = 0
