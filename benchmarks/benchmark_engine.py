@@ -183,9 +183,10 @@ def gpu_busy(prof, label: str = "decode_step") -> Optional[float]:
 
 
 def release_engines(device) -> None:
-    """Free the engines of earlier rows before building the next. An ``LLM`` sits in reference
-    cycles (its runner and graph runner point back at it), so dropping the last name frees nothing
-    until a full garbage collection; each row's KV cache is 8.5 GiB at the default workload, and on
+    """Free the engines of earlier rows before building the next. With graph decode an engine's
+    model runner and its graph runner point at each other (and this benchmark wraps the runner's
+    forward in closures), so dropping the last name frees its KV cache only at a full garbage
+    collection; each row's KV cache is 8.5 GiB at the default workload, and on
     an H100 (80 GB) the sixth engine's KV allocation failed with out-of-memory (or its graph
     capture did, "operation failed due to a previous error during capture")."""
     import gc

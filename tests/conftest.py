@@ -38,7 +38,9 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     folder = getattr(config, "_lora_book_masks", None)
     if folder:
-        os.environ.pop("LORA_BOOK_SANDBOX_MASKS", None)
+        from graders.machine import sandbox
+
+        os.environ.pop(sandbox.MASKS_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -68,7 +68,6 @@ def _size(output: dict) -> int:
     return _weight(output.get("data") or {}) + _weight(output.get("metadata") or {})
 
 
-
 def _weight(value: Any) -> int:
     total, todo = 0, [value]
     while todo:  # a loop, not recursion: a kernel can nest JSON deeper than Python's stack

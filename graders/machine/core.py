@@ -565,7 +565,7 @@ def _materialize(desc: Any, tensors: dict) -> Any:
     if isinstance(desc, dict) and "batch_info" in desc:
         return decode(desc, tensors, "cpu")
     if isinstance(desc, dict) and "tensor" in desc:
-        return tensors.get(desc["tensor"]) if desc["tensor"] is not None else None  # a meta tensor: no data
+        return tensors[desc["tensor"]] if desc["tensor"] is not None else None  # None: a meta tensor, no data
     if isinstance(desc, dict) and "sequence" in desc:
         return tuple(_materialize(d, tensors) for d in desc["sequence"])
     if isinstance(desc, dict) and "value" in desc:
