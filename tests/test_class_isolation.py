@@ -38,6 +38,10 @@ MALFORMED_RESULTS = {
         "r.write_json = lambda obj, path: write({**obj, 'returned': {'tensor': ['x']}} if isinstance(obj, dict) else obj, path)\n"),
     "tensors that are not safetensors": (
         "import graders.machine.runner as r\nr.save_tensors = lambda t, path: open(path, 'wb').write(b'not safetensors at all')\n"),
+    # the unchanged-inputs check zips the case's arguments with these: an empty list skipped it
+    "no arguments after the call": (
+        "import graders.machine.runner as r\nwrite = r.write_json\n"
+        "r.write_json = lambda obj, path: write({**obj, 'args_after': []} if isinstance(obj, dict) else obj, path)\n"),
     "a load error that is not text": (
         "import graders.machine.runner as r\nr.write_json = lambda obj, path: open(path, 'w').write('{\"error\": 5}')\n"
         "raise ValueError('so that load.json is written')\n"),
@@ -678,3 +682,19 @@ def test_a_sandbox_has_its_own_bounds_on_processes_memory_and_shared_memory(monk
         assert result.score == 0 and "exit code -9" in result.report, result.report  # the OOM killer, in its cgroup
     finally:
         forkserver.kill_all()
+
+
+_SPOOF = ("class GraderObservation(Exception):\n    pass\n\n\n"
+          "def {name}(*args, **kwargs):\n    raise GraderObservation('the reference failed here: full marks recorded')\n")
+
+
+@pytest.mark.parametrize("exercise_id, func", [("ch07.1", "batch_info_from_requests"), ("ch10.3", "row_parallel_lora")],
+                         ids=["in the child", "in a rank"])
+def test_an_answer_cannot_pass_its_own_exception_off_as_the_graders_observation(exercise_id, func):
+    """The report says "the grader observed: ..." only for what a driver saw (graders.chapters.tp_ranks'
+    GraderObservation, raised outside the answer cell); an answer cell's class of that name, raised in
+    the child or in a tensor-parallel rank, is reported as what it raised (helper-26's review)."""
+    result = grade_source(exercise_id, _SPOOF.format(name=func))
+    assert result.score == 0, result.report
+    assert "the grader observed" not in result.report, result.report
+    assert "full marks recorded" in result.report and "raised" in result.report, result.report

@@ -176,7 +176,10 @@ def _rank_body(rank: int, tp: int, folder: str, fn: Callable, rank_args: Callabl
         else:
             outcome = {"bystander": True}
     except BaseException as exc:  # noqa: BLE001 - every failure of learner code is reported, not raised here
-        outcome = {"exc": type(exc).__name__, "msg": str(exc)[:2000]}
+        name = type(exc).__name__
+        if name == GraderObservation.__name__ and type(exc) is not GraderObservation:
+            name = "Exception"  # the answer's own class of that name: reported as what it raised
+        outcome = {"exc": name, "msg": str(exc)[:2000]}
     path = os.path.join(folder, f"rank{rank}.pt")
     torch.save(outcome, path + ".part")
     os.replace(path + ".part", path)  # the parent never reads a half-written outcome

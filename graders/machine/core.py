@@ -427,6 +427,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _unchanged_inputs(ex: Exercise, case: Case, result: dict, tensors: dict) -> Optional[str]:
+    if len(result["args_after"]) != len(case.args):  # a forged result: zip would skip the check
+        raise ValueError("args_after does not hold one entry per argument")
     for j, (before, desc) in enumerate(zip(case.args, result["args_after"])):
         if j == case.out_index:
             continue
@@ -454,7 +456,12 @@ def _case_verdict(ex: Exercise, case: Case, expected: Any, result: dict, tensors
 OBSERVED = "GraderObservation"
 
 
-def _observed(error: str) -> str:
+def _observed(ex: Exercise, error: str) -> Optional[str]:
+    """The grader's observation in ``error``, or None: only a driver's (an exercise with one), raised
+    outside the answer cell (no answer-cell location); an answer cell that raises a class of that
+    name gets "raised ..." like any other exception."""
+    if ex.driver is None or not error.startswith(OBSERVED + ": ") or " (answer cell line " in error:
+        return None
     return "the grader observed: " + error[len(OBSERVED) + 2:]
 
 
@@ -471,12 +478,12 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
     if isinstance(expected, Raises):
         if result.get("error", "").startswith(expected.name + ":"):
             return None
-        if result.get("error", "").startswith(OBSERVED + ": "):  # the driver's, not the answer's exception
-            return f"the contract says this input raises {expected.name}; " + _observed(result["error"])
+        if (observed := _observed(ex, result.get("error", ""))) is not None:  # the driver's, not the answer's
+            return f"the contract says this input raises {expected.name}; " + observed
         got = ("raised " + result["error"]) if "error" in result else "returned normally"
         return f"the contract says this input raises {expected.name}; your function {got}"
-    if result.get("error", "").startswith(OBSERVED + ": "):
-        return _observed(result["error"])
+    if (observed := _observed(ex, result.get("error", ""))) is not None:
+        return observed
     if "error" in result:
         if "device 'meta'" in case.describe and "meta" in result["error"].lower():
             # torch's NotImplementedError for an op that needs values, not an unfinished answer
