@@ -698,3 +698,80 @@ def test_an_answer_cannot_pass_its_own_exception_off_as_the_graders_observation(
     assert result.score == 0, result.report
     assert "the grader observed" not in result.report, result.report
     assert "full marks recorded" in result.report and "raised" in result.report, result.report
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks recorded in the child, next to the answer's own code (host reads, a tensor made on the
+# default device, a result that aliases an input, inputs changed in a tensor-parallel rank): an
+# answer runs in the process that records them, so one written to defeat them can; what holds is
+# that every such answer is listed for the instructor (graders.course.tamper, "Answer cells to look
+# at" of `grade` and `verify`). The catalogue: each way found to switch a record off, by the record.
+
+_FN = "def batch_info_from_requests(*args, **kwargs):\n    return None\n"
+CHILD_RECORD_DEFEATS = {
+    # helper-26's: the runner's context manager replaced by one that records nothing
+    "host reads: the runner's watcher replaced": (
+        "ch07.1", "import contextlib\nimport graders.machine.runner as r\n"
+                  "r.watching_host_reads = lambda device, enabled: contextlib.nullcontext([])\n" + _FN),
+    "host reads: the runner reached through sys.modules": (
+        "ch07.1", "import sys\nsetattr(sys.modules['graders.machine.runner'], 'HOST_READS', frozenset())\n" + _FN),
+    "host reads: torch function modes switched off": (
+        "ch07.1", "import torch\ndef batch_info_from_requests(t):\n"
+                  "    with torch._C.DisableTorchFunction():\n        return t.tolist()\n"),
+    "host reads: the mode popped off torch's stack": (
+        "ch07.1", "from torch.overrides import _pop_mode_temporarily\ndef batch_info_from_requests(t):\n"
+                  "    with _pop_mode_temporarily():\n        return t.tolist()\n"),
+    "host reads: through the raw storage": (
+        "ch07.1", "def batch_info_from_requests(t):\n    return t.untyped_storage().tolist()\n"),
+    "host reads: the code renamed out of the answer cell": (
+        "ch07.1", "def _reads(t):\n    return t.tolist()\n"
+                  "_reads.__code__ = _reads.__code__.replace(co_filename='/usr/lib/python3/heapq.py')\n" + _FN),
+    "host reads: code built at run time under another name": (
+        "ch07.1", "_ns = {}\nexec(compile('def f(t): return t.tolist()', '/usr/lib/python3/x.py', 'exec'), _ns)\n" + _FN),
+    "host reads: the GPU's synchronization report switched off": (
+        "ch07.3", "import torch\ntorch.cuda.set_sync_debug_mode(0)\n"),
+    "default device: the recorder's frame walk replaced": (
+        "ch07.1", "from graders.machine import runner\nrunner._answer_frame = lambda: None\n" + _FN),
+    "default device: read and reset in the answer": (
+        "ch07.1", "import torch\ndef batch_info_from_requests(*a):\n    torch.set_default_device('cpu')\n"),
+    "aliasing: the record replaced": (
+        "ch09.1", "import graders.machine.runner\ngraders.machine.runner._alias_of = lambda returned, args: None\n"),
+    "an input changed in a rank: the rank's comparison replaced": (
+        "ch10.3", "from graders.chapters import tp_ranks\ntp_ranks._same = lambda a, b: True\n"),
+    "any record: the runner's globals reached from a frame": (
+        "ch10.3", "import sys\ndef row_parallel_lora(*a):\n    sys._getframe(1).f_globals['encode'] = None\n"),
+    "any record: the runner's objects found through the collector": (
+        "ch07.1", "import gc\n_mine = [o for o in gc.get_objects() if getattr(o, '__name__', '') == 'run_one']\n"),
+}
+
+
+@pytest.mark.parametrize("exercise_id, source", CHILD_RECORD_DEFEATS.values(), ids=CHILD_RECORD_DEFEATS.keys())
+def test_an_answer_written_to_switch_off_a_record_in_its_child_is_listed_for_the_instructor(exercise_id, source):
+    """Every way found to defeat a check recorded next to the answer's code is a finding of the scan
+    that `grade` and `verify` print under "Answer cells to look at" (the README's threat model)."""
+    from graders.course.tamper import suspicious_code
+
+    assert suspicious_code(source, exercise_id), source
+
+
+def test_a_host_read_made_for_the_answer_by_a_helper_it_calls_is_the_answers():
+    """The host-read record walks past every frame that is neither the answer cell's nor the graders'
+    or the reference's: a pure-Python helper of the standard library reading a tensor for the answer
+    (``statistics.fmean`` calls ``float`` on each element from statistics.py) is recorded; before,
+    only the first frame outside torch was looked at and the read went unseen. The reference's own
+    reads stay exempt (the learner may call it)."""
+    from graders.machine import runner
+
+    namespace: dict = {}
+    cell = ("import statistics\nfrom reference.lora_math import lora_forward\n"
+            "def through_the_stdlib(t):\n    return statistics.fmean(t)\n"
+            "def through_the_reference(x, W, A, B):\n    return lora_forward(x, W, A, B, 1.0)\n")
+    exec(compile(cell, "<answer cell test>", "exec"), namespace)
+    with runner.watching_host_reads(torch.device("cpu"), True) as reads:
+        namespace["through_the_stdlib"](torch.arange(4.0))
+    assert reads and all("<answer cell" not in r or "answer cell line 4" in r for r in reads), reads
+    assert any("answer cell line 4" in r for r in reads), reads
+    x, W, A, B = torch.randn(2, 8), torch.randn(8, 8), torch.randn(2, 8), torch.randn(8, 2)
+    with runner.watching_host_reads(torch.device("cpu"), True) as reads:
+        namespace["through_the_reference"](x, W, A, B)
+    assert reads == [], reads

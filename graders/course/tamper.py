@@ -1,8 +1,9 @@
 """What an answer cell's code does that an exercise never needs: a list of lines to look at.
 
 ``suspicious_code(source)`` parses an answer cell with :mod:`ast` and reports code that reaches
-into the graders or the reference, the interpreter's module table or builtins, patches an imported
-module, writes files, starts processes or talks to the gradebook. Comments and strings never count
+into the graders or the reference, the interpreter's module table or builtins, a function's code
+object or a tensor's raw storage, patches an imported module, writes files, starts processes or
+talks to the gradebook. Comments and strings never count
 (an honest comment citing ``graders/machine/tolerances.py`` is not a finding), and neither do
 ``import graders`` and ``graders.check("chNN.M", fn)``, nor imports from ``reference`` (solutions
 use ``LoRABatchInfo``, ``torch_ref``; patching the reference is a finding), nor the torch / triton /
@@ -37,6 +38,8 @@ TORCH_MACHINERY_PREFIXES = ("torch._C", "torch.overrides", "torch.utils._python_
                             "torch._dynamo")
 #: torch functions that read or change process-wide defaults.
 TORCH_DEFAULTS = ("set_default_device", "get_default_device", "set_default_dtype", "set_default_tensor_type")
+#: torch.cuda's process-wide switch that reports synchronizations (the grader's GPU record of host reads).
+TORCH_CUDA_DEFAULTS = ("set_sync_debug_mode", "get_sync_debug_mode")
 #: ``os`` functions that start or signal processes or change files.
 OS_CALLS = frozenset({"system", "fork", "forkpty", "kill", "killpg", "setsid", "popen", "utime", "remove",
                       "unlink", "rename", "renames", "replace", "rmdir", "removedirs", "truncate", "chmod",
@@ -47,6 +50,11 @@ PROTECTED_ROOTS = frozenset({"graders", "reference", "torch", "triton", "math", 
 #: Attributes that lead from an object to a module's or a frame's namespace.
 NAMESPACE_ATTRS = frozenset({"__globals__", "__builtins__", "f_globals", "f_locals", "f_builtins", "f_back",
                              "_getframe", "__subclasses__", "tb_frame", "gi_frame", "cr_frame"})
+#: Attributes that lead to a function's code object, which can be rebuilt under another file name (the
+#: grader's records name the answer cell's lines by theirs) or replaced.
+CODE_ATTRS = frozenset({"__code__", "f_code", "gi_code", "cr_code", "ag_code"})
+#: Tensor methods that reach a tensor's raw storage, whose reads torch's function modes never see.
+STORAGE_ATTRS = frozenset({"untyped_storage", "storage", "_typed_storage"})
 _WRITE_MODE_CHARS = set("wax+")
 _GRADERS_DIR = Path(__file__).resolve().parents[1]
 #: The graders' subpackages and modules (``graders.machine``, ``graders.course``, ...): reaching them
@@ -115,6 +123,8 @@ def _torch_machinery(path: str) -> str | None:
         if path == prefix or path.startswith(prefix + "."):
             return prefix
     parts = path.split(".")
+    if parts[:2] == ["torch", "cuda"] and parts[2:3] and parts[2] in TORCH_CUDA_DEFAULTS:
+        return ".".join(parts[:3])
     return ".".join(parts[:2]) if parts[0] == "torch" and parts[1:2] and parts[1] in TORCH_DEFAULTS else None
 
 
@@ -311,6 +321,12 @@ class _Visitor(ast.NodeVisitor):
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if node.attr in NAMESPACE_ATTRS:
             self.flag(node, f"uses .{node.attr} (a way to another module's or frame's namespace)")
+        elif node.attr in CODE_ATTRS:
+            self.flag(node, f"uses .{node.attr} (a function's code object: code rebuilt or renamed at run time "
+                            f"is not checked here)")
+        elif node.attr in STORAGE_ATTRS:
+            self.flag(node, f"uses .{node.attr}() (a tensor's raw storage: what is read through it bypasses the "
+                            f"grader's record of host reads)")
         elif node.attr == "__dict__" and self.module_rooted(self.root(node.value)):
             self.flag(node, "uses a module's __dict__")
         path = self.resolve(node)

@@ -37,7 +37,10 @@ PREAMBLE = "import math\nimport torch\nimport graders\n"
 #: Tensor methods that bring a tensor's value to the host: on a GPU each waits for the device.
 HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
                         "__format__", "equal", "allclose", "is_nonzero"})
-_TORCH_DIR = os.path.dirname(torch.__file__)
+#: Code whose own host reads and allocations are not the answer's: the graders (drivers, this runner)
+#: and the reference package.
+_EXEMPT_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                     for m in (sys.modules["graders"], reference))
 
 
 class HostReadRecorder(TorchFunctionMode):
@@ -69,11 +72,23 @@ def _spelled(name: str) -> str:
 
 
 def _answer_frame() -> str | None:
+    """Where the answer cell made the call being recorded: its innermost answer-cell frame, when no
+    frame of the graders or the reference lies between it and the call (a driver, and the reference
+    the learner may call, read and allocate what they like); else None.
+
+    Frames of any other code are walked past, torch's and the standard library's alike: a read made
+    for the answer by a pure-Python helper it calls (``statistics.fmean(t)`` iterates ``t`` and
+    calls ``float`` from statistics.py) is the answer's read.
+    """
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename == __file__):
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<answer cell"):
+            break
+        if name.startswith(_EXEMPT_DIRS):
+            return None
         frame = frame.f_back
-    if frame is None or not frame.f_code.co_filename.startswith("<answer cell"):
+    if frame is None:
         return None
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
     return f"answer cell line {frame.f_lineno}: {line}"
