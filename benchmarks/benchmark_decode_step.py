@@ -565,8 +565,10 @@ def main() -> None:
     from reference.ops import decode_schedule
 
     # the rule the "default" / "triton" rows ran (the committed table at the time of the run)
-    rule = dict(table=[[*cell, schedule] for cell, schedule in sorted(decode_schedule.MEASURED_H200.items())],
-                noise=decode_schedule.NOISE_H200)
+    key = decode_schedule.device_key(torch.cuda.get_device_name() if device.type == "cuda" else "")
+    rule = dict(device_table=key,  # the table this GPU's default path read (decode_schedule.device_table)
+                table=[[*cell, schedule] for cell, schedule in sorted(decode_schedule.MEASURED_BY_DEVICE[key].items())],
+                noise=getattr(decode_schedule, f"NOISE_{key}"))
     out = args.out or (ROOT / "benchmarks" / "results" /
                        ("decode_step_smoke.json" if args.smoke else
                         "decode_step_peers_h200.json" if peer_names else "decode_step_h200.json"))

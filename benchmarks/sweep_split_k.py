@@ -8,10 +8,10 @@ schedule (chapter 08, issue #16).
 
 ``--grouped``: the shrink alone with its partials' reduction (``_triton_util.summed_partials``, as
 the layers run it before the sorted expand), per projection (the four below), ranks 16 and 64, 64
-and 256 tokens on 8 and 32 adapters, over the slot-sorted view: the "token" schedule (its
-defaults: ``decode_splits`` + ``split_config``) against the "sorted" schedule (one A tile per slot
-for a block of 16 of its tokens, ``bgmv_shrink(schedule="sorted")``) over S x block_k x
-num_warps, and its defaults at the token schedule's S. Best per (projection, rank, tokens): least
+and 256 tokens on 8 and 32 adapters (``--adapter-counts``), over the slot-sorted view: the "token"
+schedule (its defaults: ``decode_splits`` + ``split_config``) against the "sorted" schedule (one A
+tile per slot for a block of ``block_m`` of its tokens, ``bgmv_shrink(schedule="sorted")``) over S
+(1: unsplit, no reduction) x block_k x block_m, and its defaults at the token schedule's S. Best per (projection, rank, tokens): least
 time summed over both adapter counts.
 
 ``--expand``: the expand alone, per output width of one layer call (4096: q, o, down; 1024: k, v;
@@ -145,7 +145,7 @@ def sweep_expand(args, device, dtype, start) -> None:
                 if time.monotonic() - start > args.budget_s:
                     break
                 totals: dict = {}
-                for D in (2,) if args.smoke else EXPAND_ADAPTERS:
+                for D in (2,) if args.smoke else args.adapter_counts or EXPAND_ADAPTERS:
                     g = torch.Generator().manual_seed(rank + tokens + D)
                     A = (torch.randn(D + 1, rank, 64, generator=g) * 0.125).to(dtype).to(device)
                     B = (torch.randn(D + 1, width, rank, generator=g) * rank ** -0.5).to(dtype).to(device)
@@ -171,7 +171,7 @@ def sweep_expand(args, device, dtype, start) -> None:
                         rows.append(dict(group, config=cfg, us=round(us, 2)))
                         key = json.dumps(cfg, sort_keys=True)
                         totals.setdefault(key, []).append(us)
-                n_cases = 1 if args.smoke else len(EXPAND_ADAPTERS)
+                n_cases = 1 if args.smoke else len(args.adapter_counts or EXPAND_ADAPTERS)
                 full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
                 token = full.get(json.dumps(dict(schedule="token"), sort_keys=True), float("nan"))
                 default = full.get(json.dumps(dict(schedule="sorted"), sort_keys=True), float("nan"))
@@ -182,11 +182,11 @@ def sweep_expand(args, device, dtype, start) -> None:
                                  best=json.loads(key) if key else None))
                 print(f"expand r={rank:2d} T={tokens:4d} width {width:5d}: token {token:7.1f} us  sorted defaults "
                       f"{default:7.1f} us  best {full.get(key, float('nan')):7.1f} us (sum over adapters "
-                      f"{EXPAND_ADAPTERS})  {json.loads(key) if key else None}", flush=True)
+                      f"{args.adapter_counts or EXPAND_ADAPTERS})  {json.loads(key) if key else None}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
-        triton=triton.__version__, adapters=list(EXPAND_ADAPTERS), partials=S,
+        triton=triton.__version__, adapters=list(args.adapter_counts or EXPAND_ADAPTERS), partials=S,
         method="bgmv_expand alone in a CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; bf16; "
                "best = least sum over the adapter counts",
         seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
@@ -200,11 +200,13 @@ def grouped_configs(tokens: int, in_features: int, width: int, smoke: bool) -> l
     S0 = decode_splits(tokens, in_features, width)
     out = [dict(schedule="token", splits=S0, label="token defaults"),
            dict(schedule="sorted", splits=S0, label="sorted defaults")]
-    for S in (2,) if smoke else (4, 8, 16, 32):
+    # S = 1: no partials and no reduction (t in x's dtype, as the layers take it unsplit); block_m: tokens of
+    # one slot per program (vLLM's shrink takes 32 from 128 tokens up, SGLang's 16-64); 4 warps as both do
+    for S in (2,) if smoke else (1, 2, 4, 8, 16):
         for bk in (64,) if smoke else (128, 256):
-            for w in (4,) if smoke else (4, 8):
+            for bm in (16,) if smoke else (16, 32, 64):
                 if in_features // S >= bk:
-                    out.append(dict(schedule="sorted", splits=S, block_k=bk, num_warps=w))
+                    out.append(dict(schedule="sorted", splits=S, block_k=bk, block_m=bm, num_warps=4))
     return out
 
 
@@ -219,7 +221,7 @@ def sweep_grouped(args, device, dtype, start) -> None:
                 width = stack * rank
                 group = dict(projection=name, rank=rank, tokens=tokens, in_features=K, width=width)
                 totals: dict = {}
-                for D in (2,) if args.smoke else GROUPED_ADAPTERS:
+                for D in (2,) if args.smoke else args.adapter_counts or GROUPED_ADAPTERS:
                     g = torch.Generator().manual_seed(rank + tokens + D)
                     A = (torch.randn(D + 1, width, K, generator=g) * K ** -0.5).to(dtype).to(device)
                     info = sorted_decode_info([1 + i % D for i in range(tokens)], [0] + [rank] * D,
@@ -230,7 +232,7 @@ def sweep_grouped(args, device, dtype, start) -> None:
                         S = cfg["splits"]
                         t = (torch.empty(S, tokens, width, dtype=torch.float32, device=device) if S > 1
                              else torch.empty(tokens, width, dtype=dtype, device=device))
-                        kw = {k: cfg[k] for k in ("schedule", "block_k", "num_warps") if k in cfg}
+                        kw = {k: cfg[k] for k in ("schedule", "block_k", "block_m", "num_warps") if k in cfg}
 
                         def call():
                             return summed_partials(bgmv_shrink(x, A, info, t, stack, **kw))
@@ -242,7 +244,7 @@ def sweep_grouped(args, device, dtype, start) -> None:
                             continue
                         rows.append(dict(group, adapters=D, config=cfg, us=round(us, 2)))
                         totals.setdefault(json.dumps(cfg, sort_keys=True), []).append(us)
-                n_cases = 1 if args.smoke else len(GROUPED_ADAPTERS)
+                n_cases = 1 if args.smoke else len(args.adapter_counts or GROUPED_ADAPTERS)
                 full = {k: sum(v) for k, v in totals.items() if len(v) == n_cases}
                 by = {json.loads(k).get("label"): v for k, v in full.items()}
                 key = min(full, key=full.get) if full else None
@@ -258,7 +260,7 @@ def sweep_grouped(args, device, dtype, start) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", torch=torch.__version__,
-        triton=triton.__version__, adapters=list(GROUPED_ADAPTERS),
+        triton=triton.__version__, adapters=list(args.adapter_counts or GROUPED_ADAPTERS),
         method="bgmv_shrink + summed_partials in a CUDA graph, do_bench(warmup=10 ms, rep=40 ms) median, us; "
                "bf16; best = least sum over the adapter counts",
         seconds=round(time.monotonic() - start, 1), best=best, rows=rows), indent=1) + "\n")
@@ -277,6 +279,8 @@ def main() -> None:
                              "uses up to 16, ops.decode_splits)")
     parser.add_argument("--ranks", type=int, nargs="+", default=None, help="--expand / --grouped: ranks (default 16 64)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="--expand / --grouped: token counts")
+    parser.add_argument("--adapter-counts", type=int, nargs="+", default=None,
+                        help="--expand / --grouped: distinct adapters per batch (default 8 32)")
     parser.add_argument("--widths", type=int, nargs="+", default=None, help="--expand: output widths")
     parser.add_argument("--stages", type=int, nargs="+", default=[None],
                         help="--expand: num_stages values for the sorted grid (default: the launch's own)")

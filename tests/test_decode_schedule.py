@@ -13,8 +13,10 @@ import torch
 from reference.cuda_graph import StaticLoRABatch
 from reference.ops import bgmv_shrink, torch_ref
 from reference.ops.bgmv_expand import choose_expand_schedule
-from reference.ops.decode_schedule import (DECODE_SCHEDULES, MEASURED_H200, NOISE_H200, choose_decode_schedule,
-                                           reachable_schedules, schedule_parts)
+from reference.ops import decode_schedule
+from reference.ops.decode_schedule import (DECODE_SCHEDULES, MEASURED_H100, MEASURED_H200, NOISE_H100, NOISE_H200,
+                                           choose_decode_schedule, device_key, device_table, reachable_schedules,
+                                           schedule_parts)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -23,29 +25,64 @@ import derive_decode_rule  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+TABLES = {"h200": (MEASURED_H200, NOISE_H200), "h100": (MEASURED_H100, NOISE_H100)}
+
+
 @pytest.fixture(scope="module")
 def derived():
     return derive_decode_rule.derive()
 
 
-def test_the_rule_table_is_what_the_committed_runs_give(derived):
+@pytest.fixture(scope="module", params=sorted(TABLES))
+def derived_by_device(request):
+    return request.param, derive_decode_rule.derive(device=request.param)
+
+
+def test_the_rule_table_is_what_the_committed_runs_give(derived_by_device):
     """A new committed run that changes a cell's best schedule fails here until
-    ``python benchmarks/derive_decode_rule.py --write`` regenerates the table."""
-    assert derived["table"] == MEASURED_H200
-    assert round(derived["noise"], 4) == NOISE_H200
+    ``python benchmarks/derive_decode_rule.py [--device h100] --write`` regenerates the table."""
+    device, derived = derived_by_device
+    table, noise = TABLES[device]
+    assert derived["table"] == table
+    assert round(derived["noise"], 4) == noise
     text = derive_decode_rule.RULE_FILE.read_text()
-    assert derive_decode_rule.current_block(text) == derive_decode_rule.render_block(derived)
+    assert derive_decode_rule.current_block(text, device) == derive_decode_rule.render_block(derived, device)
     assert derived["cells"], "no committed decode-step run was read"
 
 
-def test_every_measured_cell_takes_the_simplest_schedule_within_the_noise_of_the_best(derived):
+def test_every_measured_cell_takes_the_simplest_schedule_within_the_noise_of_the_best(derived_by_device):
+    device, derived = derived_by_device
+    table, noise = TABLES[device]
     for (rank, tokens, adapters), cell in derived["cells"].items():
-        picked = choose_decode_schedule(tokens, adapters, rank)
+        picked = choose_decode_schedule(tokens, adapters, rank, table=table)
         assert picked == cell["schedule"], (rank, tokens, adapters, picked, cell)
         deltas, best = cell["deltas"], min(cell["deltas"].values())
-        assert deltas[picked] <= best + NOISE_H200
+        assert deltas[picked] <= best + noise
         simpler = DECODE_SCHEDULES[:DECODE_SCHEDULES.index(picked)]
-        assert all(deltas[s] > best + NOISE_H200 for s in simpler if s in deltas), (rank, tokens, adapters, deltas)
+        assert all(deltas[s] > best + noise for s in simpler if s in deltas), (rank, tokens, adapters, deltas)
+
+
+@pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100"),
+                                       ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "H200"), ("", "H200")])
+def test_a_gpu_takes_its_own_table_where_one_is_committed_else_the_h200s(name, key):
+    assert device_key(name) == key
+    assert device_table(name) is decode_schedule.MEASURED_BY_DEVICE[key]
+
+
+def test_the_default_table_is_the_current_devices(monkeypatch):
+    """choose_decode_schedule without a table reads the current CUDA device's (one name read per
+    device index); a process whose CUDA is not initialized takes the H200's (reading the name would
+    initialize it). The H100's and the H200's tables differ at rank 64 x 256 tokens x 1 adapter."""
+    cell = (256, 1, 64)
+    h100, h200 = (choose_decode_schedule(*cell, table=t) for t in (MEASURED_H100, MEASURED_H200))
+    assert h100 != h200, "the committed tables no longer differ here: pick a cell where they do"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert choose_decode_schedule(*cell) == h200 and device_table() is MEASURED_H200
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 7)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(decode_schedule, "_DEVICE_KEYS", {})
+    assert choose_decode_schedule(*cell) == h100 and device_table() is MEASURED_H100
 
 
 def test_the_committed_runs_as_read(derived):
