@@ -376,10 +376,18 @@ def _row_random(rng: random.Random, gen, hidden: bool) -> list[Case]:
     return cases
 
 
-def _dtype_hint(name: str, got: torch.dtype, want: torch.dtype) -> str:
-    return (f"{name} is {str(got)[6:]} but the inputs are {str(want)[6:]}: return the input's dtype. scalings is "
-            "float32, so scalings[slot] * (...) promotes a bf16 delta to float32: cast the scaling to the "
-            "output's dtype (.to(y.dtype)) before multiplying")
+def _dtype_hint(name: str, got: torch.dtype, want: torch.dtype, promoted_only: Optional[bool] = None) -> str:
+    """The dtype symptom, and its cause where the values tell it (``promoted_only``: True when the values
+    are the low-precision layer's, as when only a float32 scaling promoted the sum; False when they are
+    the float32 computation's to float32 rounding, as when the whole layer ran in float32; None: unknown)."""
+    said = f"{name} is {str(got)[6:]} but the inputs are {str(want)[6:]}: return the inputs' dtype"
+    scaling = ("scalings is float32, so scalings[slot] * (...) promotes a {0} delta to float32: cast the scaling "
+               "to the output's dtype (.to(y.dtype)) before multiplying").format(str(want)[6:])
+    computed = ("y is the float32 computation's, to float32 rounding: the layer was computed in float32 (a "
+                ".float() on the inputs?); compute in the inputs' dtype, or cast y back with .to(x_local.dtype)")
+    if promoted_only is None:
+        return f"{said}. Either {scaling}; or {computed}"
+    return f"{said}. {scaling if promoted_only else computed}"
 
 
 def _row_hint(case: Case, expected, got) -> Optional[str]:
@@ -388,9 +396,16 @@ def _row_hint(case: Case, expected, got) -> Optional[str]:
             return (f"y is the FULL output [T, out] on every rank (stacked over ranks: {list(expected.shape)}): "
                     "a row-parallel layer ends with the all-reduce")
         return None
-    if got.dtype != expected.dtype:  # the symptom is the dtype: say that, whatever the values
-        return _dtype_hint("y", got.dtype, expected.dtype)
     x_locals, W_locals, A_locals, B, token_slots, lora_ranks, scalings, variant = case.args
+    if got.dtype != expected.dtype:  # the symptom is the dtype: say that, whatever the values
+        promoted_only = None
+        if got.dtype == torch.float32 and got.shape == expected.shape:
+            g = got.detach().cpu()
+            if torch.allclose(g, _row_variant(*case.args), rtol=1e-5, atol=1e-5):
+                promoted_only = False  # float32 all the way: no bf16 rounding anywhere
+            elif _close(g, expected.cpu().float()):
+                promoted_only = True  # the bf16 layer's values, the sum promoted at the end
+        return _dtype_hint("y", got.dtype, expected.dtype, promoted_only)
     tp = x_locals.shape[0]
     g, e = got.detach().cpu(), expected.cpu()
     if torch.isnan(g).any():

@@ -153,7 +153,7 @@ MUTANTS = [
     Mutant("ch10.3", "scaling-left-in-fp32",
            (("    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
              "    delta = scalings[slots].unsqueeze(1) * torch.einsum(\"tr,tor->to\", t, Bt)\n"),),
-           "return the input's dtype", "dtype"),
+           "scalings is float32, so scalings[slot] * (...) promotes", "dtype"),
     Mutant("ch10.3", "validates-on-rank-0-only",
            (("    if variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n",
              "    if dist.get_rank(group) == 0 and variant not in (\"reduce_shrink\", \"reduce_with_base\"):\n"),),
@@ -216,7 +216,7 @@ MUTANTS += [
              "    y = x_local.float() @ W_local.float().T\n"
              "    t = torch.einsum(\"ti,tri->tr\", x_local.float(), A_local[slots].float()).contiguous()\n"),
             ("    Bt = torch.where(keep.unsqueeze(1), B[slots], 0.0)", "    Bt = torch.where(keep.unsqueeze(1), B[slots].float(), 0.0)")),
-           "dtype torch.float32, expected torch.bfloat16", "dtype"),
+           "the layer was computed in float32", "dtype"),
     Mutant("ch10.4", "computes-in-fp32",
            (("    t_local = torch.einsum(\"ti,tki->tk\", x, A_local[slots]).contiguous()\n",
              "    t_local = torch.einsum(\"ti,tki->tk\", x.float(), A_local[slots].float()).contiguous()\n"),
