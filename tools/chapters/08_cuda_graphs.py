@@ -1239,11 +1239,35 @@ for rank, backend, bar in ((16, "triton_token", 15), (64, "triton_sorted_presum"
 # At rank 64 the sorted expand wins from 8 tokens per adapter and not at 2 or 4. At rank 16 it wins
 # at 256 sequences on 8 and 16 adapters by less than the noise and loses at every 64-sequence batch:
 # re-reading a B tile four times smaller costs less than the sorted launch's padded rows and its
-# reduction, so the table keeps "token" there. The grouped shrink is in the kernels and the runner
-# but no committed whole-step run times it yet, so the table never picks it
-# (`benchmarks/benchmark_decode_step.py --backends triton_grouped` times it in the whole step, and
-# `--peers` times the LoRA kernels of SGLang and vLLM in the same graph and base step; a new run
-# committed to `benchmarks/results/` changes the table through `derive_decode_rule.py --write`).
+# reduction, so the table keeps "token" there. The grouped schedule (the shrink grouped by slot too)
+# has not been timed in a whole step on an H200, so the H200's table never picks it.
+#
+# On an H100 it has been: `decode_step_peers_h100.json` times the three schedules, and the LoRA
+# kernels of vLLM and SGLang (`--peers`, fetched from their published wheels), in the same graph and
+# base step. A table measured on one GPU need not hold on another (vLLM keys its tuned LoRA kernel
+# configs by device name for that reason), so the rule keeps one table per GPU with committed runs,
+# `MEASURED_H200` and `MEASURED_H100` (`derive_decode_rule.py --device h100`); a GPU takes its own
+# table (`device_table`), any other GPU the H200's. The H100's cells of issue #35's grid, the
+# schedule its table picks against the best peer of the same run:
+
+# %%
+import sys
+
+sys.path.insert(0, str(root.parent))  # benchmarks/, where the script that derives the tables lives
+import derive_decode_rule  # noqa: E402
+from reference.ops.decode_schedule import MEASURED_H100, NOISE_H100  # noqa: E402
+
+h100 = derive_decode_rule.derive(device="h100")
+print(f"the H100's table: {len(MEASURED_H100)} measured cells, noise {100 * NOISE_H100:.2f} points; from "
+      + ", ".join(name for name, how in h100["sources"].items() if not how.startswith("excluded")))
+print(f"{'rank':>4} {'tokens x adapters':>17}  {'rule picks':10} {'it adds':>8}  best peer (same run)")
+for row in derive_decode_rule.grid(h100):
+    for run, p in sorted(row.get("peers", {}).items()):
+        mine = p["rule_schedule"]
+        verdict = "" if mine is None or mine <= p["best_overhead"] else "  above the peer"
+        shown = "not run" if mine is None else f"{100 * mine:7.1f}%"
+        print(f"{row['rank']:4d} {row['tokens']:9d} x {row['adapters']:<5d}  {row['schedule']:10} {shown:>8}  "
+              f"{p['best']} {100 * p['best_overhead']:.1f}%{verdict}")
 
 # %% [markdown]
 # ### Prefill

@@ -104,7 +104,8 @@ print(json.dumps(tp_lora.garbled_column_rule(x, A, B, tp_size=2), indent=1))
 #
 # Write `column_part_ranges(out_features, units, tp_rank, tp_size)`: for a packed column-parallel
 # layer whose part i has `out_features[i]` output rows made of `units[i]` heads of equal width, return
-# a tuple with one `(lo, hi)` pair of ints per part: the rows of the **packed** output (part i starts
+# one `(lo, hi)` pair of ints per part, as a tuple (a list, of tuples or of lists, compares the
+# same): the rows of the **packed** output (part i starts
 # at `sum(out_features[:i])`) that rank `tp_rank` owns.
 # - With `units[i] >= tp_size` and divisible by it, rank j owns the heads
 #   `[j * units[i] / tp_size, (j + 1) * units[i] / tp_size)` of the part.
