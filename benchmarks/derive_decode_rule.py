@@ -80,9 +80,13 @@ LEGACY = {
     "decode_step_split_h200.json": {"triton_tuned": ("token", 0)},
 }
 EXCLUDED = {
-    "decode_step_profile256_h100.json": ("a kernel profile of rank 64 x 256 tokens with a pool of 9 slots (adapters "
-                                         "0 1 8) where the grid's runs have 33: the slot-grouped kernels' grids "
-                                         "covered every pool slot, so its overheads are not the grid's"),
+    # the sorted and grouped kernels of these launched cdiv(tokens, block_m) row blocks for every pool slot;
+    # since decode_step_packed_h100.json they launch the segments' blocks back to back (_triton_util.packed_blocks)
+    "decode_step_profile256_h100.json": ("before the packed grid; a kernel profile of rank 64 x 256 tokens with a "
+                                         "pool of 9 slots where the grid's runs have 33, which showed the cost of "
+                                         "the empty slots' blocks"),
+    "decode_step_peers_h100.json": "before the packed grid (its sorted and grouped rows ran a block per pool slot)",
+    "decode_step_peers2_h100.json": "before the packed grid (its sorted and grouped rows ran a block per pool slot)",
     "decode_step_h200.json": "section 7's run: 4 layers, 512 cached positions, before split-K",
     "decode_step_fused_h200.json": ("before split-K: its 'triton' is the unsplit shrink, its fused epilogue "
                                     "summed in-kernel"),

@@ -72,10 +72,13 @@ def test_a_gpu_takes_its_own_table_where_one_is_committed_else_the_h200s(name, k
 def test_the_default_table_is_the_current_devices(monkeypatch):
     """choose_decode_schedule without a table reads the current CUDA device's (one name read per
     device index); a process whose CUDA is not initialized takes the H200's (reading the name would
-    initialize it). The H100's and the H200's tables differ at rank 64 x 256 tokens x 1 adapter."""
-    cell = (256, 1, 64)
+    initialize it). Checked at a measured cell where the committed H100 and H200 tables differ."""
+    differ = [(tokens, adapters, rank) for (rank, tokens, adapters) in sorted(MEASURED_H100)
+              if choose_decode_schedule(tokens, adapters, rank, table=MEASURED_H100)
+              != choose_decode_schedule(tokens, adapters, rank, table=MEASURED_H200)]
+    assert differ, "the committed tables agree everywhere: nothing tells which one was read"
+    cell = differ[0]
     h100, h200 = (choose_decode_schedule(*cell, table=t) for t in (MEASURED_H100, MEASURED_H200))
-    assert h100 != h200, "the committed tables no longer differ here: pick a cell where they do"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert choose_decode_schedule(*cell) == h200 and device_table() is MEASURED_H200
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

@@ -656,3 +656,55 @@ def test_expand_into_out_past_2_31_elements_on_gpu(expand_op):
     """out [80000, 28672] bf16 (4.6 GB, 2.29e9 elements; a gate_up of 2 x 14336), rank 16: the
     other shape that crashed. About 5 GB of GPU memory."""
     _check_expand_rows(expand_op, 80_000, 28_672, 16, "cuda")
+
+
+# the sorted decode kernels launch every segment's row blocks back to back (_triton_util.packed_block)
+_PACKED_LAYOUTS = {
+    # name: (slots of the tokens, the pool's ranks): pool slots are the segments, empty ones included
+    "many empty slots around one long segment": ([7] * 37 + [0] * 3, [0] + [4] * 19),
+    "segments ending mid-block and on a block edge": ([1] * 16 + [2] * 5 + [3] * 17 + [5] * 2, [0, 4, 8, 2, 4, 6]),
+    "every slot one token (as many segments as tokens)": (list(range(12)), [0] + [4] * 11),
+    "17 segments (not a power of two), the last slot used": ([16, 3, 16, 9, 0, 16, 3] * 4, [0] + [5] * 16),
+}
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["packed", "grid over every segment"])
+@pytest.mark.parametrize("layout", _PACKED_LAYOUTS, ids=list(_PACKED_LAYOUTS))
+def test_the_sorted_decode_kernels_cover_every_segments_rows_once_whatever_the_empty_slots(layout, fallback,
+                                                                                         monkeypatch):
+    """The slot-grouped shrink and the sorted expand on decode views whose segments are pool slots,
+    most of them empty: each row block of each segment is computed once (a block run twice would add
+    the expand twice; a block skipped leaves NaN in the shrink's output), by the packed grid and by
+    the grid over every (segment, row block) a batch with too many segments falls back to. The
+    packed grid's bound holds for every layout."""
+    from reference.ops import _triton_util
+
+    launched = []
+    real = _triton_util.use_packed
+
+    def use_packed(*args):
+        launched.append(not fallback and real(*args))
+        return launched[-1]
+    for module in ("reference.ops.bgmv_shrink", "reference.ops.sgmv_expand"):
+        monkeypatch.setattr(sys.modules[module], "use_packed", use_packed)
+    device, dtype = TRITON_DEVICE, torch.float32
+    slots, ranks = _PACKED_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(len(slots) + len(ranks))
+    A, B = _pool(g, ranks, 8, 32, 40, dtype, device)
+    info = _static_decode_info(slots, ranks, len(slots), device)
+    lengths = info.seg_indptr.diff().tolist()
+    blocks = sum(-(-n // 16) for n in lengths)
+    assert blocks <= _triton_util.packed_blocks(len(slots), info.num_segments, 16)
+    x = torch.randn(len(slots), 32, generator=g).to(device)
+    want_t = bgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), schedule="token")
+    got_t = bgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), schedule="sorted",
+                        block_m=16, block_n=16, block_k=32)
+    for i, s in enumerate(slots):
+        _close(got_t[i, :ranks[s]], want_t[i, :ranks[s]], dtype)
+    t = torch.nan_to_num(want_t, nan=0.0)
+    base = torch.randn(len(slots), 40, generator=g).to(device)
+    want = bgmv_expand(t, B, info, base.clone(), schedule="token")
+    got = bgmv_expand(t, B, info, base.clone(), schedule="sorted", block_m=16, block_n=16)
+    _close(got, want, dtype)
+    # every layout here but one token per slot (12 tokens: one block per segment either way) packs
+    assert launched == [not fallback and layout != "every slot one token (as many segments as tokens)"] * 2

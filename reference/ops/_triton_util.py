@@ -9,7 +9,11 @@ import triton.language as tl
 from reference.device import interpreting
 
 __all__ = ["upcast", "next_pow2_at_least", "check_same_device", "tl_float32_dot", "shrink_rows", "summed_partials",
-           "load_summed"]
+           "load_summed", "packed_block", "packed_blocks", "use_packed", "MAX_PACKED_SEGMENTS"]
+
+#: The most segments whose row blocks a kernel packs (:func:`packed_block` holds one value per segment
+#: in registers); a batch with more takes the grid over every (segment, row block) instead.
+MAX_PACKED_SEGMENTS = 4096
 
 
 def upcast(*tensors: torch.Tensor) -> bool:
@@ -80,3 +84,47 @@ def load_summed(ptrs, stride_s, mask, NUM_SPLITS: tl.constexpr):
     for s in tl.static_range(1, NUM_SPLITS):
         acc += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
     return acc
+
+
+def packed_blocks(num_tokens: int, num_segments: int, block_m: int) -> int:
+    """Row blocks a packed grid launches (host ints): every segment's ``cdiv(len, block_m)`` blocks back
+    to back need at most ``cdiv(num_tokens, block_m) + min(num_segments, num_tokens)`` (each segment
+    holding a token adds at most one partial block to the ``num_tokens / block_m`` full ones).
+
+    Why: a CUDA-graph decode batch's slot-sorted view has one segment per pool slot, empty ones
+    included, and its token count as every segment's possible length; a grid over (segment, row
+    block) launches ``cdiv(tokens, block_m)`` blocks for each slot. Measured on an H100 (rank 64, 256
+    tokens on one adapter, the grouped schedule): 21.0% over the base step with 33 pool slots
+    (``decode_step_peers2_h100.json``) against 12.1% with 9 (``decode_step_profile256_h100.json``),
+    the same work: the difference was programs that found their segment empty and returned.
+    """
+    return triton.cdiv(num_tokens, block_m) + min(num_segments, num_tokens)
+
+
+def use_packed(num_tokens: int, max_len: int, num_segments: int, block_m: int) -> bool:
+    """True when the packed grid launches fewer row blocks than the grid over every (segment, row block
+    of ``max_len`` rows), and the segments fit :data:`MAX_PACKED_SEGMENTS` (host ints)."""
+    return (num_segments <= MAX_PACKED_SEGMENTS
+            and packed_blocks(num_tokens, num_segments, block_m) < triton.cdiv(max_len, block_m) * num_segments)
+
+
+@triton.jit
+def packed_block(pid_m, seg_indptr_ptr, num_segments, BLOCK_M: tl.constexpr, SEG_BLOCK: tl.constexpr):
+    """The ``pid_m``-th row block of a packed grid (:func:`packed_blocks`): ``(segment, its row block,
+    start, length)`` of the segment whose blocks hold it; past the last block, a segment index of
+    ``num_segments`` or more, length 0 and a row block >= 0 (so ``row block * BLOCK_M >= length``). Every program reads the ``num_segments + 1`` offsets of ``seg_indptr`` (SEG_BLOCK, a
+    power of two >= num_segments, at a time) and finds its segment by a prefix sum of the segments'
+    block counts, in registers: no metadata beyond the slot-sorted view, computed by nobody else.
+    (SGLang's chunked SGMV and TensorRT-LLM's grouped GEMM get the same map from a host-built table.)"""
+    offs = tl.arange(0, SEG_BLOCK)
+    valid = offs < num_segments
+    starts = tl.load(seg_indptr_ptr + offs, mask=valid, other=0)
+    ends = tl.load(seg_indptr_ptr + offs + 1, mask=valid, other=0)
+    blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(blocks, 0)  # one past each segment's last block
+    seg = tl.sum((last <= pid_m).to(tl.int32), 0)  # empty segments end where the one before them does
+    pick = offs == seg
+    first = tl.sum(tl.where(pick, last - blocks, 0), 0)
+    start = tl.sum(tl.where(pick, starts, 0), 0)
+    length = tl.sum(tl.where(pick, ends - starts, 0), 0)
+    return seg, pid_m - first, start, length

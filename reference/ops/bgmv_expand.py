@@ -175,7 +175,7 @@ def bgmv_expand(
         return sgmv_expand(t, B_stack, batch_info, out, slice_offsets, block_m=16 if block_m is None else block_m,
                            block_n=256 if block_n is None else block_n,
                            num_warps=4 if num_warps is None else num_warps, max_len=rows.shape[0],
-                           num_stages=1 if num_stages is None else num_stages)
+                           num_stages=1 if num_stages is None else num_stages, packed=True)
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if block_n is None:
         block_n = 256 if B_stack.shape[2] <= 16 else 128 if B_stack.shape[2] <= 32 else 64

@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
+from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
+                                         tl_float32_dot, upcast, use_packed)
 
 __all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits", "SORTED_BLOCK_M"]
 
@@ -108,14 +109,14 @@ def _bgmv_shrink_sorted_kernel(
     # pointers
     x_ptr, a_ptr, out_ptr,
     # sizes
-    K, K_SPLIT, num_n_tiles,
+    K, K_SPLIT, num_n_tiles, num_segments,
     # strides
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_os, stride_om, stride_on,
     # batch metadata
     seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, permutation_ptr,
     # constexpr
     STACK_NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, PACKED: tl.constexpr = False, SEG_BLOCK: tl.constexpr = 16,
 ):
     # SGMV's shrink (reference.ops.sgmv_shrink) plus a K piece per program; kept apart from that
     # kernel because chapter 03 shows it as the exercise's reference, without split-K
@@ -123,14 +124,19 @@ def _bgmv_shrink_sorted_kernel(
     stride_as, stride_an = tl.cast(stride_as, tl.int64), tl.cast(stride_an, tl.int64)
     stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
     stride_on, stride_os = tl.cast(stride_on, tl.int64), tl.cast(stride_os, tl.int64)
-    seg = tl.program_id(1)
     split = tl.program_id(2)
-    pid_m = tl.program_id(0) // num_n_tiles
     pid_n = tl.program_id(0) % num_n_tiles
+    if PACKED:  # every segment's row blocks back to back (_triton_util.packed_blocks), as the sorted expand
+        seg, pid_m, start, seg_len = packed_block(tl.program_id(0) // num_n_tiles, seg_indptr_ptr, num_segments,
+                                                  BLOCK_M, SEG_BLOCK)
+        seg = tl.minimum(seg, num_segments - 1)  # past the last block: length 0, returns below
+    else:
+        seg = tl.program_id(1)
+        pid_m = tl.program_id(0) // num_n_tiles
+        start = tl.load(seg_indptr_ptr + seg)
+        seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     slot = tl.load(weight_indices_ptr + seg)
     width = tl.load(lora_ranks_ptr + slot) * STACK_NUM
-    start = tl.load(seg_indptr_ptr + seg)
-    seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     if (width == 0) | (pid_m * BLOCK_M >= seg_len) | (pid_n * BLOCK_N >= width):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -335,15 +341,21 @@ def _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m
         block_k = min(next_pow2_at_least(triton.cdiv(K, splits)), 256 if x.element_size() <= 2 else 128)
     k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # whole blocks per piece
     num_n_tiles = triton.cdiv(width, block_n)
-    # segments are slots; the grid covers a segment holding every token (host ints: no device read)
-    grid = (triton.cdiv(x.shape[0], block_m) * num_n_tiles, batch_info.num_segments, splits)
+    # segments are slots, empty ones included: every segment's row blocks back to back (host ints: no
+    # device read); a grid over (segment, row block) launched cdiv(tokens, block_m) blocks for each slot
+    packed = use_packed(x.shape[0], x.shape[0], batch_info.num_segments, block_m)
+    if packed:
+        grid = (packed_blocks(x.shape[0], batch_info.num_segments, block_m) * num_n_tiles, 1, splits)
+    else:
+        grid = (triton.cdiv(x.shape[0], block_m) * num_n_tiles, batch_info.num_segments, splits)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _bgmv_shrink_sorted_kernel[grid](
-        x, A_stack, out, K, k_split, num_n_tiles,
+        x, A_stack, out, K, k_split, num_n_tiles, batch_info.num_segments,
         x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
         out.stride(0) if out.dim() == 3 else 0, rows.stride(0), rows.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.permutation,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
-        IEEE_FP32=tl_float32_dot(x, A_stack), num_warps=4 if num_warps is None else num_warps, **extra,
+        IEEE_FP32=tl_float32_dot(x, A_stack), PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
+        num_warps=4 if num_warps is None else num_warps, **extra,
     )
     return out

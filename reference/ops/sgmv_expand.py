@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import (check_same_device, next_pow2_at_least, summed_partials, tl_float32_dot,
-                                         upcast)
+from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
+                                         summed_partials, tl_float32_dot, upcast, use_packed)
 
 __all__ = ["sgmv_expand", "slice_bounds"]
 
@@ -41,7 +41,7 @@ def _sgmv_expand_kernel(
     # pointers
     t_ptr, b_ptr, out_ptr,
     # sizes
-    num_n_tiles, OFF0, OFF1, OFF2, OFF3,
+    num_n_tiles, num_segments, OFF0, OFF1, OFF2, OFF3,
     # strides
     stride_tm, stride_tk, stride_bs, stride_bn, stride_bk, stride_om, stride_on,
     # batch metadata
@@ -49,6 +49,7 @@ def _sgmv_expand_kernel(
     # constexpr
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    PACKED: tl.constexpr = False, SEG_BLOCK: tl.constexpr = 16,
 ):
     # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
     # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
@@ -58,14 +59,20 @@ def _sgmv_expand_kernel(
     stride_bk, stride_om = tl.cast(stride_bk, tl.int64), tl.cast(stride_om, tl.int64)
     stride_on = tl.cast(stride_on, tl.int64)
     # 1. map the program to (segment, slice, row tile, column tile)
-    seg = tl.program_id(1)
     part = tl.program_id(2)
-    pid_m = tl.program_id(0) // num_n_tiles
     pid_n = tl.program_id(0) % num_n_tiles
+    if PACKED:  # row blocks of every segment back to back (_triton_util.packed_blocks): none wasted on empty ones
+        # (a block past the last gets length 0 and returns below; its segment index is clamped for the load)
+        seg, pid_m, start, seg_len = packed_block(tl.program_id(0) // num_n_tiles, seg_indptr_ptr, num_segments,
+                                                  BLOCK_M, SEG_BLOCK)
+        seg = tl.minimum(seg, num_segments - 1)
+    else:
+        seg = tl.program_id(1)
+        pid_m = tl.program_id(0) // num_n_tiles
+        start = tl.load(seg_indptr_ptr + seg)
+        seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     slot = tl.load(weight_indices_ptr + seg)
     rank = tl.load(lora_ranks_ptr + slot)
-    start = tl.load(seg_indptr_ptr + seg)
-    seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     lo = _slice_bound(part, OFF0, OFF1, OFF2, OFF3)
     hi = _slice_bound(part + 1, OFF0, OFF1, OFF2, OFF3)
     if (rank == 0) | (pid_m * BLOCK_M >= seg_len) | (lo + pid_n * BLOCK_N >= hi):
@@ -131,6 +138,7 @@ def sgmv_expand(
     num_warps: int = 4,
     max_len: Optional[int] = None,
     num_stages: Optional[int] = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Launch the SGMV expand kernel (see the module docstring). Returns ``out``.
 
@@ -140,7 +148,11 @@ def sgmv_expand(
     ``batch_info.max_len``) is the longest segment the grid covers: a decode batch's slot-sorted
     view (``bgmv_expand(schedule="sorted")``) passes its token count, since its ``max_len`` of 1
     is what routes the layers to BGMV. ``num_stages`` (default: Triton's) is the K loop's software
-    pipelining depth.
+    pipelining depth. ``packed`` launches every segment's row blocks back to back
+    (:func:`reference.ops._triton_util.packed_blocks`: at most ``cdiv(tokens, block_m) +
+    min(segments, tokens)`` blocks, instead of ``cdiv(max_len, block_m)`` for each segment), as the
+    decode path does, whose slot-sorted view has a segment per pool slot, where that launches fewer
+    blocks (``_triton_util.use_packed``); same results.
 
     Raises:
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.
@@ -158,17 +170,22 @@ def sgmv_expand(
     block_m = block_m or (128 if max_rank <= 16 else 64)  # tuned on an H200 at rank 16 and 64
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_n_tiles = triton.cdiv(max(widest, 1), block_n)
-    grid = (triton.cdiv(max_len, block_m) * num_n_tiles, batch_info.num_segments, max(num_slices, 1))
+    packed = packed and use_packed(rows.shape[0], max_len, batch_info.num_segments, block_m)
+    if packed:
+        grid = (packed_blocks(rows.shape[0], batch_info.num_segments, block_m) * num_n_tiles, 1, max(num_slices, 1))
+    else:
+        grid = (triton.cdiv(max_len, block_m) * num_n_tiles, batch_info.num_segments, max(num_slices, 1))
     perm = batch_info.permutation
     _sgmv_expand_kernel[grid](
         rows, B_stack, out,
-        num_n_tiles, *bounds,
+        num_n_tiles, batch_info.num_segments, *bounds,
         rows.stride(0), rows.stride(1), B_stack.stride(0),
         B_stack.stride(1), B_stack.stride(2), out.stride(0), out.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.scalings,
         perm if perm is not None else batch_info.seg_indptr,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank),
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(rows, B_stack),
+        PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
