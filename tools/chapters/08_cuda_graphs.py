@@ -1242,13 +1242,18 @@ for rank, backend, bar in ((16, "triton_token", 15), (64, "triton_sorted_presum"
 # reduction, so the table keeps "token" there. The grouped schedule (the shrink grouped by slot too)
 # has not been timed in a whole step on an H200, so the H200's table never picks it.
 #
-# On an H100 it has been: `decode_step_peers_h100.json` times the three schedules, and the LoRA
+# On an H100 it has been: `decode_step_packed_h100.json` times the three schedules, and the LoRA
 # kernels of vLLM and SGLang (`--peers`, fetched from their published wheels), in the same graph and
-# base step. A table measured on one GPU need not hold on another (vLLM keys its tuned LoRA kernel
-# configs by device name for that reason), so the rule keeps one table per GPU with committed runs,
-# `MEASURED_H200` and `MEASURED_H100` (`derive_decode_rule.py --device h100`); a GPU takes its own
-# table (`device_table`), any other GPU the H200's. The H100's cells of issue #35's grid, the
-# schedule its table picks against the best peer of the same run:
+# base step. Those runs also found what the grouped kernels were wasting: a graph's slot-sorted view
+# has a segment per **pool slot**, empty ones included, and the kernels launched a row block for
+# every (slot, block of the bucket's tokens), so with 33 slots almost every program found its
+# segment empty and returned. Each program now finds its (segment, row block) from a prefix sum of
+# the segments' block counts over `seg_indptr` (`_triton_util.packed_block`), and the grid holds only
+# the blocks that can have rows. A table measured on one GPU need not hold on another (vLLM keys
+# its tuned LoRA kernel configs by device name for that reason), so the rule keeps one table per GPU
+# with committed runs, `MEASURED_H200` and `MEASURED_H100` (`derive_decode_rule.py --device h100`);
+# a GPU takes its own table (`device_table`), any other GPU the H200's. The H100's cells of issue
+# #35's grid, the schedule its table picks against the best peer of the same run:
 
 # %%
 import sys
