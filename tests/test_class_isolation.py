@@ -742,6 +742,29 @@ CHILD_RECORD_DEFEATS = {
         "ch10.3", "import sys\ndef row_parallel_lora(*a):\n    sys._getframe(1).f_globals['encode'] = None\n"),
     "any record: the runner's objects found through the collector": (
         "ch07.1", "import gc\n_mine = [o for o in gc.get_objects() if getattr(o, '__name__', '') == 'run_one']\n"),
+    # helper-27's review: each was graded full marks with no finding before the scan learned it
+    "host reads: the runner resolved from a string": (
+        "ch07.1", "import pkgutil\n_m = pkgutil.resolve_name('graders.machine.runner')\n_m.HOST_READS = frozenset()\n"
+                  + _FN),
+    "host reads: the runner through vars() of the package": (
+        "ch07.1", "import graders\n_m = vars(vars(graders)['machine'])['runner']\n_m.HOST_READS = frozenset()\n" + _FN),
+    "host reads: the package passed to a function": (
+        "ch07.1", "import graders\ndef _quiet(g):\n    g.machine.runner.HOST_READS = frozenset()\n_quiet(graders)\n" + _FN),
+    "host reads: read in another thread (function modes are per thread)": (
+        "ch07.1", "from concurrent.futures import ThreadPoolExecutor\ndef batch_info_from_requests(t):\n"
+                  "    with ThreadPoolExecutor(1) as pool:\n        return pool.submit(t.tolist).result()\n"),
+    "host reads: a tensor's bytes through pickle": (
+        "ch07.1", "import pickle\ndef batch_info_from_requests(t):\n    return pickle.dumps(t)\n"),
+    "default device: a tensor made in another thread": (
+        "ch02.1", "import threading\nimport torch\ndef f(n):\n    out = []\n"
+                  "    th = threading.Thread(target=lambda: out.append(torch.zeros(n)))\n    th.start()\n    th.join()\n"
+                  "    return out[0]\n"),
+    "aliasing: a tensor subclass answering for its own storage": (
+        "ch01.2", "import torch\nclass _Weight(torch.Tensor):\n    def untyped_storage(self):\n        return None\n"),
+    "an input changed in a rank: Tensor.__eq__ patched through type()": (
+        "ch10.3", "def row_parallel_lora(x_local, *a):\n    type(x_local).__eq__ = lambda p, q: p.new_ones(p.shape, dtype=bool)\n"),
+    "an input changed in a rank: tp_ranks resolved from a string": (
+        "ch10.3", "import pkgutil\n_t = pkgutil.resolve_name('graders.chapters.tp_ranks')\n_t._same = lambda a, b: True\n"),
 }
 
 
@@ -775,3 +798,97 @@ def test_a_host_read_made_for_the_answer_by_a_helper_it_calls_is_the_answers():
     with runner.watching_host_reads(torch.device("cpu"), True) as reads:
         namespace["through_the_reference"](x, W, A, B)
     assert reads == [], reads
+
+
+_HONEST_READS = {  # helper-27's review: host reads torch makes inside a method it runs without the mode
+    "np.asarray": "np.asarray(t).tolist()",
+    "np.array": "int(np.array(t).max())",
+    "np.from_dlpack": "int(np.from_dlpack(t).max())",
+    "repr": "repr(t)",
+    "str": "str(t)",
+    "print": "print(t)",
+    "in": "3 in t",
+}
+
+
+@pytest.mark.parametrize("expression", _HONEST_READS.values(), ids=list(_HONEST_READS))
+def test_a_host_read_through_numpy_printing_membership_or_pickle_is_recorded(expression):
+    """Tensor methods that torch runs with the function modes off (so the reads inside them go
+    unseen) are host reads themselves: np.asarray / np.array / np.from_dlpack, repr / str / print,
+    `value in tensor`. Each is recorded at the answer cell's line. (Pickling a tensor reads its storage
+    without passing through the modes at all: the pickle module is a finding of the review scan.)"""
+    import contextlib
+    import io
+
+    from graders.machine import runner
+
+    namespace: dict = {}
+    cell = f"import pickle\nimport numpy as np\ndef read(t):\n    return {expression}\n"
+    exec(compile(cell, "<answer cell test>", "exec"), namespace)
+    with contextlib.redirect_stdout(io.StringIO()), runner.watching_host_reads(torch.device("cpu"), True) as reads:
+        namespace["read"](torch.arange(6))
+    assert reads and "answer cell line 4" in reads[0], reads
+
+
+#: An int subclass whose __int__ reads a tensor, returned in a field the encoder turns into an int
+#: after the answer returned (helper-27's review): still inside the record's watch.
+_LAZY_INT = textwrap.dedent('''
+    class _Later(int):
+        def __new__(cls, t):
+            self = super().__new__(cls, 0)
+            self.t = t
+            return self
+
+        def __int__(self):
+            return int(self.t.max())
+''')
+
+
+def test_a_read_the_encoder_makes_of_the_answers_own_value_is_recorded():
+    honest = solution_answers()["ch07.1"]
+    lazy = honest.replace("max_len=max(req_lens, default=0)", "max_len=_Later(torch.tensor([0, *req_lens]))")
+    assert lazy != honest
+    result = grade_source("ch07.1", lazy + _LAZY_INT)
+    assert result.score < 3.0 and "int(tensor)" in result.report, result.report
+
+
+_SUBCLASS_ALIAS = textwrap.dedent('''
+    class _Weight(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+
+        def untyped_storage(self):
+            return _Nowhere()
+
+
+    class _Nowhere:
+        def data_ptr(self):
+            return -1
+''')
+
+
+def test_the_aliasing_and_in_rank_records_read_through_torchs_own_methods():
+    """helper-27's review: a returned Tensor subclass whose untyped_storage() answers for itself hid a
+    result that is its input (ch01.2's merged weight returned as W when scaling is 0), and a rank's
+    `Tensor.__eq__` patched through type(y) made a changed input compare unchanged (ch10.3). The
+    records now read storage through torch.Tensor's own methods with subclass overrides off, and
+    compare with torch.equal: each answer scores what its honest twin does (and is listed for review)."""
+    merged = solution_answers()["ch01.2"]
+    honest = merged.replace("    delta = scaling", "    if scaling == 0:\n        return W\n    delta = scaling", 1)
+    assert honest != merged
+    hidden = honest.replace("        return W\n", "        return W.as_subclass(_Weight)\n", 1) + _SUBCLASS_ALIAS
+    scores = {name: grade_source("ch01.2", src).score for name, src in (("honest", honest), ("hidden", hidden))}
+    assert scores["honest"] < 3.0 and scores["hidden"] == scores["honest"], scores
+
+    folded = solution_answers()["ch10.3"].replace(
+        "    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n",
+        "    A_local.mul_(2.0)\n    delta = scalings[slots].unsqueeze(1).to(y.dtype) * torch.einsum(\"tr,tor->to\", t, Bt)\n")
+    assert folded != solution_answers()["ch10.3"]
+    patched = folded.replace("    return y\n", "    type(y).__eq__ = lambda a, b: a.new_ones(a.shape, dtype=bool)\n"
+                                               "    return y\n")
+    assert patched.count("type(y).__eq__") == 1
+    results = {name: grade_source("ch10.3", src) for name, src in (("honest", folded), ("patched", patched))}
+    assert results["honest"].score == results["patched"].score == 0.0, {k: r.score for k, r in results.items()}
+    assert "modified its input 'A_local'" in results["patched"].report, results["patched"].report

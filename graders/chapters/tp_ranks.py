@@ -136,9 +136,12 @@ def _watched(tp_group, as_tp: tuple | None = None):
 
 
 def _same(a, b) -> bool:
+    # torch.equal, not ==: an answer can patch Tensor.__eq__ through type(t) without naming a module
+    # (helper-27's review); what it would take here is listed for review (graders.course.tamper)
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-                and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all()))
+                and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                and torch.equal(torch.isnan(a), torch.isnan(b)))
     return a == b
 
 

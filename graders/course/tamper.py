@@ -2,8 +2,10 @@
 
 ``suspicious_code(source)`` parses an answer cell with :mod:`ast` and reports code that reaches
 into the graders or the reference, the interpreter's module table or builtins, a function's code
-object or a tensor's raw storage, patches an imported module, writes files, starts processes or
-talks to the gradebook. Comments and strings never count
+object or a tensor's raw storage, patches an imported module or a class reached through
+``type()``, subclasses torch.Tensor, passes a protected module around as a value, imports a module
+by a string (``pkgutil``) or starts threads (torch's function modes, the grader's records, are per
+thread), writes files, starts processes or talks to the gradebook. Comments and strings never count
 (an honest comment citing ``graders/machine/tolerances.py`` is not a finding), and neither do
 ``import graders`` and ``graders.check("chNN.M", fn)``, nor imports from ``reference`` (solutions
 use ``LoRABatchInfo``, ``torch_ref``; patching the reference is a finding), nor the torch / triton /
@@ -32,7 +34,15 @@ __all__ = ["suspicious_code"]
 
 #: Modules an exercise never needs: the gradebook (sqlite3), processes, signals, raw memory, network.
 FORBIDDEN_MODULES = frozenset({"sqlite3", "subprocess", "multiprocessing", "ctypes", "signal", "socket",
-                               "importlib", "builtins", "_thread", "gc"})
+                               "importlib", "builtins", "_thread", "gc",
+                               # a module by its name as a string (pkgutil.resolve_name, runpy), and other
+                               # threads, where torch's function modes (the grader's records) do not reach
+                               "pkgutil", "runpy", "zipimport", "threading", "concurrent", "asyncio",
+                               # a tensor's bytes without a tensor method the grader's records see
+                               "pickle", "marshal", "copyreg"})
+#: Modules whose object an answer has no business passing around as a value (``f(graders)``): what
+#: a function reaches through its parameter is not followed here.
+VALUE_PROTECTED = frozenset({"graders", "sys", "builtins", "importlib", "pkgutil", "gc", "os", "shutil"})
 #: torch modules that hold the function-mode stack the grader's checks push (a learner's answer needs none).
 TORCH_MACHINERY_PREFIXES = ("torch._C", "torch.overrides", "torch.utils._python_dispatch", "torch.utils._device",
                             "torch._dynamo")
@@ -102,6 +112,7 @@ def suspicious_code(source: str, exercise_id: str | None = None) -> list[str]:
                 "(look at this)"]
     try:
         visitor = _Visitor(_bound_names(tree), exercise_id)
+        visitor.attribute_bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         visitor.visit(tree)  # recursive: a valid expression of a few thousand terms exhausts the stack
     except (RecursionError, MemoryError) as e:
         return [f"line 1: the cell is nested too deeply to check ({type(e).__name__}: an expression or "
@@ -165,6 +176,8 @@ class _Visitor(ast.NodeVisitor):
         self.aliases: dict[str, str] = {}
         #: top-level modules the cell imported
         self.imported: set[str] = set()
+        #: ids of the Name nodes that are the base of an attribute (``graders`` in ``graders.check``)
+        self.attribute_bases: set[int] = set()
 
     # -- helpers ---------------------------------------------------------------------------------
     def flag(self, node: ast.AST, what: str) -> None:
@@ -311,6 +324,11 @@ class _Visitor(ast.NodeVisitor):
                 and node.id not in self.aliases):
             for module in self.star_reference:  # from reference.x import *: a bare name may be its
                 self.flag_reference(node, f"{module}.{node.id}")
+        path = self.name_path(node.id) if isinstance(node.ctx, ast.Load) else None
+        if (path is not None and path.split(".")[0] in VALUE_PROTECTED and id(node) not in self.attribute_bases
+                and path.split(".")[0] in self.imported | {"graders"}):
+            self.flag(node, f"passes the module {path} around as a value (what is reached through it is not "
+                            "checked here)")
         if node.id == "__builtins__":
             self.flag(node, "uses __builtins__")
         elif node.id == "__import__":
@@ -350,12 +368,16 @@ class _Visitor(ast.NodeVisitor):
             elif isinstance(value, ast.Attribute) and value.attr == "__dict__":
                 owner = value.value
             if owner is not None and (root := self.resolve(owner)) is not None:
-                self.flag_reference(node, f"{root}.{key.value}")
+                self.check_path(node, f"{root}.{key.value}")
         self.generic_visit(node)
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         """A subclass of a reference class whose method is the exercise's reference, which does
         not define that method (it inherits the reference's) or calls it through ``super()``."""
+        for base in node.bases:
+            if self.resolve(base) in ("torch.Tensor", "torch.nn.Parameter", "torch.nn.parameter.Parameter"):
+                self.flag(node, f"class {node.name} subclasses {self.resolve(base)} (its methods can stand in for "
+                                "torch's where the grader reads a result)")
         defined = {b.name for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
             t.id for b in node.body if isinstance(b, ast.Assign) for t in b.targets if isinstance(t, ast.Name)}
         for base in node.bases:
@@ -371,8 +393,14 @@ class _Visitor(ast.NodeVisitor):
         self.generic_visit(node)
 
     def check_write_target(self, target: ast.AST) -> None:
-        """An assignment or ``del`` of an attribute or item: flag writes into a module's namespace."""
+        """An assignment or ``del`` of an attribute or item: flag writes into a module's namespace, and
+        into a class reached through ``type(x)`` or ``x.__class__`` (``type(t).__eq__ = ...`` patches
+        torch.Tensor for every tensor of the process)."""
         base = target.value if isinstance(target, (ast.Attribute, ast.Subscript)) else target
+        if isinstance(target, ast.Attribute) and _class_of(base):
+            self.flag(target, "assigns an attribute of a class reached through type() or __class__ (a patch of "
+                              "a class the cell did not define)")
+            return
         if isinstance(target, ast.Subscript) and _namespace_call(base):
             self.flag(target, f"writes into {base.func.id}() (module globals)")
             return
@@ -438,6 +466,8 @@ class _Visitor(ast.NodeVisitor):
                 root = self.root(node.args[0])
                 if self.module_rooted(root):
                     self.flag(node, f"calls {func.id}() on the imported module {root} (a patch)")
+                elif _class_of(node.args[0]):
+                    self.flag(node, f"calls {func.id}() on a class reached through type() or __class__ (a patch)")
             elif func.id == "getattr" and len(node.args) >= 2:
                 root = self.root(node.args[0])
                 name = node.args[1]
@@ -480,3 +510,9 @@ class _Visitor(ast.NodeVisitor):
 def _namespace_call(node: ast.AST) -> bool:
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in {"globals", "locals", "vars"} and not node.args)
+
+
+def _class_of(node: ast.AST) -> bool:
+    """``type(x)`` or ``x.__class__``: an expression that gives some object's class."""
+    return ((isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
+             and len(node.args) == 1) or (isinstance(node, ast.Attribute) and node.attr == "__class__"))

@@ -36,7 +36,10 @@ PREAMBLE = "import math\nimport torch\nimport graders\n"
 
 #: Tensor methods that bring a tensor's value to the host: on a GPU each waits for the device.
 HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
-                        "__format__", "equal", "allclose", "is_nonzero"})
+                        "__format__", "equal", "allclose", "is_nonzero",
+                        # torch runs these without the mode (so what they read inside goes unseen): numpy's
+                        # np.asarray / np.array / np.from_dlpack, repr / str / print, and `x in t`
+                        "__array__", "__dlpack__", "__repr__", "__contains__"})
 #: Code whose own host reads and allocations are not the answer's: the graders (drivers, this runner)
 #: and the reference package.
 _EXEMPT_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -68,7 +71,9 @@ class HostReadRecorder(TorchFunctionMode):
 
 def _spelled(name: str) -> str:
     return {"__bool__": "bool(tensor) / if tensor", "__int__": "int(tensor)", "__float__": "float(tensor)",
-            "__index__": "a tensor used as a Python index", "__format__": "a tensor in an f-string"}.get(name, "." + name + "()")
+            "__index__": "a tensor used as a Python index", "__format__": "a tensor in an f-string",
+            "__array__": "np.asarray(tensor) / np.array(tensor)", "__dlpack__": "np.from_dlpack(tensor)",
+            "__repr__": "print(tensor) / repr / str", "__contains__": "`value in tensor`"}.get(name, "." + name + "()")
 
 
 def _answer_frame() -> str | None:
@@ -119,15 +124,18 @@ def watching_host_reads(device: torch.device, enabled: bool):
 
 
 def _alias_of(returned, args) -> int | None:
-    """Index of the input argument whose memory a returned tensor shares, if any."""
+    """Index of the input argument whose memory a returned tensor shares, if any. Read through
+    torch.Tensor's own methods with subclass overrides off: a returned subclass of the answer's
+    cannot answer for its storage (helper-27's review)."""
     outs = [returned] if isinstance(returned, torch.Tensor) else [
         v for v in (returned if isinstance(returned, (tuple, list)) else []) if isinstance(v, torch.Tensor)]
-    for j, a in enumerate(args):
-        if not isinstance(a, torch.Tensor) or a.numel() == 0:
-            continue
-        ptr = a.untyped_storage().data_ptr()
-        if any(o.numel() and o.untyped_storage().data_ptr() == ptr for o in outs):
-            return j
+    with torch._C.DisableTorchFunctionSubclass():
+        def storage(t):
+            return torch.Tensor.untyped_storage(t).data_ptr() if torch.Tensor.numel(t) else None
+        mine = {storage(o) for o in outs} - {None}
+        for j, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and storage(a) in mine:
+                return j
     return None
 
 
@@ -424,15 +432,17 @@ def run_one(job: dict, inputs: dict, workdir: Path) -> None:
         returned, reads, made = None, [], []
         elsewhere = case.get("default_device")
         try:
-            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads, \
-                    default_device(elsewhere) as made:
-                returned = fn(*args)
-            if made:
-                raise _OnDefaultDevice(f"your function created a tensor on torch's default device "
-                                       f"({elsewhere}), not on the inputs' ({device.type}): {made[0]}")
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            result = {"returned": encode(returned, "returned", tensors)}
+            with contextlib.redirect_stdout(printed), watching_host_reads(device, job.get("no_device_reads")) as reads:
+                with default_device(elsewhere) as made:
+                    returned = fn(*args)
+                if made:
+                    raise _OnDefaultDevice(f"your function created a tensor on torch's default device "
+                                           f"({elsewhere}), not on the inputs' ({device.type}): {made[0]}")
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                # still watched: a value of the answer's own type (an int subclass whose __int__ reads a
+                # tensor) is read by the encoder, in the answer's frames (helper-27's review)
+                result = {"returned": encode(returned, "returned", tensors)}
             if case.get("out_index") is not None:  # the contract returns out itself (its in-place result)
                 out = args[case["out_index"]]
                 result["returned_out"] = bool(returned is out or (
