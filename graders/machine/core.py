@@ -473,8 +473,9 @@ def _outcome(ex: Exercise, case: Case, expected: Any, result: dict, tensors: dic
         reads = result["device_reads"]
         return (f"your function read a tensor's value on the host {len(reads)} time(s); the first: {reads[0]}\n"
                 "  this exercise builds everything from host data (Python ints, lists, the host fields) and "
-                "never reads a tensor back (.item(), .tolist(), bool(t), int(t), `if t:`): on a GPU such a "
-                "read waits for every queued kernel, and a CUDA graph cannot contain it")
+                "never reads a tensor back (.item(), .tolist(), bool(t), int(t), `if t:`, print(t), "
+                "np.asarray(t)): on a GPU such a read waits for every queued kernel, and a CUDA graph cannot "
+                "contain it")
     if isinstance(expected, Raises):
         if result.get("error", "").startswith(expected.name + ":"):
             return None

@@ -119,8 +119,9 @@ else:
 # - every tensor on `device`; raise `ValueError` if a uid (the base model's `None` included) is not in
 #   `uid_to_slot`.
 # Compute everything from the host lists: no `.item()`, `.tolist()`, `bool(t)`, `int(t)` or `if t:`
-# on a tensor. The grader records every such read your function makes and fails the case, on the CPU
-# too. Build each tensor from a host list (`torch.tensor(values, dtype=..., device="cpu")`) and send it
+# on a tensor, and no `print(t)` or `np.asarray(t)` either (printing a tensor reads its values too:
+# debug-print the host lists instead). The grader records every such read your function makes and
+# fails the case, on the CPU too. Build each tensor from a host list (`torch.tensor(values, dtype=..., device="cpu")`) and send it
 # to `device` with one copy; on CUDA stage it in pinned memory, `host.pin_memory().to(device,
 # non_blocking=True)`, since a copy from pageable memory waits for the GPU (the GPU grader records that
 # too). One case passes `device="meta"`, PyTorch's device of tensors that have shapes and dtypes but
