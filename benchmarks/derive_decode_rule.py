@@ -5,7 +5,8 @@
     python benchmarks/derive_decode_rule.py --write    # rewrite that table (after a new sweep is committed)
     python benchmarks/derive_decode_rule.py --device h100 [--check | --write]   # the H100's table, from its runs
 
-Reads every ``benchmarks/results/decode_step*_h200.json`` (``benchmark_decode_step.py``: 8
+Reads every ``benchmarks/results/decode_step*_<device>.json`` (``--device``, default h200;
+``benchmark_decode_step.py``: 8
 Llama-3-8B-shaped layers, bf16, a CUDA-graphed decode step; ``lora_overhead`` = the LoRA graph's
 time over the run's base graph, minus one). Each row is a measurement of one *decode schedule*
 (``reference.ops.decode_schedule``: "token", "sorted", "grouped") in one cell (max rank, tokens,
@@ -18,7 +19,8 @@ adapters):
 - earlier runs (:data:`LEGACY`), whose backend names meant other variants, each file's note says
   which: only the backends mapped there count, and a variant that forced its schedule from 64
   tokens ran the token path below;
-- :data:`EXCLUDED` runs: a step unlike the others (another model size) or before split-K.
+- :data:`EXCLUDED` runs: a step unlike the others (another model size), before split-K, or before
+  the slot-grouped kernels' packed grid (they timed kernels that no longer run).
 
 Per cell and run, each schedule's overhead minus the token schedule's in the same run (a percentage
 is read against its own run's base step); the mean over runs is the schedule's delta. The noise is
