@@ -765,6 +765,32 @@ CHILD_RECORD_DEFEATS = {
         "ch10.3", "def row_parallel_lora(x_local, *a):\n    type(x_local).__eq__ = lambda p, q: p.new_ones(p.shape, dtype=bool)\n"),
     "an input changed in a rank: tp_ranks resolved from a string": (
         "ch10.3", "import pkgutil\n_t = pkgutil.resolve_name('graders.chapters.tp_ranks')\n_t._same = lambda a, b: True\n"),
+    # helper-28's review, a second round
+    "host reads: torch passed to a function, its modes switched off there": (
+        "ch07.1", "def _read(m, t):\n    with m._C.DisableTorchFunction():\n        return int(t.max())\n"
+                  "def batch_info_from_requests(t):\n    return _read(torch, t)\n"),
+    "host reads: the runner through a function's __globals__ by getattr": (
+        "ch07.1", "import graders\n_g = getattr(graders.check, '__globals__')\n" + _FN),
+    "host reads: raw storage by getattr": (
+        "ch07.1", "def batch_info_from_requests(t):\n    return getattr(t, 'untyped_storage')().tolist()\n"),
+    "host reads: the storage a pickle reduction holds": (
+        "ch07.1", "def batch_info_from_requests(t):\n    return t.__reduce_ex__(2)[1][0]._untyped_storage.tolist()\n"),
+    "host reads: the bytes torch.save writes": (
+        "ch07.1", "import io\ndef batch_info_from_requests(t):\n    buf = io.BytesIO()\n    torch.save(t, buf)\n"
+                  "    return buf.getvalue()\n"),
+    "host reads: a DLPack capsule handed to numpy": (
+        "ch07.1", "import numpy as np\ndef batch_info_from_requests(t):\n"
+                  "    return torch.utils.dlpack.to_dlpack(t)\n"),
+    "host reads: a data pointer behind numpy's array interface": (
+        "ch07.1", "def batch_info_from_requests(t):\n    return t.data_ptr()\n"),
+    "default device: a legacy constructor (always on the CPU)": (
+        "ch02.1", "def f(n):\n    return torch.IntTensor(n).zero_()\n"),
+    "aliasing: Tensor.untyped_storage patched through a name bound to type()": (
+        "ch01.2", "def merge_lora(W, A, B, scaling):\n    T = type(W)\n    orig = getattr(T, 'numel')\n"
+                  "    setattr(T, 'numel', lambda self: 0)\n    return W\n"),
+    "an input changed in a rank: torch.equal patched through torch passed as a value": (
+        "ch10.3", "def _everywhere(m):\n    m.equal = lambda a, b: True\n"
+                  "def row_parallel_lora(x_local, *a):\n    _everywhere(torch)\n"),
 }
 
 
@@ -808,7 +834,56 @@ _HONEST_READS = {  # helper-27's review: host reads torch makes inside a method 
     "str": "str(t)",
     "print": "print(t)",
     "in": "3 in t",
+    # helper-28's review: sizes read from the values (a GPU waits for them), complex(t), a Python callback
+    "a 0-d tensor as a size": "t.new_empty(2, t.max())",
+    "a 0-d tensor as a factory's size": "torch.zeros(t.max())",
+    "a 0-d tensor as a slice bound": "t[:t.max()]",
+    "a 0-d tensor as a view's size": "t.view(-1, t.min() + 2)",
+    "a boolean mask": "t[t > 2]",
+    "nonzero": "torch.nonzero(t)",
+    "unique": "torch.unique(t)",
+    "repeat_interleave by a tensor": "torch.repeat_interleave(t, t)",
+    "one-argument where": "torch.where(t > 1)",
+    "complex": "complex(t.max())",
+    "apply_": "t.clone().apply_(lambda v: v)",
 }
+#: Code that only looks at shapes, dtypes and devices, or that gathers on the device: no host read.
+_NOT_READS = {
+    "torch.from_dlpack (a view)": "torch.from_dlpack(t)",
+    "a tensor index (a gather)": "t[t]",
+    "a 0-d tensor index": "t[t[0]]",
+    "a size from the shape": "t.new_zeros(t.shape[0], 3)",
+    "three-argument where": "torch.where(t > 1, t, 0)",
+    "repeat_interleave with output_size": "torch.repeat_interleave(t, t, output_size=15)",
+    "masked_fill": "t.masked_fill(t > 2, 0)",
+    "index_select": "t.index_select(0, t[:2])",
+    "a 0-d tensor added": "t + t.max()",
+    "shape and dtype in an f-string": "f'{t.shape} {t.dtype} {t.device}'",
+}
+
+
+@pytest.mark.parametrize("expression", _NOT_READS.values(), ids=list(_NOT_READS))
+def test_code_that_reads_no_value_is_not_charged(expression):
+    from graders.machine import runner
+
+    namespace: dict = {"torch": torch}
+    exec(compile(f"def read(t):\n    return {expression}\n", "<answer cell test>", "exec"), namespace)
+    with runner.watching_host_reads(torch.device("cpu"), True) as reads:
+        namespace["read"](torch.arange(6))
+    assert reads == [], reads
+
+
+@pytest.mark.parametrize("source", [
+    "from os import getenv\nDEBUG = getenv('LORA_DEBUG')\n",
+    "from os.path import join\nWHERE = join('a', 'b')\n",
+    "class Counter:\n    calls = 0\n\n    def forward(self, x):\n        type(self).calls += 1\n        return x\n",
+    "import torch\ndef f(x):\n    return torch.zeros_like(x, device=x.device)\n",
+], ids=["a function imported from os", "os.path.join imported", "a counter on the cell's own class", "torch used"])
+def test_honest_code_is_not_listed_by_the_new_rules(source):
+    """helper-28's false positives of the scan's second round, each answered."""
+    from graders.course.tamper import suspicious_code
+
+    assert suspicious_code(source, "ch07.1") == [], suspicious_code(source, "ch07.1")
 
 
 @pytest.mark.parametrize("expression", _HONEST_READS.values(), ids=list(_HONEST_READS))
@@ -823,7 +898,7 @@ def test_a_host_read_through_numpy_printing_membership_or_pickle_is_recorded(exp
     from graders.machine import runner
 
     namespace: dict = {}
-    cell = f"import pickle\nimport numpy as np\ndef read(t):\n    return {expression}\n"
+    cell = f"import torch\nimport numpy as np\ndef read(t):\n    return {expression}\n"
     exec(compile(cell, "<answer cell test>", "exec"), namespace)
     with contextlib.redirect_stdout(io.StringIO()), runner.watching_host_reads(torch.device("cpu"), True) as reads:
         namespace["read"](torch.arange(6))

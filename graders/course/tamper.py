@@ -42,7 +42,9 @@ FORBIDDEN_MODULES = frozenset({"sqlite3", "subprocess", "multiprocessing", "ctyp
                                "pickle", "marshal", "copyreg"})
 #: Modules whose object an answer has no business passing around as a value (``f(graders)``): what
 #: a function reaches through its parameter is not followed here.
-VALUE_PROTECTED = frozenset({"graders", "sys", "builtins", "importlib", "pkgutil", "gc", "os", "shutil"})
+VALUE_PROTECTED = frozenset({"graders", "sys", "builtins", "importlib", "pkgutil", "gc", "os", "shutil", "torch"})
+#: Names an answer cell has without importing them (graders.machine.runner.PREAMBLE): modules.
+PREAMBLE_MODULES = frozenset({"graders", "torch", "math"})
 #: torch modules that hold the function-mode stack the grader's checks push (a learner's answer needs none).
 TORCH_MACHINERY_PREFIXES = ("torch._C", "torch.overrides", "torch.utils._python_dispatch", "torch.utils._device",
                             "torch._dynamo")
@@ -59,12 +61,14 @@ OS_PREFIXES = ("spawn", "exec")
 PROTECTED_ROOTS = frozenset({"graders", "reference", "torch", "triton", "math", "sys", "os", "builtins"})
 #: Attributes that lead from an object to a module's or a frame's namespace.
 NAMESPACE_ATTRS = frozenset({"__globals__", "__builtins__", "f_globals", "f_locals", "f_builtins", "f_back",
-                             "_getframe", "__subclasses__", "tb_frame", "gi_frame", "cr_frame"})
+                             "_getframe", "__subclasses__", "tb_frame", "gi_frame", "cr_frame", "__mro__", "__bases__"})
 #: Attributes that lead to a function's code object, which can be rebuilt under another file name (the
 #: grader's records name the answer cell's lines by theirs) or replaced.
 CODE_ATTRS = frozenset({"__code__", "f_code", "gi_code", "cr_code", "ag_code"})
 #: Tensor methods that reach a tensor's raw storage, whose reads torch's function modes never see.
-STORAGE_ATTRS = frozenset({"untyped_storage", "storage", "_typed_storage"})
+STORAGE_ATTRS = frozenset({"untyped_storage", "storage", "_typed_storage", "_untyped_storage", "data_ptr"})
+#: torch's ways to a tensor's bytes outside its methods (a file, a DLPack capsule).
+TORCH_BYTES = ("torch.save", "torch.load", "torch.utils.dlpack", "torch.to_dlpack")
 _WRITE_MODE_CHARS = set("wax+")
 _GRADERS_DIR = Path(__file__).resolve().parents[1]
 #: The graders' subpackages and modules (``graders.machine``, ``graders.course``, ...): reaching them
@@ -178,6 +182,10 @@ class _Visitor(ast.NodeVisitor):
         self.imported: set[str] = set()
         #: ids of the Name nodes that are the base of an attribute (``graders`` in ``graders.check``)
         self.attribute_bases: set[int] = set()
+        #: names bound to a module object by an ``import`` statement (``import os``, ``import a.b as c``)
+        self.module_names: set[str] = set()
+        #: names bound to some object's class (``T = type(x)``, ``T = x.__class__``)
+        self.class_names: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------------
     def flag(self, node: ast.AST, what: str) -> None:
@@ -271,6 +279,12 @@ class _Visitor(ast.NodeVisitor):
             self.flag(node, f"uses shutil.{parts[1]} (files)")
         elif parts[0] == "graders" and len(parts) >= 2 and parts[1] in GRADERS_SUBMODULES:
             self.flag(node, f"reaches into graders.{parts[1]}")
+        elif parts[0] == "torch" and len(parts) == 2 and parts[1].endswith("Tensor") and parts[1] != "Tensor":
+            self.flag(node, f"uses {path} (a legacy constructor: on the CPU whatever the default device, so the "
+                            "grader's default-device case cannot see it; use torch.tensor / torch.zeros with device=)")
+        elif parts[0] == "torch" and any(path == p or path.startswith(p + ".") for p in TORCH_BYTES):
+            self.flag(node, f"uses {path} (a tensor's bytes outside its methods, past the grader's record of "
+                            "host reads)")
         elif parts[0] == "torch" and _torch_machinery(path):
             self.flag(node, f"uses {_torch_machinery(path)} (torch's function modes and defaults, which the "
                             f"grader's own checks use)")
@@ -288,6 +302,7 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
+            self.module_names.add(a.asname or a.name.split(".")[0])
             self.check_import(node, a.name)
             self.flag_reference(node, a.name, "imports")
             self.imported.add(a.name.split(".")[0])
@@ -326,7 +341,7 @@ class _Visitor(ast.NodeVisitor):
                 self.flag_reference(node, f"{module}.{node.id}")
         path = self.name_path(node.id) if isinstance(node.ctx, ast.Load) else None
         if (path is not None and path.split(".")[0] in VALUE_PROTECTED and id(node) not in self.attribute_bases
-                and path.split(".")[0] in self.imported | {"graders"}):
+                and (node.id in self.module_names or (node.id in PREAMBLE_MODULES and node.id not in self.aliases))):
             self.flag(node, f"passes the module {path} around as a value (what is reached through it is not "
                             "checked here)")
         if node.id == "__builtins__":
@@ -336,16 +351,23 @@ class _Visitor(ast.NodeVisitor):
         elif node.id in ("exec", "eval", "compile") and isinstance(node.ctx, ast.Load):
             self.flag(node, f"uses {node.id}() (code built at run time is not checked here)")
 
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        if node.attr in NAMESPACE_ATTRS:
-            self.flag(node, f"uses .{node.attr} (a way to another module's or frame's namespace)")
-        elif node.attr in CODE_ATTRS:
-            self.flag(node, f"uses .{node.attr} (a function's code object: code rebuilt or renamed at run time "
+    def check_attribute_name(self, node: ast.AST, attr: str) -> None:
+        """The rules on an attribute's name, reached as ``x.name`` or ``getattr(x, "name")``."""
+        if attr in NAMESPACE_ATTRS:
+            self.flag(node, f"uses .{attr} (a way to another module's or frame's namespace)")
+        elif attr in CODE_ATTRS:
+            self.flag(node, f"uses .{attr} (a function's code object: code rebuilt or renamed at run time "
                             f"is not checked here)")
-        elif node.attr in STORAGE_ATTRS:
-            self.flag(node, f"uses .{node.attr}() (a tensor's raw storage: what is read through it bypasses the "
+        elif attr in STORAGE_ATTRS:
+            self.flag(node, f"uses .{attr}() (a tensor's raw storage: what is read through it bypasses the "
                             f"grader's record of host reads)")
-        elif node.attr == "__dict__" and self.module_rooted(self.root(node.value)):
+
+    def is_class_of(self, node: ast.AST) -> bool:
+        return _class_of(node) or (isinstance(node, ast.Name) and node.id in self.class_names)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self.check_attribute_name(node, node.attr)
+        if node.attr == "__dict__" and self.module_rooted(self.root(node.value)):
             self.flag(node, "uses a module's __dict__")
         path = self.resolve(node)
         if path is not None:
@@ -397,9 +419,9 @@ class _Visitor(ast.NodeVisitor):
         into a class reached through ``type(x)`` or ``x.__class__`` (``type(t).__eq__ = ...`` patches
         torch.Tensor for every tensor of the process)."""
         base = target.value if isinstance(target, (ast.Attribute, ast.Subscript)) else target
-        if isinstance(target, ast.Attribute) and _class_of(base):
-            self.flag(target, "assigns an attribute of a class reached through type() or __class__ (a patch of "
-                              "a class the cell did not define)")
+        if isinstance(target, ast.Attribute) and self.is_class_of(base) and _patchable(target.attr):
+            self.flag(target, f"assigns {target.attr} on a class reached through type() or __class__ (a patch of "
+                              "torch.Tensor's methods or of a special method)")
             return
         if isinstance(target, ast.Subscript) and _namespace_call(base):
             self.flag(target, f"writes into {base.func.id}() (module globals)")
@@ -433,6 +455,8 @@ class _Visitor(ast.NodeVisitor):
             path = module  # m = importlib.import_module("reference.x"): m is that module
             self.imported.add(module.split(".")[0])
         for t in node.targets:
+            if isinstance(t, ast.Name) and _class_of(node.value):
+                self.class_names.add(t.id)
             if isinstance(t, ast.Name):
                 if self.module_rooted(path):
                     self.aliases[t.id] = path
@@ -466,11 +490,15 @@ class _Visitor(ast.NodeVisitor):
                 root = self.root(node.args[0])
                 if self.module_rooted(root):
                     self.flag(node, f"calls {func.id}() on the imported module {root} (a patch)")
-                elif _class_of(node.args[0]):
-                    self.flag(node, f"calls {func.id}() on a class reached through type() or __class__ (a patch)")
+                elif self.is_class_of(node.args[0]):
+                    name = node.args[1] if len(node.args) > 1 else None
+                    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)) or _patchable(name.value):
+                        self.flag(node, f"calls {func.id}() on a class reached through type() or __class__ (a patch)")
             elif func.id == "getattr" and len(node.args) >= 2:
                 root = self.root(node.args[0])
                 name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    self.check_attribute_name(node, name.value)
                 if isinstance(name, ast.Constant) and isinstance(name.value, str) and root is not None:
                     self.check_path(node, f"{root}.{name.value}")
                 elif root is not None and root.split(".")[0] in {"sys", "os", "builtins", "graders", "reference",
@@ -516,3 +544,11 @@ def _class_of(node: ast.AST) -> bool:
     """``type(x)`` or ``x.__class__``: an expression that gives some object's class."""
     return ((isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
              and len(node.args) == 1) or (isinstance(node, ast.Attribute) and node.attr == "__class__"))
+
+
+def _patchable(attr: str) -> bool:
+    """A special method, or a name torch.Tensor has: set on a class an answer reached through
+    ``type(t)``, it changes every tensor of the process (``type(t).__eq__``, ``T.untyped_storage``)."""
+    import torch
+
+    return attr.startswith("__") or hasattr(torch.Tensor, attr)

@@ -38,10 +38,22 @@ PREAMBLE = "import math\nimport torch\nimport graders\n"
 HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
                         "__format__", "equal", "allclose", "is_nonzero",
                         # torch runs these without the mode (so what they read inside goes unseen): numpy's
-                        # np.asarray / np.array / np.from_dlpack, repr / str / print, and `x in t`
-                        "__array__", "__dlpack__", "__repr__", "__contains__"})
+                        # np.asarray / np.array, repr / str / print, `x in t`, complex(t), and a Python
+                        # function called on every value (not __dlpack__: torch.from_dlpack is a view)
+                        "__array__", "__repr__", "__contains__", "__complex__", "apply_", "map_", "map2_",
+                        # the size of their result is read from the data (a GPU waits for it)
+                        "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
+_SHAPE_FROM_DATA = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
+#: Functions whose sizes come from their arguments' values: a 0-d integer tensor among them (a shape,
+#: a bound, a count) is read on the host in C++, where the mode never sees a method of it (helper-28).
+#: Factories, whose first argument is a size too; then methods, whose first argument is the tensor.
+_SIZE_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint"})
+_SIZE_TAKERS = _SIZE_FACTORIES | frozenset({
+    "new_empty", "new_zeros", "new_ones", "new_full", "view", "reshape", "narrow", "split", "topk", "expand",
+    "repeat", "cumsum", "select", "tensor_split", "chunk", "kthvalue", "roll", "tile", "unflatten", "movedim"})
 #: Code whose own host reads and allocations are not the answer's: the graders (drivers, this runner)
 #: and the reference package.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _EXEMPT_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                      for m in (sys.modules["graders"], reference))
 
@@ -62,7 +74,7 @@ class HostReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_READS and len(self.reads) < 5:
+        if len(self.reads) < 5 and _reads_a_value(name, args, kwargs or {}):
             where = _answer_frame()
             if where:
                 self.reads.append(f"`{_spelled(name)}` at {where}")
@@ -72,8 +84,54 @@ class HostReadRecorder(TorchFunctionMode):
 def _spelled(name: str) -> str:
     return {"__bool__": "bool(tensor) / if tensor", "__int__": "int(tensor)", "__float__": "float(tensor)",
             "__index__": "a tensor used as a Python index", "__format__": "a tensor in an f-string",
-            "__array__": "np.asarray(tensor) / np.array(tensor)", "__dlpack__": "np.from_dlpack(tensor)",
-            "__repr__": "print(tensor) / repr / str", "__contains__": "`value in tensor`"}.get(name, "." + name + "()")
+            "__array__": "np.asarray(tensor) / np.array(tensor)", "__complex__": "complex(tensor)",
+            "__dlpack__": "np.from_dlpack(tensor)",
+            "__repr__": "print(tensor) / repr / str", "__contains__": "`value in tensor`",
+            "repeat_interleave": ".repeat_interleave() without output_size (its size is read from the values)",
+            "where": "torch.where(condition) (its size is read from the values)",
+            "__getitem__": "a boolean mask, or a tensor as a slice's bound, in t[...]"}.get(name) or (
+        f"a tensor's value as a size or count of .{name}()" if name in _SIZE_TAKERS else
+        f".{name}() (its size is read from the values)" if name in _SHAPE_FROM_DATA else "." + name + "()")
+
+
+def _reads_a_value(name: str, args, kwargs) -> bool:
+    if name == "__dlpack__":  # numpy's np.from_dlpack reads the memory; torch.from_dlpack makes a view of it
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "__dlpack__":
+            frame = frame.f_back
+        caller = frame.f_back if frame is not None else None
+        return caller is not None and not caller.f_code.co_filename.startswith(_TORCH_DIR)
+    """A call whose result's size depends on a tensor's values, read on the host: a name of
+    :data:`HOST_READS`; repeat_interleave with tensor repeats and no output_size; t[mask] with a
+    boolean mask; one-argument torch.where; a 0-d integer tensor given where a size, a bound or a
+    count goes (:data:`_SIZE_TAKERS`, directly or inside a shape or a slice)."""
+    if name in HOST_READS:
+        return True
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    if name == "__getitem__" and len(args) > 1:
+        # a boolean mask, or a tensor as a slice's bound (a tensor index by itself is a gather: no read)
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any((isinstance(i, torch.Tensor) and i.dtype == torch.bool) or (isinstance(i, slice)
+                   and _scalar_tensor_in(i)) for i in index)
+    if name in _SIZE_TAKERS:
+        first = 0 if name in _SIZE_FACTORIES else 1
+        return any(_scalar_tensor_in(a) for a in (*args[first:], *kwargs.values()))
+    return False
+
+
+def _scalar_tensor_in(value, depth: int = 0) -> bool:
+    """A 0-d integer tensor, or one inside a tuple, list or slice (a shape, an index's bounds)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    if isinstance(value, slice):
+        return any(_scalar_tensor_in(v, depth + 1) for v in (value.start, value.stop, value.step))
+    if isinstance(value, (tuple, list)) and depth < 2:
+        return any(_scalar_tensor_in(v, depth + 1) for v in value)
+    return False
 
 
 def _answer_frame() -> str | None:
