@@ -887,7 +887,7 @@ def test_honest_code_is_not_listed_by_the_new_rules(source):
 
 
 @pytest.mark.parametrize("expression", _HONEST_READS.values(), ids=list(_HONEST_READS))
-def test_a_host_read_through_numpy_printing_membership_or_pickle_is_recorded(expression):
+def test_a_host_read_through_numpy_printing_sizes_or_masks_is_recorded(expression):
     """Tensor methods that torch runs with the function modes off (so the reads inside them go
     unseen) are host reads themselves: np.asarray / np.array / np.from_dlpack, repr / str / print,
     `value in tensor`. Each is recorded at the answer cell's line. (Pickling a tensor reads its storage

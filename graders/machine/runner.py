@@ -34,19 +34,19 @@ from graders.machine.wire import decode, encode, load_tensors, read_json, save_t
 #: answer cell that ends with its own ``graders.check(...)`` runs (check does nothing in the child).
 PREAMBLE = "import math\nimport torch\nimport graders\n"
 
+#: Calls whose result's size is read from the values (a GPU waits for it).
+_SHAPE_FROM_DATA = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
 #: Tensor methods that bring a tensor's value to the host: on a GPU each waits for the device.
 HOST_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
                         "__format__", "equal", "allclose", "is_nonzero",
                         # torch runs these without the mode (so what they read inside goes unseen): numpy's
                         # np.asarray / np.array, repr / str / print, `x in t`, complex(t), and a Python
                         # function called on every value (not __dlpack__: torch.from_dlpack is a view)
-                        "__array__", "__repr__", "__contains__", "__complex__", "apply_", "map_", "map2_",
-                        # the size of their result is read from the data (a GPU waits for it)
-                        "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
-_SHAPE_FROM_DATA = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
+                        "__array__", "__repr__", "__contains__", "__complex__", "apply_", "map_", "map2_"}
+                       ) | _SHAPE_FROM_DATA
 #: Functions whose sizes come from their arguments' values: a 0-d integer tensor among them (a shape,
 #: a bound, a count) is read on the host in C++, where the mode never sees a method of it (helper-28).
-#: Factories, whose first argument is a size too; then methods, whose first argument is the tensor.
+#: The factories, whose first argument is a size too; the methods, whose first argument is the tensor.
 _SIZE_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint"})
 _SIZE_TAKERS = _SIZE_FACTORIES | frozenset({
     "new_empty", "new_zeros", "new_ones", "new_full", "view", "reshape", "narrow", "split", "topk", "expand",

@@ -143,28 +143,21 @@ def device_key(device_name: str) -> str:
 def device_table(device_name: Optional[str] = None) -> dict[tuple[int, int, int], str]:
     """The rule table for a GPU of this name (default: this process's current CUDA device, when CUDA is
     initialized here; else the H200's). Host call: the name is read once per device index."""
-    return MEASURED_BY_DEVICE[device_key(_current_device_name() if device_name is None else device_name)]
+    return MEASURED_BY_DEVICE[_current_key() if device_name is None else device_key(device_name)]
 
 
-def _current_device_name() -> str:
-    """The current CUDA device's name, or "" when CUDA is not initialized in this process: reading it
-    would initialize CUDA, which a process that forks later (a grader's ranks) must not do here."""
+def _current_key() -> str:
+    """:func:`device_key` of the current CUDA device, read once per device index; "H200" when CUDA is
+    not initialized in this process (reading the name would initialize it, which a process that forks
+    later, a grader's ranks, must not do here)."""
     import torch
 
     if not torch.cuda.is_initialized():
-        return ""
-    return torch.cuda.get_device_name(torch.cuda.current_device())
-
-
-def _current_index() -> tuple[list, dict]:
-    import torch
-
-    if not torch.cuda.is_initialized():
-        return _INDEXES["H200"]
+        return "H200"
     index = torch.cuda.current_device()
     if index not in _DEVICE_KEYS:
         _DEVICE_KEYS[index] = device_key(torch.cuda.get_device_name(index))
-    return _INDEXES[_DEVICE_KEYS[index]]
+    return _DEVICE_KEYS[index]
 
 
 def choose_decode_schedule(num_tokens: int, num_adapters: int, max_rank: int,
@@ -178,7 +171,7 @@ def choose_decode_schedule(num_tokens: int, num_adapters: int, max_rank: int,
     adapter (module docstring). No adapter, no token or an empty table: "token" (a base-only step
     launches no LoRA op anyway).
     """
-    ranks, by_rank = _current_index() if table is None else _index(table)
+    ranks, by_rank = _INDEXES[_current_key()] if table is None else _index(table)
     if num_adapters < 1 or num_tokens < 1 or not ranks:
         return "token"
     tokens_list, by_tokens = by_rank[_at_or_below(ranks, max_rank)]
