@@ -160,6 +160,53 @@ def record_decode_contexts(llm) -> list[int]:
     return log
 
 
+KERNEL_CLASSES = (  # first match wins: a kernel's name -> what it does in a decode step
+    ("attention", ("attention", "flash", "fmha", "sdpa")),
+    ("lora", ("sgmv", "bgmv", "lora", "fused_decode", "merge_splits")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
+    ("norm, rope, activation, copies", ("",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next(label for label, keys in KERNEL_CLASSES if any(k in low for k in keys))
+
+
+def decode_breakdown(prof, kv_positions: list[int], floor: Optional[dict], label: str = "decode_step") -> Optional[dict]:
+    """Where a decode step's time goes, from a torch.profiler trace: per step (mean over the ``label``
+    ranges, ms) its wall time, the GPU time of each kernel class (:data:`KERNEL_CLASSES`, kernels
+    clipped to the ranges) and the host gap (wall minus the union of GPU intervals). With ``floor``
+    (benchmark's copy bandwidth, weight and KV bytes), each class's own floor beside it: the GEMMs
+    must read every weight once, attention the KV of the positions it attends (``kv_positions``, one
+    count per decode step), LoRA and the rest have none. Issue #30: "state what limits each target
+    that is missed, from a profile"."""
+    events = list(prof.profiler.kineto_results.events())
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == label)
+    if not ranges:
+        return None
+    per_class: dict[str, float] = {}
+    gpu = []
+    for e in events:
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        a, b = e.start_ns(), e.start_ns() + e.duration_ns()
+        inside = sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in ranges if a < hi and b > lo)
+        if inside:
+            gpu.append((a, b))
+            per_class[kernel_class(e.name())] = per_class.get(kernel_class(e.name()), 0) + inside
+    n = len(ranges)
+    wall = sum(hi - lo for lo, hi in ranges) / n / 1e6
+    busy = gpu_busy(prof, label) or 0.0
+    out = dict(decode_steps=n, wall_ms=round(wall, 3), host_gap_ms=round(wall * (1 - busy), 3),
+               gpu_ms={k: round(v / n / 1e6, 3) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])})
+    if floor is not None and kv_positions:
+        out["floor_ms"] = dict(gemm=round(1e3 * floor["weights"] / floor["bandwidth"], 3),
+                               attention=round(1e3 * sum(kv_positions) / len(kv_positions) * floor["kv_per_position"]
+                                               / floor["bandwidth"], 3))
+    return out
+
+
 def gpu_busy(prof, label: str = "decode_step") -> Optional[float]:
     """Fraction of the ``label`` ranges' wall time during which some GPU kernel or copy ran (the
     union of their intervals, clipped to the ranges), from a torch.profiler trace."""
@@ -220,7 +267,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
         floors = [(floor["weights"] + c * floor["kv_per_position"]) / floor["bandwidth"] for c in contexts]
         extra["decode_floor_ms_p50"] = round(1e3 * percentile(floors, 0.5), 3)
     if profile and device.type == "cuda":
-        extra["gpu_busy_decode"] = profiled_busy(llm, prompts, params, names)
+        extra["gpu_busy_decode"], extra["decode_breakdown"] = profiled_busy(llm, prompts, params, names, floor)
     tokens = sum(len(o.token_ids) for o in outs)
     tpot = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
     ttft = [o.token_times[0] for o in outs if o.token_times]
@@ -236,15 +283,19 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
                 adapter_loads=llm.stats["pool_events"].get("load", 0))
 
 
-def profiled_busy(llm, prompts, params, names) -> Optional[float]:
+def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> tuple[Optional[float], Optional[dict]]:
     """The workload once more under torch.profiler (CPU and CUDA activity, as issue #30 measured),
-    each decode step labelled: the GPU-busy fraction of the decode steps' wall time."""
+    each decode step labelled: the GPU-busy fraction of the decode steps' wall time, and
+    :func:`decode_breakdown` of them."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     forward = llm.runner.forward
+    kv_positions: list[int] = []
 
     def labelled(work, running=()):
         label = "decode_step" if all(len(w.token_ids) == 1 for w in work) else "prefill_step"
+        if label == "decode_step":
+            kv_positions.append(sum(w.start + 1 for w in work))
         with record_function(label):
             logits = forward(work, running)
             logits.sum().item()  # the step ends when its logits exist (the engine reads them at once too)
@@ -255,7 +306,7 @@ def profiled_busy(llm, prompts, params, names) -> Optional[float]:
         llm.generate(prompts, params, lora_request=names)
     llm.runner.forward = forward
     busy = gpu_busy(prof)
-    return None if busy is None else round(busy, 3)
+    return (None if busy is None else round(busy, 3)), decode_breakdown(prof, kv_positions, floor)
 
 
 def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
@@ -523,6 +574,8 @@ def main() -> None:
                    f"p99 {row['tpot_ms_p99']:.2f} ms, TTFT p50 {row['ttft_s_p50']:.2f} s, steps {row['steps']}, "
                    f"preemptions {row['preemptions']}, loads {row['adapter_loads']}, "
                    f"graph decode steps {row['graph_decode_steps']}/{row['decode_steps']}")
+        if row.get("decode_breakdown"):
+            tqdm.write(f"  a decode step: {row['decode_breakdown']}")
     base_row = next((r for r in rows if r["adapters"] == 0), None)
     for load in (args.arrival_loads if base_row else []):
         rate = load * n / base_row["wall_s"]

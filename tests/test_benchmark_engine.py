@@ -1,0 +1,54 @@
+"""The engine benchmark's decode-step breakdown (benchmarks/benchmark_engine.py, issue #30): which
+kernels count toward which class and floor, read from a torch.profiler trace's events."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from benchmark_engine import decode_breakdown, gpu_busy, kernel_class  # noqa: E402
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _event(name, start, duration, device=CUDA):
+    return SimpleNamespace(name=lambda: name, start_ns=lambda: start, duration_ns=lambda: duration,
+                           device_type=lambda: device)
+
+
+def _trace(events):
+    return SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+
+
+@pytest.mark.parametrize("name, label", [
+    ("_paged_attention_kernel", "attention"), ("flash_fwd_splitkv_kernel", "attention"),
+    ("_bgmv_shrink_sorted_kernel", "lora"), ("_sgmv_expand_kernel", "lora"), ("_merge_splits_kernel", "lora"),
+    ("nvjet_sm90_tst_112x128_64x7_2x1_v_bz_TNN", "gemm"), ("void cutlass::Kernel2<cutlass_80_tensorop>", "gemm"),
+    ("void at::native::reduce_kernel<512, 1, MeanOps>", "norm, rope, activation, copies")])
+def test_kernel_class_by_name(name, label):
+    assert kernel_class(name) == label
+
+
+def test_decode_breakdown_per_step_clipped_to_the_decode_ranges():
+    """Two decode steps of 10 us (ns units below) and one prefill step: kernels outside the decode
+    ranges do not count, a kernel straddling a range's end counts for its inside part, the host gap
+    is the wall time no kernel covers, and the floors come from the bytes over the bandwidth."""
+    events = [_event("decode_step", 0, 10_000, CPU), _event("decode_step", 20_000, 10_000, CPU),
+              _event("prefill_step", 40_000, 10_000, CPU),
+              _event("_paged_attention_kernel", 1_000, 4_000), _event("nvjet_gemm", 5_000, 2_000),
+              _event("_paged_attention_kernel", 21_000, 2_000), _event("_sgmv_shrink_kernel", 28_000, 4_000),
+              _event("nvjet_gemm", 41_000, 8_000)]  # prefill's: not counted
+    out = decode_breakdown(_trace(events), [100, 300],
+                           dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12))
+    assert out["decode_steps"] == 2 and out["wall_ms"] == pytest.approx(0.010)
+    assert out["gpu_ms"] == {"attention": pytest.approx(0.003), "gemm": pytest.approx(0.001),
+                             "lora": pytest.approx(0.001)}  # 6 + 2 + 2 (of 4) us over two steps
+    busy = gpu_busy(_trace(events))
+    assert busy == pytest.approx(10 / 20)
+    assert out["host_gap_ms"] == pytest.approx(0.005)
+    assert out["floor_ms"] == {"gemm": pytest.approx(2.0), "attention": pytest.approx(0.2)}
+    assert decode_breakdown(_trace(events[2:]), [], None) is None  # no decode step
