@@ -182,14 +182,12 @@ def decode_breakdown(prof, kv_positions: list[int], floor: Optional[dict], label
     count per decode step), LoRA and the rest have none. Issue #30: "state what limits each target
     that is missed, from a profile"."""
     events = list(prof.profiler.kineto_results.events())
-    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == label)
+    ranges = _step_ranges(events, label)
     if not ranges:
         return None
     per_class: dict[str, float] = {}
     gpu = []
-    for e in events:
-        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
-            continue
+    for e in _gpu_work(events):
         a, b = e.start_ns(), e.start_ns() + e.duration_ns()
         inside = sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in ranges if a < hi and b > lo)
         if inside:
@@ -207,13 +205,30 @@ def decode_breakdown(prof, kv_positions: list[int], floor: Optional[dict], label
     return out
 
 
+STEP_LABELS = ("decode_step", "prefill_step")
+
+
+def _step_ranges(events, label: str) -> list[tuple[int, int]]:
+    """The host ranges of ``label`` (record_function). Kineto also mirrors each such range on the GPU
+    timeline (a CUDA-device event of the same name, spanning the kernels it launched): counted as a
+    kernel, it made the steps look busy (H100 run of b6e9033: "the rest" 9.9 ms of a 10.5 ms step)."""
+    return sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                  if e.name() == label and e.device_type() == torch.autograd.DeviceType.CPU)
+
+
+def _gpu_work(events):
+    """Kernels, copies and memsets: CUDA-device events with a duration, not the GPU mirrors of
+    :data:`STEP_LABELS`."""
+    return [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+            and e.name() not in STEP_LABELS]
+
+
 def gpu_busy(prof, label: str = "decode_step") -> Optional[float]:
     """Fraction of the ``label`` ranges' wall time during which some GPU kernel or copy ran (the
     union of their intervals, clipped to the ranges), from a torch.profiler trace."""
     events = list(prof.profiler.kineto_results.events())
-    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == label)
-    gpu = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-                 if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+    ranges = _step_ranges(events, label)
+    gpu = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in _gpu_work(events))
     if not ranges:
         return None
     merged: list[list[int]] = []

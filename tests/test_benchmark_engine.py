@@ -41,7 +41,9 @@ def test_decode_breakdown_per_step_clipped_to_the_decode_ranges():
               _event("prefill_step", 40_000, 10_000, CPU),
               _event("_paged_attention_kernel", 1_000, 4_000), _event("nvjet_gemm", 5_000, 2_000),
               _event("_paged_attention_kernel", 21_000, 2_000), _event("_sgmv_shrink_kernel", 28_000, 4_000),
-              _event("nvjet_gemm", 41_000, 8_000)]  # prefill's: not counted
+              _event("nvjet_gemm", 41_000, 8_000),  # prefill's: not counted
+              # kineto's GPU-timeline mirrors of the record_function ranges: neither steps nor kernels
+              _event("decode_step", 1_000, 6_000), _event("decode_step", 21_000, 11_000)]
     out = decode_breakdown(_trace(events), [100, 300],
                            dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12))
     assert out["decode_steps"] == 2 and out["wall_ms"] == pytest.approx(0.010)
