@@ -151,10 +151,10 @@ def record_decode_contexts(llm) -> list[int]:
     log: list[int] = []
     forward = llm.runner.forward
 
-    def logged(work, running=()):
+    def logged(work, running=(), **kw):  # kw: ModelRunner.forward's check
         if all(len(w.token_ids) == 1 for w in work):
             log.append(sum(w.start + 1 for w in work))
-        return forward(work, running)
+        return forward(work, running, **kw)
 
     llm.runner.forward = logged
     return log
@@ -259,14 +259,24 @@ def release_engines(device) -> None:
 
 
 def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
-               policies: EnginePolicies = EnginePolicies(), floor: Optional[dict] = None, profile: bool = False) -> dict:
+               policies: EnginePolicies = EnginePolicies(), floor: Optional[dict] = None, profile: bool = False,
+               check_work: bool = False) -> dict:
     """One timed ``generate`` of the workload. ``floor``: {"bandwidth": B/s, "weights": bytes,
     "kv_per_position": bytes} adds each decode step's floor, (weights + attended KV) / bandwidth, and
     TPOT p50 over the median floor. ``profile``: a second, profiled generate for the GPU-busy
-    fraction of its decode steps (the timed one stays unprofiled)."""
+    fraction of its decode steps (the timed one stays unprofiled). ``check_work``: the engine's
+    step checks its own work every step (``ModelRunner.forward(check=True)``, as it did before
+    it trusted its scheduler): the host time that pass costs, by difference."""
     release_engines(device)
     llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device,
               policies=policies)
+    if check_work:
+        unchecked = llm.runner.forward
+
+        def checked(work, running=(), **kw):
+            return unchecked(work, running, check=True)
+
+        llm.runner.forward = checked
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -307,12 +317,12 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     forward = llm.runner.forward
     kv_positions: list[int] = []
 
-    def labelled(work, running=()):
+    def labelled(work, running=(), **kw):  # kw: ModelRunner.forward's check
         label = "decode_step" if all(len(w.token_ids) == 1 for w in work) else "prefill_step"
         if label == "decode_step":
             kv_positions.append(sum(w.start + 1 for w in work))
         with record_function(label):
-            logits = forward(work, running)
+            logits = forward(work, running, **kw)
             logits.sum().item()  # the step ends when its logits exist (the engine reads them at once too)
             return logits
 
@@ -379,14 +389,14 @@ def record_step_work(llm) -> list[int]:
     work_of_step = [0, 0]
     forward = llm.runner.forward
 
-    def counted(work, running=()):
+    def counted(work, running=(), **kw):  # kw: ModelRunner.forward's check
         for w in work:
             n = len(w.token_ids)
             if n == 1:
                 work_of_step[0] += 1
             else:
                 work_of_step[1] += n
-        return forward(work, running)
+        return forward(work, running, **kw)
 
     llm.runner.forward = counted
     return work_of_step
@@ -499,6 +509,8 @@ def main() -> None:
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="max_prefill_tokens_while_decoding of the engine: the prompt tokens a step that also "
                          "decodes may carry (default: what the token budget leaves)")
+    ap.add_argument("--check-work", action="store_true",
+                    help="the engine's step checks its own work every step (as before it trusted its scheduler)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -548,7 +560,7 @@ def main() -> None:
         result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
                       prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
-                      engine_config=engine_cfg.__dict__, rows=rows, targets=met, extras=extras,
+                      engine_config=engine_cfg.__dict__, engine_checks_its_work=args.check_work, rows=rows, targets=met, extras=extras,
                       peft_requests=args.peft_requests or n,
                       copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
                       weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),
@@ -580,7 +592,8 @@ def main() -> None:
         used = {k: adapters[k] for k in set(names) if k is not None}
         cfg_row = EngineConfig(**{**engine_cfg.__dict__, "attention_backend": attention})
         row = dict(system="engine", adapters=D, distinct_in_trace=len(used),
-                   **run_engine(model, cfg_row, prompts, names, new, used, device, floor=floor, profile=args.profile))
+                   **run_engine(model, cfg_row, prompts, names, new, used, device, floor=floor, profile=args.profile,
+                              check_work=args.check_work))
         row["attention"] = attention or ("triton" if device.type == "cuda" else "torch")
         rows.append(row)
         save()

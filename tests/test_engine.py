@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from reference.engine.llm import LLM, EngineConfig, EnginePolicies, engine_step
+from reference.engine.model_runner import SeqWork
 from reference.engine.policies import block_hashes
 from reference.engine.sequence import SamplingParams
 
@@ -377,7 +378,7 @@ def test_malformed_sampling_params_and_requests_are_refused_alone_and_the_engine
         llm.generate([[1], [2]], good, lora_request="a0")
     # an error escaping a step (here: a broken runner) leaves nothing queued or held behind
     real = llm.runner.forward
-    llm.runner.forward = lambda work, running=(): (_ for _ in ()).throw(RuntimeError("boom"))
+    llm.runner.forward = lambda work, running=(), **kw: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[1, 2, 3]], good, lora_request=["a0"])
     llm.runner.forward = real
@@ -398,3 +399,24 @@ def test_the_public_engine_step_runs_the_same_engine(base, adapter_dirs):
     with pytest.raises(ValueError, match="greedily"):
         stepped.generate([[1, 2]], SamplingParams(temperature=0.5, seed=1), step=engine_step)
     assert not stepped.scheduler.has_unfinished()
+
+
+def test_the_engine_trusts_its_own_work_and_a_step_function_is_checked(base, adapter_dirs):
+    """The engine's own step skips check_work (its scheduler's work is valid by construction; the pass
+    was the largest item of a decode step's host time), a step function's calls keep it: the same
+    broken work item is refused through the public runner call and not re-checked in the engine's."""
+    llm = make_engine(base, adapter_dirs)
+    real, seen = llm.runner.forward, []
+
+    def spy(work, running=(), **kw):
+        seen.append(kw.get("check", True))
+        return real(work, running, **kw)
+
+    llm.runner.forward = spy
+    llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+    assert seen and not any(seen)
+    seen.clear()
+    llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3), step=engine_step)
+    assert seen and all(seen)
+    with pytest.raises(ValueError, match="block table"):
+        real([SeqWork([1, 2, 3], 0, [])])
