@@ -161,11 +161,15 @@ def record_decode_contexts(llm) -> list[int]:
 
 
 KERNEL_CLASSES = (  # first match wins: a kernel's name -> what it does in a decode step
-    ("attention", ("attention", "flash", "fmha", "sdpa")),
-    ("lora", ("sgmv", "bgmv", "lora", "fused_decode", "merge_splits")),
+    # _merge_splits_kernel is paged attention's flash-decoding merge (reference/ops/paged_attention.py)
+    ("attention", ("attention", "flash", "fmha", "sdpa", "merge_splits")),
+    ("lora", ("sgmv", "bgmv", "lora", "fused_decode")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
-    ("norm, rope, activation, copies", ("",)),
+    # torch's elementwise and reduction kernels: norms, rotary embedding, SiLU-and-mul, residual adds,
+    # copies, sampling, and also the sorted / grouped LoRA schedules' sum of split-K partials
+    ("other", ("",)),
 )
+STEP_LABEL = "engine_step"  # the record_function range around each LLM._step: schedule, model, sample, postprocess
 
 
 def kernel_class(name: str) -> str:
@@ -173,75 +177,87 @@ def kernel_class(name: str) -> str:
     return next(label for label, keys in KERNEL_CLASSES if any(k in low for k in keys))
 
 
-def decode_breakdown(prof, kv_positions: list[int], floor: Optional[dict], label: str = "decode_step") -> Optional[dict]:
-    """Where a decode step's time goes, from a torch.profiler trace: per step (mean over the ``label``
-    ranges, ms) its wall time, the GPU time of each kernel class (:data:`KERNEL_CLASSES`, kernels
-    clipped to the ranges) and the host gap (wall minus the union of GPU intervals). With ``floor``
-    (benchmark's copy bandwidth, weight and KV bytes), each class's own floor beside it: the GEMMs
-    must read every weight once, attention the KV of the positions it attends (``kv_positions``, one
-    count per decode step), LoRA and the rest have none. Issue #30: "state what limits each target
-    that is missed, from a profile"."""
-    events = list(prof.profiler.kineto_results.events())
-    ranges = _step_ranges(events, label)
-    if not ranges:
-        return None
-    per_class: dict[str, float] = {}
-    gpu = []
-    for e in _gpu_work(events):
-        a, b = e.start_ns(), e.start_ns() + e.duration_ns()
-        inside = sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in ranges if a < hi and b > lo)
-        if inside:
-            gpu.append((a, b))
-            per_class[kernel_class(e.name())] = per_class.get(kernel_class(e.name()), 0) + inside
-    n = len(ranges)
-    wall = sum(hi - lo for lo, hi in ranges) / n / 1e6
-    busy = gpu_busy(prof, label) or 0.0
-    out = dict(decode_steps=n, wall_ms=round(wall, 3), host_gap_ms=round(wall * (1 - busy), 3),
-               gpu_ms={k: round(v / n / 1e6, 3) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])})
-    if floor is not None and kv_positions:
-        out["floor_ms"] = dict(gemm=round(1e3 * floor["weights"] / floor["bandwidth"], 3),
-                               attention=round(1e3 * sum(kv_positions) / len(kv_positions) * floor["kv_per_position"]
-                                               / floor["bandwidth"], 3))
-    return out
-
-
-STEP_LABELS = ("decode_step", "prefill_step")
-
-
-def _step_ranges(events, label: str) -> list[tuple[int, int]]:
-    """The host ranges of ``label`` (record_function). Kineto also mirrors each such range on the GPU
-    timeline (a CUDA-device event of the same name, spanning the kernels it launched): counted as a
-    kernel, it made the steps look busy (H100 run of b6e9033: "the rest" 9.9 ms of a 10.5 ms step)."""
+def _step_ranges(events, label: str = STEP_LABEL) -> list[tuple[int, int]]:
+    """The host ranges of ``label`` (record_function), in time order. Kineto also mirrors each such
+    range on the GPU timeline (a CUDA-device event of the same name, spanning the kernels it
+    launched): counted as a kernel, it made the steps look busy (H100 run of b6e9033: "the rest"
+    9.9 ms of a 10.5 ms step; the H200's committed gpu_busy_decode 0.88-0.91 was counted that way)."""
     return sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
                   if e.name() == label and e.device_type() == torch.autograd.DeviceType.CPU)
 
 
-def _gpu_work(events):
-    """Kernels, copies and memsets: CUDA-device events with a duration, not the GPU mirrors of
-    :data:`STEP_LABELS`."""
+def _gpu_work(events, labels: tuple[str, ...] = (STEP_LABEL,)):
+    """Kernels, copies and memsets: CUDA-device events with a duration, not the GPU mirrors of the
+    step ranges."""
     return [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
-            and e.name() not in STEP_LABELS]
+            and e.name() not in labels]
 
 
-def gpu_busy(prof, label: str = "decode_step") -> Optional[float]:
-    """Fraction of the ``label`` ranges' wall time during which some GPU kernel or copy ran (the
-    union of their intervals, clipped to the ranges), from a torch.profiler trace."""
-    events = list(prof.profiler.kineto_results.events())
-    ranges = _step_ranges(events, label)
-    gpu = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in _gpu_work(events))
-    if not ranges:
-        return None
+def _union_inside(intervals, ranges) -> int:
+    """ns covered by the union of ``intervals`` inside the (disjoint) ``ranges``."""
     merged: list[list[int]] = []
-    for a, b in gpu:
+    for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    busy = total = 0
-    for lo, hi in ranges:  # decode steps do not overlap one another
-        total += hi - lo
-        busy += sum(max(0, min(b, hi) - max(a, lo)) for a, b in merged if a < hi and b > lo)
-    return busy / total if total else None
+    return sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in ranges for a, b in merged if a < hi and b > lo)
+
+
+def decode_ranges(prof, step_kv: list[Optional[int]], label: str = STEP_LABEL) -> list[tuple[int, int]]:
+    """The ``label`` ranges of the decode steps: ``step_kv`` holds one entry per labelled step, in
+    order, the KV positions a decode step attends or None for any other step. Raises ValueError when
+    the trace holds another number of ranges (the labels and the record would not line up)."""
+    ranges = _step_ranges(list(prof.profiler.kineto_results.events()), label)
+    if len(ranges) != len(step_kv):
+        raise ValueError(f"{len(ranges)} {label} ranges in the trace but {len(step_kv)} steps recorded")
+    return [r for r, kv in zip(ranges, step_kv) if kv is not None]
+
+
+def gpu_busy(prof, ranges: list[tuple[int, int]]) -> Optional[float]:
+    """Fraction of the ``ranges``' wall time during which some GPU kernel or copy ran (the union of
+    their intervals, clipped to the ranges), from a torch.profiler trace."""
+    total = sum(hi - lo for lo, hi in ranges)
+    if not total:
+        return None
+    events = list(prof.profiler.kineto_results.events())
+    return _union_inside([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in _gpu_work(events)], ranges) / total
+
+
+def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], label: str = STEP_LABEL) -> Optional[dict]:
+    """Where a decode step's time goes, from a torch.profiler trace whose engine steps are each one
+    ``label`` range (``step_kv``: see :func:`decode_ranges`). Per decode step, mean over them, in ms:
+    ``wall_ms`` (the whole engine step: schedule, model, sampling with its device-to-host read,
+    postprocess), ``gpu_busy_ms`` (the union of kernel and copy intervals inside it), ``host_ms``
+    (wall minus busy: no kernel running), and ``gpu_ms`` per kernel class (:data:`KERNEL_CLASSES`,
+    each kernel clipped to the ranges; the classes sum past ``gpu_busy_ms`` only where kernels
+    overlap). With ``floor`` (the benchmark's copy bandwidth, weight and KV bytes), ``floor_ms``: the
+    GEMMs must read every weight once, attention the KV of the positions the step attends (the mean
+    over these steps: a ratio of means); LoRA and the rest have no floor of their own. Issue #30:
+    "state what limits each target that is missed, from a profile"."""
+    ranges = decode_ranges(prof, step_kv, label)
+    if not ranges:
+        return None
+    events = list(prof.profiler.kineto_results.events())
+    per_class: dict[str, float] = {}
+    intervals = []
+    for e in _gpu_work(events, (label,)):
+        a, b = e.start_ns(), e.start_ns() + e.duration_ns()
+        inside = sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in ranges if a < hi and b > lo)
+        if inside:
+            intervals.append((a, b))
+            per_class[kernel_class(e.name())] = per_class.get(kernel_class(e.name()), 0) + inside
+    n = len(ranges)
+    wall = sum(hi - lo for lo, hi in ranges) / n / 1e6
+    busy = _union_inside(intervals, ranges) / n / 1e6
+    out = dict(range="engine step: schedule, model, sampling, postprocess", decode_steps=n, wall_ms=round(wall, 4),
+               gpu_busy_ms=round(busy, 4), host_ms=round(wall - busy, 4),
+               gpu_ms={k: round(v / n / 1e6, 4) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])})
+    kv = [k for k in step_kv if k is not None]
+    if floor is not None:
+        out["floor_ms"] = dict(gemm=round(1e3 * floor["weights"] / floor["bandwidth"], 3),
+                               attention=round(1e3 * sum(kv) / len(kv) * floor["kv_per_position"] / floor["bandwidth"], 3))
+    return out
 
 
 def release_engines(device) -> None:
@@ -310,28 +326,33 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
 
 def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> tuple[Optional[float], Optional[dict]]:
     """The workload once more under torch.profiler (CPU and CUDA activity, as issue #30 measured),
-    each decode step labelled: the GPU-busy fraction of the decode steps' wall time, and
-    :func:`decode_breakdown` of them."""
+    each engine step one ``engine_step`` range (``LLM._step``: schedule, model, sampling, which reads
+    the tokens to the host, and postprocess): the GPU-busy fraction of the decode steps' wall time,
+    and :func:`decode_breakdown` of them. (Before this, the ranges held the model call only, so the
+    host's scheduling and sampling fell outside them: the committed engine_breakdown_h100.json.)"""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    forward = llm.runner.forward
-    kv_positions: list[int] = []
+    forward, step = llm.runner.forward, llm._step
+    step_kv: list[Optional[int]] = []
 
-    def labelled(work, running=(), **kw):  # kw: ModelRunner.forward's check
-        label = "decode_step" if all(len(w.token_ids) == 1 for w in work) else "prefill_step"
-        if label == "decode_step":
-            kv_positions.append(sum(w.start + 1 for w in work))
-        with record_function(label):
-            logits = forward(work, running, **kw)
-            logits.sum().item()  # the step ends when its logits exist (the engine reads them at once too)
-            return logits
+    def recorded(work, running=(), **kw):  # kw: ModelRunner.forward's check
+        decode = all(len(w.token_ids) == 1 for w in work)
+        step_kv.append(sum(w.start + 1 for w in work) if decode else None)
+        return forward(work, running, **kw)
 
-    llm.runner.forward = labelled
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, lora_request=names)
-    llm.runner.forward = forward
-    busy = gpu_busy(prof)
-    return (None if busy is None else round(busy, 3)), decode_breakdown(prof, kv_positions, floor)
+    def labelled():
+        with record_function(STEP_LABEL):
+            return step()
+
+    llm.runner.forward, llm._step = recorded, labelled
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, lora_request=names)
+    finally:
+        llm.runner.forward = forward
+        del llm._step  # the bound method again
+    busy = gpu_busy(prof, decode_ranges(prof, step_kv))
+    return (None if busy is None else round(busy, 3)), decode_breakdown(prof, step_kv, floor)
 
 
 def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from benchmark_engine import decode_breakdown, gpu_busy, kernel_class  # noqa: E402
+from benchmark_engine import decode_breakdown, decode_ranges, gpu_busy, kernel_class  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -26,31 +26,37 @@ def _trace(events):
 
 @pytest.mark.parametrize("name, label", [
     ("_paged_attention_kernel", "attention"), ("flash_fwd_splitkv_kernel", "attention"),
-    ("_bgmv_shrink_sorted_kernel", "lora"), ("_sgmv_expand_kernel", "lora"), ("_merge_splits_kernel", "lora"),
+    ("_merge_splits_kernel", "attention"),  # paged attention's flash-decoding merge, not LoRA's
+    ("_bgmv_shrink_sorted_kernel", "lora"), ("_sgmv_expand_kernel", "lora"), ("_fused_decode_kernel", "lora"),
     ("nvjet_sm90_tst_112x128_64x7_2x1_v_bz_TNN", "gemm"), ("void cutlass::Kernel2<cutlass_80_tensorop>", "gemm"),
-    ("void at::native::reduce_kernel<512, 1, MeanOps>", "norm, rope, activation, copies")])
+    ("void at::native::reduce_kernel<512, 1, MeanOps>", "other")])
 def test_kernel_class_by_name(name, label):
     assert kernel_class(name) == label
 
 
-def test_decode_breakdown_per_step_clipped_to_the_decode_ranges():
-    """Two decode steps of 10 us (ns units below) and one prefill step: kernels outside the decode
-    ranges do not count, a kernel straddling a range's end counts for its inside part, the host gap
-    is the wall time no kernel covers, and the floors come from the bytes over the bandwidth."""
-    events = [_event("decode_step", 0, 10_000, CPU), _event("decode_step", 20_000, 10_000, CPU),
-              _event("prefill_step", 40_000, 10_000, CPU),
+def test_decode_breakdown_per_step_clipped_to_the_decode_steps():
+    """Two decode steps of 10 us (ns units below) and one prefill step, each an engine_step range: kernels
+    of the prefill step do not count, a kernel straddling a range's end counts for its inside part,
+    two overlapping kernels count once in the busy time (each in its class), the host time is the wall
+    time no kernel covers, and the floors come from the bytes over the bandwidth (the mean KV)."""
+    events = [_event("engine_step", 0, 10_000, CPU), _event("engine_step", 20_000, 10_000, CPU),
+              _event("engine_step", 40_000, 10_000, CPU),
               _event("_paged_attention_kernel", 1_000, 4_000), _event("nvjet_gemm", 5_000, 2_000),
+              _event("_sgmv_shrink_kernel", 6_000, 2_000),  # overlaps the GEMM by 1 us
               _event("_paged_attention_kernel", 21_000, 2_000), _event("_sgmv_shrink_kernel", 28_000, 4_000),
-              _event("nvjet_gemm", 41_000, 8_000),  # prefill's: not counted
+              _event("nvjet_gemm", 41_000, 8_000),  # the prefill step's: not counted
               # kineto's GPU-timeline mirrors of the record_function ranges: neither steps nor kernels
-              _event("decode_step", 1_000, 6_000), _event("decode_step", 21_000, 11_000)]
-    out = decode_breakdown(_trace(events), [100, 300],
-                           dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12))
+              _event("engine_step", 1_000, 6_000), _event("engine_step", 21_000, 11_000)]
+    out = decode_breakdown(_trace(events), [100, 300, None], dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12))
     assert out["decode_steps"] == 2 and out["wall_ms"] == pytest.approx(0.010)
     assert out["gpu_ms"] == {"attention": pytest.approx(0.003), "gemm": pytest.approx(0.001),
-                             "lora": pytest.approx(0.001)}  # 6 + 2 + 2 (of 4) us over two steps
-    busy = gpu_busy(_trace(events))
-    assert busy == pytest.approx(10 / 20)
-    assert out["host_gap_ms"] == pytest.approx(0.005)
+                             "lora": pytest.approx(0.002)}  # 6 + 2 + (2 + 2 of 4) us over two steps
+    assert out["gpu_busy_ms"] == pytest.approx(0.0055)  # 1..8 and 21..23 and 28..30 us: 11 us over two steps
+    assert out["host_ms"] == pytest.approx(0.0045)
+    ranges = decode_ranges(_trace(events), [100, 300, None])
+    assert ranges == [(0, 10_000), (20_000, 30_000)]
+    assert gpu_busy(_trace(events), ranges) == pytest.approx(11 / 20)
     assert out["floor_ms"] == {"gemm": pytest.approx(2.0), "attention": pytest.approx(0.2)}
-    assert decode_breakdown(_trace(events[2:]), [], None) is None  # no decode step
+    assert decode_breakdown(_trace(events), [None, None, None], None) is None  # no decode step
+    with pytest.raises(ValueError, match="3 engine_step ranges in the trace but 2 steps"):
+        decode_breakdown(_trace(events), [100, 300], None)
