@@ -1244,7 +1244,7 @@ if floor_rows:
 # GPU has slots, so admission ran in waves (more steps, more than one prefill step), each step
 # carrying part of the batch. Its decode steps attend fewer positions, so its floor is smaller and
 # its TPOT over floor divides by less; its smaller steps keep its TPOT p50 near the others' while
-# its throughput drops. Its "lora" class also holds some attention: the committed file was measured
+# its throughput drops. Its "lora" class may also hold some attention: the committed file was measured
 # before the benchmark filed paged attention's merge kernel (flash-decoding's second stage, which
 # runs when a decode step has few sequences, as in the second wave) under attention.
 #
