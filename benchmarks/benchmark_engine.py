@@ -530,6 +530,8 @@ def main() -> None:
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="max_prefill_tokens_while_decoding of the engine: the prompt tokens a step that also "
                          "decodes may carry (default: what the token budget leaves)")
+    ap.add_argument("--overlap-decode", action="store_true",
+                    help="EngineConfig.overlap_decode: launch decode step N+1 before reading step N's tokens")
     ap.add_argument("--check-work", action="store_true",
                     help="the engine's step checks its own work every step (as before it trusted its scheduler)")
     ap.add_argument("--out", type=Path, default=None)
@@ -551,7 +553,8 @@ def main() -> None:
                               max_num_seqs=n, max_num_batched_tokens=args.token_budget or (8192 if not args.smoke else 64),
                               backend="triton" if device.type == "cuda" else "torch",
                               cuda_graph=False if args.no_cuda_graph else None,
-                              max_prefill_tokens_while_decoding=args.prefill_while_decoding)
+                              max_prefill_tokens_while_decoding=args.prefill_while_decoding,
+                              overlap_decode=args.overlap_decode)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}

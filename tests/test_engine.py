@@ -420,3 +420,94 @@ def test_the_engine_trusts_its_own_work_and_a_step_function_is_checked(base, ada
     assert seen and all(seen)
     with pytest.raises(ValueError, match="block table"):
         real([SeqWork([1, 2, 3], 0, [])])
+
+
+def _outputs(outs):
+    return [(o.token_ids, o.finish_reason, o.error) for o in outs]
+
+
+def _spy_input_ids(llm):
+    """Count the runner calls that took their input ids from the device (overlapped decode)."""
+    real, calls = llm.runner.forward, []
+
+    def spy(work, running=(), **kw):
+        calls.append(kw.get("input_ids") is not None)
+        return real(work, running, **kw)
+
+    llm.runner.forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "static_graph"])
+def test_overlapped_decode_gives_the_plain_loops_outputs(base, adapter_dirs, graph):
+    """overlap_decode launches decode step N+1 before the host reads step N's tokens (N's samples feed
+    N+1 on the device). Outputs equal the plain loop's: on the judge's workload (admission in waves,
+    prefix hits, evictions, prompts longer than the budget: the pipeline starts and stops around
+    them), and on a long decode of a few requests where stop tokens end some sequences mid-pipeline
+    (their next row discarded), others run to max_new_tokens, some sample with seeds and min_tokens."""
+    plain_llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=graph))
+    over_llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, cuda_graph=graph, overlap_decode=True))
+    calls = _spy_input_ids(over_llm)
+    prompts, names, params = workload()
+    assert _outputs(over_llm.generate(prompts, params, lora_request=names)) == \
+        _outputs(plain_llm.generate(prompts, params, lora_request=names))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, CFG["vocab_size"], (3 + 4 * i,), generator=g).tolist() for i in range(5)]
+    names = [None, "a0", "a1", "a0", "a1"]  # the base and two adapters: CONFIG's slots, so nobody waits
+    free = [SamplingParams(max_new_tokens=14 + i) for i in range(5)]
+    first = plain_llm.generate(prompts, free, lora_request=names)
+    assert _outputs(over_llm.generate(prompts, free, lora_request=names)) == _outputs(first)  # same cache state after
+    # stop tokens the plain run meets mid-way (requests 0, 2, 4), seeded sampling (3), min_tokens (2)
+    params = [SamplingParams(max_new_tokens=14, stop_token_ids=(first[0].token_ids[5],)),
+              SamplingParams(max_new_tokens=15),
+              SamplingParams(max_new_tokens=16, stop_token_ids=(first[2].token_ids[3],), min_tokens=6),
+              SamplingParams(max_new_tokens=17, temperature=0.8, seed=3),
+              SamplingParams(max_new_tokens=18, stop_token_ids=(first[4].token_ids[9],))]
+    calls.clear()
+    want = plain_llm.generate(prompts, params, lora_request=names)
+    got = over_llm.generate(prompts, params, lora_request=names)
+    assert _outputs(got) == _outputs(want)
+    reasons = [o.finish_reason for o in want]  # request 2's stop token is banned at its first place (min_tokens)
+    assert (reasons[0], reasons[1], reasons[3], reasons[4]) == ("stop", "length", "length", "stop")
+    assert sum(calls) >= 8, "the pipeline ran for most of the decode steps"
+    assert over_llm._inflight is None and over_llm.blocks.num_free == plain_llm.blocks.num_free
+
+
+def test_overlapped_decode_fails_a_non_finite_row_alone(base, adapter_dirs):
+    """A row that turns non-finite in the middle of the pipeline (planted in the runner's logits at one
+    decode step): that request ends with an error and the tokens before it, its next row (already
+    launched) is discarded, and every other request keeps the plain loop's tokens."""
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, CFG["vocab_size"], (4 + 3 * i,), generator=g).tolist() for i in range(4)]
+    names, params = [None, "a0", "a1", None], [SamplingParams(max_new_tokens=12)] * 4
+
+    def planted(llm, seen):
+        real, count = llm.runner.forward, [0]
+
+        def forward(work, running=(), **kw):
+            out = real(work, running, **kw)
+            count[0] += 1
+            if count[0] == 6:  # a decode step of every request: row 1 is request 1
+                seen.append(kw.get("input_ids") is not None)
+                out = out.clone()
+                out[1] = float("nan")
+            return out
+
+        llm.runner.forward = forward
+
+    outs, seen = [], []
+    for overlap in (False, True):
+        llm = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, overlap_decode=overlap))
+        planted(llm, seen)
+        outs.append(llm.generate(prompts, params, lora_request=names))
+        assert llm.blocks.num_free == llm.blocks.num_blocks and not llm.scheduler.has_unfinished()
+    plain, over = outs
+    assert seen == [False, True], "the planted step ran inside the pipeline"
+    assert _outputs(over) == _outputs(plain)
+    assert plain[1].finish_reason == "error" and "not finite" in plain[1].error and 0 < len(plain[1].token_ids) < 12
+    assert all(o.finish_reason == "length" for i, o in enumerate(plain) if i != 1)
+
+
+def test_overlap_decode_is_a_bool(base):
+    with pytest.raises(ValueError, match="overlap_decode"):
+        LLM(copy.deepcopy(base), dataclasses.replace(CONFIG, overlap_decode="yes"))

@@ -323,7 +323,8 @@ class PagedDecodeGraphRunner:
 
     # ---- one decode step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, work: Sequence[SeqWork], uid_to_slot: Mapping[Hashable, int]) -> torch.Tensor:
+    def run(self, work: Sequence[SeqWork], uid_to_slot: Mapping[Hashable, int],
+            input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step (one token per SeqWork, :meth:`eager_reason` None): logits
         [len(work), vocab] float32 of the real rows (a copy: the graph's output is reused).
 
@@ -331,6 +332,8 @@ class PagedDecodeGraphRunner:
         was captured yet. Updates the static buffers in place (no device read), then replays the
         bucket's LoRA graph of the step's decode schedule (the rule's, from the real rows' count and
         distinct adapters), or its base-only graph when every row is on a rank-0 slot.
+        ``input_ids``: int64 [len(work)] on the device, copied over the token ids the host wrote
+        (``ModelRunner.forward``'s overlapped decode: the last step's samples, never read here).
         """
         if not self.graphs:
             self.capture()
@@ -351,6 +354,8 @@ class PagedDecodeGraphRunner:
             self.static.update(slots, bucket, self.pad_slot(), ranks, self.pool.scalings_host,
                                ownership_changed=changed)
         self.inputs.update(work, bucket)
+        if input_ids is not None:  # after update's copies, in stream order: the device's tokens win
+            self.inputs.buffers["input_ids"][:n].copy_(input_ids)
         graph, out = self.graphs[(bucket, lora)]
         if graph is not None:
             graph.replay()

@@ -71,6 +71,13 @@ class EngineConfig:
     # the longest prompt + max_new_tokens a request may ask (vLLM's --max-model-len); None = the
     # model's max_position_embeddings, and never more than it
     max_model_len: Optional[int] = None
+    # decode steps overlapped with the host's work (SGLang's overlap scheduler, vLLM's asynchronous
+    # scheduling), in generate(): while the GPU runs decode step N the host builds and launches step
+    # N+1, whose input ids are N's sampled tokens on the device, and only then reads N's tokens and
+    # records them; a sequence that stopped at N (a stop token, a non-finite row) has its row of N+1
+    # discarded. Only between pure decode steps (nothing waiting, no prompt in progress, no request
+    # asking for logprobs); every other step, add_request/step() and a custom step run as before.
+    overlap_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,23 @@ def engine_step(scheduler: Scheduler, runner: ModelRunner) -> str:
     picked = logits[rows].argmax(dim=-1).tolist() if rows else []  # one device-to-host copy for the step
     scheduler.postprocess(work, {work[i].seq.seq_id: token for i, token in zip(rows, picked)})
     return kind
+
+
+#: The host's stand-in for a token the device has sampled and the host has not read yet (overlapped
+#: decode); never a model input (the device's token replaces it) and never left in an output.
+_PENDING = -1
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not yet recorded (``EngineConfig.overlap_decode``)."""
+
+    work: list  # its Work, in row order
+    picked: torch.Tensor  # int64 [len(work)] on the device: the sampled tokens, -1 for a non-finite row
+    host: torch.Tensor  # where they are copied for the host (pinned on CUDA; ``picked`` itself on the CPU)
+    copied: Optional["torch.cuda.Event"]  # recorded after that copy (None on the CPU)
+    provisional: set = field(default_factory=set)  # seq_ids whose output holds a placeholder for the step before's token
+    discard: set = field(default_factory=set)  # seq_ids whose row is void: they ended at the step before
 
 
 @dataclass
@@ -176,6 +200,8 @@ class LLM:
         self.registry = AdapterRegistry()
         if config.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None, True or False, got {config.cuda_graph!r}")
+        if config.overlap_decode not in (True, False):
+            raise ValueError(f"overlap_decode must be True or False, got {config.overlap_decode!r}")
         graphs = device.type == "cuda" if config.cuda_graph is None else config.cuda_graph
         self.decode_mode = "eager" if not graphs else "cuda_graph" if device.type == "cuda" else "static"
         self.pool = self._make_pool(config, model.dtype, device, reserve_base=graphs)
@@ -200,6 +226,7 @@ class LLM:
         self._live: dict[int, tuple] = {}  # seq_id -> (RequestOutput, Sequence, arrival) of add_request's requests
         self._errors: dict[int, str] = {}  # seq_id -> why the engine failed that request alone
         self._retired: set = set()  # uids no name points to any more: dropped once no request uses them
+        self._inflight: Optional[_InFlight] = None  # overlapped decode: the step launched, not yet recorded
 
     def _make_pool(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
                    reserve_base: bool) -> LoRAMemoryPool:
@@ -346,14 +373,16 @@ class LLM:
             raise ValueError("a custom step decodes greedily: every request needs temperature 0")
         self._reset_step_state()
         self._t0 = time.perf_counter()
+        self._inflight = None
         pairs = [self._new_sequence(p, sp, name) for p, sp, name in zip(prompts, params, names)]
         try:
             while self.scheduler.has_unfinished():
                 if step is None:
-                    self._step()
+                    self._overlap_step() if self.config.overlap_decode else self._step()
                 else:
                     self.steps[step(self.scheduler, self.runner)] += 1
         except BaseException:
+            self._inflight = None  # its sequences are aborted below; later kernels follow it in stream order
             self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
             self._t0 = None
             raise
@@ -494,6 +523,10 @@ class LLM:
         self.steps[kind] += 1
         if not work:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug, not input
+        return self._run(work)
+
+    def _run(self, work: list[Work]) -> dict[int, int]:
+        """Compute, sample and record one scheduled step (the body of :meth:`_step`)."""
         running = [s.uid for s in self.scheduler.running]
         # the tables are passed, not copied: the runner reads them during the call and keeps nothing;
         # unchecked: this scheduler's work is valid by construction (ModelRunner.forward's ``check``)
@@ -522,26 +555,156 @@ class LLM:
             if tokens.get(w.seq.seq_id, 0) >= 0:
                 kept.append(w)
                 continue
-            seq = w.seq
-            del tokens[seq.seq_id]
-            self.scheduler.running.remove(seq)
-            self.blocks.release(seq)
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
-            self.scheduler.events.append(("finish", seq.seq_id, "error"))
-            self._errors[seq.seq_id] = (
-                f"the model's output for this request is not finite (NaN or inf logits after {len(seq.output)} "
-                f"tokens{'' if seq.uid is None else f' with adapter {seq.uid!r}'}): the request was stopped; "
-                "the other requests were not affected")
+            del tokens[w.seq.seq_id]
+            self._fail_one(w.seq)
         return kept
 
-    def _sample(self, work: list[Work], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, float]]:
-        """Every finished chunk's next token, greedy and seeded rows together, with one pass on the
-        device and one device-to-host copy (:func:`~reference.engine.model_runner.sample_batch`):
-        ({seq_id: token}, {seq_id: logprob} for the requests that asked). A row that is not finite
-        gets token -1 (its request fails alone: a NaN row's argmax is meaningless)."""
+    def _fail_one(self, seq: Sequence) -> None:
+        """Finish ``seq`` with an error (its row of logits was not finite); see :meth:`_fail`."""
+        self.scheduler.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+        self.scheduler.events.append(("finish", seq.seq_id, "error"))
+        self._errors[seq.seq_id] = (
+            f"the model's output for this request is not finite (NaN or inf logits after {len(seq.output)} "
+            f"tokens{'' if seq.uid is None else f' with adapter {seq.uid!r}'}): the request was stopped; "
+            "the other requests were not affected")
+
+    # ---- overlapped decode (EngineConfig.overlap_decode) ------------------------------------------
+    def _overlap_step(self) -> dict[int, int]:
+        """One iteration of generate()'s loop with overlapped decode: {seq_id: token} recorded in it.
+
+        With no step in flight: schedule; a pure decode step that may overlap is launched and left
+        in flight, any other runs as :meth:`_step` does. With step N in flight: launch step N+1 first
+        (:meth:`_launch_next`, when the batch can go on as it is), then wait for N's tokens and
+        record them (:meth:`_record`). The GPU runs N+1 while the host records N and builds N+2.
+        """
+        prev = self._inflight
+        if prev is None:
+            kind, work = self.scheduler.schedule()
+            self.steps[kind] += 1
+            if not work:
+                raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug
+            if kind == "decode" and self._can_overlap():
+                self._inflight = self._launch(work, None)
+                return {}
+            return self._run(work)
+        nxt = self._launch_next(prev) if self._can_overlap() else None
+        self._inflight = nxt
+        tokens = self._record(prev, nxt)
+        if nxt is not None and len(nxt.discard) == len(nxt.work):
+            self._inflight = None  # every row of it is void: nothing left to record
+        return tokens
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step is a pure decode of the running sequences that may be launched before
+        the last step's tokens are read: nothing waiting (no admission, no drain), no prompt in
+        progress, and no request asking for logprobs (read with the tokens)."""
+        sched = self.scheduler
+        return (not sched.waiting and not sched.drain_active
+                and not any(s.in_prefill or s.params.logprobs for s in sched.running))
+
+    def _launch(self, work: list[Work], input_ids: Optional[torch.Tensor]) -> "_InFlight":
+        """Run a decode step's model and sampler on the device and start the copy of its tokens to the
+        host (pinned memory, an event after it); nothing here waits for the device."""
+        running = [s.uid for s in self.scheduler.running]
+        logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
+                                      for w in work], running=running, check=False, input_ids=input_ids)
+        picked = self._sample_on_device(work, logits)[-1]
+        host, copied = picked, None
+        if picked.is_cuda:
+            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+            host.copy_(picked, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return _InFlight(work, picked, host, copied)
+
+    def _launch_next(self, prev: "_InFlight") -> Optional["_InFlight"]:
+        """Launch the decode step after ``prev`` before ``prev``'s tokens are known: every sequence of
+        ``prev`` that is still running and will not reach ``max_new_tokens`` with ``prev``'s token
+        computes that token (a placeholder on the host, ``prev``'s sample on the device). Returns
+        None, changing nothing, when none goes on or the new positions need more free KV blocks
+        than there are (the next step is then scheduled as usual, preemption included)."""
+        go_on = [i for i, w in enumerate(prev.work) if w.seq.seq_id not in prev.discard
+                 and len(w.seq.output) + 1 < w.seq.params.max_new_tokens]
+        if not go_on:
+            return None
+        blocks, bs = self.blocks, self.blocks.block_size
+        need = sum(blocks.blocks_for(prev.work[i].seq.num_tokens + 1) > len(prev.work[i].seq.block_table)
+                   for i in go_on)
+        if need > blocks.num_free:
+            return None
+        work = []
+        for i in go_on:
+            seq = prev.work[i].seq
+            seq.num_computed = seq.num_tokens  # prev's KV, written before this step in stream order
+            blocks.mark_computed(seq)  # full blocks only: the placeholder's position is past them
+            seq.output.append(_PENDING)
+            blocks.append_slot(seq)
+            self.scheduler.events.append(("decode", seq.seq_id))
+            work.append(Work(seq, seq.num_tokens - 1, seq.num_tokens))
+        self.scheduler.step_no += 1
+        self.steps["decode"] += 1
+        ids = prev.picked
+        if len(go_on) < len(prev.work):
+            index = torch.tensor(go_on, dtype=torch.int64)
+            if ids.is_cuda:  # pinned, so the copy does not wait for the stream's earlier work
+                index = index.pin_memory().to(ids.device, non_blocking=True)
+            ids = ids.index_select(0, index)
+        nxt = self._launch(work, ids.clamp(min=0))  # a failed row's -1: any id, the row is discarded
+        nxt.provisional = {prev.work[i].seq.seq_id for i in go_on}
+        return nxt
+
+    def _record(self, prev: "_InFlight", nxt: Optional["_InFlight"]) -> dict[int, int]:
+        """Wait for ``prev``'s tokens and record them as :meth:`Scheduler.postprocess` does (KV
+        computed, token appended, stop / length / error), filling the placeholders ``nxt`` was
+        launched with; a sequence that ends here has its row of ``nxt`` discarded."""
+        if prev.copied is not None:
+            prev.copied.synchronize()
+        values = prev.host.tolist()
+        ahead = nxt.provisional if nxt is not None else set()
+        tokens: dict[int, int] = {}
+        failed = []
+        for w, token in zip(prev.work, values):
+            seq = w.seq
+            if seq.seq_id in prev.discard:
+                continue
+            placeholder = seq.seq_id in ahead
+            if token < 0:  # a non-finite row: this request fails alone
+                if placeholder:
+                    seq.output.pop()
+                    nxt.discard.add(seq.seq_id)
+                failed.append(seq.seq_id)
+                self._fail_one(seq)
+                continue
+            if placeholder:
+                seq.output[-1] = token
+            else:
+                seq.num_computed, seq.in_prefill = w.end, False
+                self.blocks.mark_computed(seq)
+                seq.output.append(token)
+            tokens[seq.seq_id] = token
+            reason = ("stop" if token in seq.params.stop_token_ids else
+                      "length" if len(seq.output) >= seq.params.max_new_tokens else None)
+            if reason:
+                self.scheduler._finish(seq, reason)
+                if placeholder:
+                    nxt.discard.add(seq.seq_id)
+        self._step_failed = failed
+        now = time.perf_counter()
+        times = self._token_times
+        for seq_id in tokens:
+            times.setdefault(seq_id, []).append(now)
+        return tokens
+
+    def _sample_on_device(self, work: list[Work], logits: torch.Tensor) -> tuple[list[int], list[Sequence],
+                                                                                  Optional[torch.Tensor],
+                                                                                  Optional[torch.Tensor]]:
+        """(rows, their sequences, their logits, their tokens int64 on the device, -1 where a row is not
+        finite) for the chunks that reached their sequence's end; no device read."""
         rows = [i for i, w in enumerate(work) if w.end == w.seq.num_tokens]  # chunks that reached the end
         if not rows:
-            return {}, {}
+            return rows, [], None, None
         seqs = [work[i].seq for i in rows]
         sel = logits[rows] if len(rows) < len(work) else logits
         ps = [s.params for s in seqs]
@@ -551,7 +714,17 @@ class LLM:
                               top_ks=[p.top_k for p in ps] if any(p.top_k for p in ps) else None,
                               top_ps=[p.top_p for p in ps] if any(p.top_p < 1 for p in ps) else None,
                               banned=banned if any(banned) else None)
-        picked = torch.where(torch.isfinite(sel).all(dim=-1), picked, -1)
+        return rows, seqs, sel, torch.where(torch.isfinite(sel).all(dim=-1), picked, -1)
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> tuple[dict[int, int], dict[int, float]]:
+        """Every finished chunk's next token, greedy and seeded rows together, with one pass on the
+        device and one device-to-host copy (:func:`~reference.engine.model_runner.sample_batch`):
+        ({seq_id: token}, {seq_id: logprob} for the requests that asked). A row that is not finite
+        gets token -1 (its request fails alone: a NaN row's argmax is meaningless)."""
+        rows, seqs, sel, picked = self._sample_on_device(work, logits)
+        if not rows:
+            return {}, {}
+        ps = [s.params for s in seqs]
         ids = [s.seq_id for s in seqs]
         if not any(p.logprobs for p in ps):
             return dict(zip(ids, picked.tolist())), {}

@@ -381,7 +381,8 @@ class ModelRunner:
         if names and names != {backend.name}:
             raise ValueError(f"the model's LoRA layers use backend {sorted(names)}, not {backend.name!r}")
 
-    def forward(self, work: Sequence[SeqWork], running: Sequence[Hashable] = (), check: bool = True) -> torch.Tensor:
+    def forward(self, work: Sequence[SeqWork], running: Sequence[Hashable] = (), check: bool = True,
+                input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [len(work), vocab] float32 of each SeqWork's last token (see the class docstring).
 
         ``running``: uids of sequences that run but compute nothing this step (an engine's decoding
@@ -394,6 +395,10 @@ class ModelRunner:
         manager, every invariant tested), as vLLM's and SGLang's model runners trust their
         schedulers. That pass was the largest item of a 256-sequence decode step's host time (about
         30% of it, cProfile, CPU, GPU work stubbed out). A learner's step keeps the check.
+        ``input_ids``: int64 [len(work)] on the device, one token per SeqWork (a decode step), used
+        instead of the SeqWorks' ``token_ids`` (which the host does not know yet): the engine's
+        overlapped decode feeds step N's sampled tokens to step N+1 without reading them
+        (``EngineConfig.overlap_decode``; SGLang's overlap scheduler does the same). Not checked.
         Raises:
             ValueError: see :func:`check_work` (with ``check``); an adapter uid without a pool; from
             ``pool.prepare_lora_batch`` (an unknown uid, more distinct uids than slots).
@@ -405,11 +410,12 @@ class ModelRunner:
             uid_to_slot = self._prepare_adapters(work, running)
             graph = self.graph_runner
             if graph is not None and graph.eager_reason(work, uid_to_slot) is None:
-                return graph.run(work, uid_to_slot)
+                return graph.run(work, uid_to_slot, input_ids=input_ids)
             self._set_lora_batch(work, uid_to_slot)
             meta = self.split_decode(build_attention_metadata(work, self.kv_cache.block_size, self.device),
                                      max(w.start + len(w.token_ids) for w in work))
-            ids = torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
+            ids = (torch.tensor([t for w in work for t in w.token_ids], dtype=torch.int64).to(self.device)
+                   if input_ids is None else input_ids)
             return self.run_model(ids, meta)
 
     __call__ = forward

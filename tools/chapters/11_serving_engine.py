@@ -1232,8 +1232,10 @@ if floor_rows:
 # launches it only after it has read step N's tokens and recorded them, and the GPU waits for all of
 # that. Production engines hide that time by preparing the next step while the GPU runs the current
 # one (SGLang's overlap scheduler, vLLM's asynchronous scheduling). The price is that a step's
-# sampled tokens reach the next step's inputs on the device, before the host has seen them. This
-# engine does not overlap. The second is the GPU's own work, which is itself above the floor.
+# sampled tokens reach the next step's inputs on the device, before the host has seen them, and a
+# sequence that stops at step N has already been launched into step N+1, whose row for it is thrown
+# away. This engine has it as an option, `EngineConfig.overlap_decode`, off by default until it has
+# been measured on a GPU; the numbers above are without it. The second is the GPU's own work, which is itself above the floor.
 # Attention comes closest to its floor, because the paged kernel reads each sequence's blocks only up
 # to its length. The decode step's GEMMs, one row per running sequence, are further from theirs. The
 # "other" kernels have no floor of their own; fused kernels (vLLM's and SGLang's fused RMSNorm, rotary
