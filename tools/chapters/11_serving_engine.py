@@ -1094,12 +1094,14 @@ for splits in (1, 2):
 # and the GPU waits meanwhile. Per-sequence Python in that loop grows with the batch: copying every
 # sequence's whole token list to read its last token, copying its block table, checking each id
 # with a generator expression, one `torch.multinomial` (and one device read) per sampled request.
-# The engine's step now reads one token per decoding sequence, passes the tables as they are,
-# checks ids with C-level builtins, and samples every row (greedy and seeded together) in one pass
-# on the device with one copy back: a seeded row adds Gumbel noise hashed from (seed, tokens drawn so
-# far, token id), so its draw depends on its own seed only, not on its batch
-# (`reference.engine.model_runner.sample_batch`). `--profile` reports the fraction of the decode
-# steps' wall time during which the GPU ran anything.
+# The engine's step now reads one token per decoding sequence and passes the tables as they are. It
+# no longer re-checks the work its own scheduler built (`ModelRunner.forward(check=False)`; a step
+# function such as the capstone's is still checked, with C-level builtins). It samples every row
+# (greedy and seeded together) in one pass on the device with one copy back: a seeded row adds
+# Gumbel noise hashed from (seed, tokens drawn so far, token id), so its draw depends on its own
+# seed only, not on its batch (`reference.engine.model_runner.sample_batch`). `--profile` reports
+# the fraction of the decode steps' wall time during which the GPU ran anything, and where a decode
+# step's GPU time goes (section 9).
 #
 # **3. Mixed steps.** The scheduler of sections 1-7 runs a step of prefill or a step of decode,
 # prefill first (nano-vllm's rule). When a long prompt arrives, every sequence that is decoding
