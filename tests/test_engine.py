@@ -511,3 +511,90 @@ def test_overlapped_decode_fails_a_non_finite_row_alone(base, adapter_dirs):
 def test_overlap_decode_is_a_bool(base):
     with pytest.raises(ValueError, match="overlap_decode"):
         LLM(copy.deepcopy(base), dataclasses.replace(CONFIG, overlap_decode="yes"))
+
+
+def test_a_row_that_fails_inside_the_pipeline_leaves_no_kv_in_the_prefix_cache(base, adapter_dirs):
+    """helper-31's find: the look-ahead registered step N's KV in the prefix cache before N's row was
+    known finite, so a NaN row's block was served to a later request of the same adapter and prefix
+    (which then failed after 0 tokens). Now the blocks are registered once the token is known finite,
+    as the plain loop does: the later call equals the plain loop's, prefix hits included."""
+    cfg = dataclasses.replace(CONFIG, num_kv_blocks=32, block_size=1, max_num_seqs=4, max_num_batched_tokens=16)
+    prompt = [21, 22, 23]
+    got = []
+    for overlap in (False, True):
+        llm = make_engine(base, adapter_dirs, dataclasses.replace(cfg, overlap_decode=overlap))
+        real, count, poison = llm.runner.forward, [0], [False]
+
+        def hook(module, inputs, out):
+            if poison[0]:
+                out = out.clone()
+                out[0] = float("nan")  # row 0's hidden state: its KV in the later layers is NaN too
+                return out
+
+        llm.model.model.layers[0].mlp.register_forward_hook(hook)
+
+        def forward(work, running=(), **kw):
+            count[0] += 1
+            poison[0] = count[0] == 5  # a decode step (inside the pipeline with overlap)
+            try:
+                return real(work, running, **kw)
+            finally:
+                poison[0] = False
+
+        llm.runner.forward = forward
+        first = llm.generate([prompt], SamplingParams(max_new_tokens=10), ["a0"])[0]
+        second = llm.generate([prompt + first.token_ids + [7]], SamplingParams(max_new_tokens=3), ["a0"])[0]
+        got.append((first.token_ids, first.finish_reason, second.token_ids, second.finish_reason,
+                    llm.stats["prefix_hit_tokens"]))
+    assert got[0][1] == "error" and got[0][3] == "length"
+    assert got[1] == got[0]
+
+
+def test_a_drain_ends_when_its_request_finished_in_the_step_that_admitted_it(base, adapter_dirs):
+    """helper-31's find (the plain loop too): a drain lasted until its adapter was seen running, but a
+    request of max_new_tokens 1 finishes in its admitting step, so the drain never ended and the
+    scheduler found nothing to run. It now also ends once nothing of that adapter waits."""
+    cfg = dataclasses.replace(CONFIG, block_size=2, num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=8,
+                              max_loras_per_batch=1, drain_threshold=2, mixed_steps=False, max_loaded_loras=4)
+    prompts = [[123, 87], [5, 22, 108, 70, 111, 91, 118], [55, 22, 90, 79, 88, 55, 7, 91, 10, 29, 111],
+               [48, 78, 35, 120, 90]]
+    params = [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=3),
+              SamplingParams(max_new_tokens=1)]
+    for overlap in (False, True):
+        llm = make_engine(base, adapter_dirs, dataclasses.replace(cfg, overlap_decode=overlap))
+        outs = llm.generate(prompts, params, lora_request=["a0", "a0", "a0", "a1"])
+        assert [len(o.token_ids) for o in outs] == [3, 9, 3, 1] and not llm.scheduler.drain_active
+        assert ("drain_end", "a0@0") in llm.scheduler.events
+
+
+def test_a_failed_request_gets_no_logprob_for_its_failed_row_and_no_error_outlives_an_exception(base, adapter_dirs):
+    """A row that is not finite gives its request no token, so no logprob either (it got a NaN one);
+    and when the runner raises later in the same call, the failed request's error does not stay
+    behind in the engine."""
+    llm = make_engine(base, adapter_dirs)
+    real, count = llm.runner.forward, [0]
+
+    def forward(work, running=(), **kw):
+        count[0] += 1
+        out = real(work, running, **kw)
+        if count[0] == 2:
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    llm.runner.forward = forward
+    outs = llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=4, logprobs=True))
+    assert outs[0].finish_reason == "error" and len(outs[0].logprobs) == len(outs[0].token_ids) == 1
+    assert len(outs[1].logprobs) == 4 and not llm._errors
+    count[0], calls = 0, [0]
+
+    def failing(work, running=(), **kw):
+        calls[0] += 1
+        if calls[0] == 4:  # after call 2's row failed
+            raise RuntimeError("planted")
+        return forward(work, running, **kw)
+
+    llm.runner.forward = failing
+    with pytest.raises(RuntimeError, match="planted"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=8))
+    assert not llm._errors and llm.blocks.num_free == llm.blocks.num_blocks

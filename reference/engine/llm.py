@@ -384,6 +384,9 @@ class LLM:
         except BaseException:
             self._inflight = None  # its sequences are aborted below; later kernels follow it in stream order
             self._abort([seq for _, seq in pairs if seq is not None])  # the engine stays usable
+            for _, seq in pairs:  # a request that had failed alone before the exception
+                if seq is not None:
+                    self._errors.pop(seq.seq_id, None)
             self._t0 = None
             raise
         finally:
@@ -542,7 +545,8 @@ class LLM:
         for seq_id in tokens:
             times.setdefault(seq_id, []).append(now)
         for seq_id, lp in logprobs.items():
-            self._logprobs.setdefault(seq_id, []).append(lp)
+            if seq_id in tokens:  # not for a row that failed (its logprob is NaN, its token none)
+                self._logprobs.setdefault(seq_id, []).append(lp)
         return tokens
 
     def _fail(self, work: list[Work], tokens: dict[int, int]) -> list[Work]:
@@ -604,10 +608,12 @@ class LLM:
         return (not sched.waiting and not sched.drain_active
                 and not any(s.in_prefill or s.params.logprobs for s in sched.running))
 
-    def _launch(self, work: list[Work], input_ids: Optional[torch.Tensor]) -> "_InFlight":
+    def _launch(self, work: list[Work], input_ids: Optional[torch.Tensor],
+                running: Optional[list] = None) -> "_InFlight":
         """Run a decode step's model and sampler on the device and start the copy of its tokens to the
-        host (pinned memory, an event after it); nothing here waits for the device."""
-        running = [s.uid for s in self.scheduler.running]
+        host (pinned memory, an event after it); nothing here waits for the device. ``running``: the
+        uids the pool keeps resident (default: every running sequence's)."""
+        running = [s.uid for s in self.scheduler.running] if running is None else running
         logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
                                       for w in work], running=running, check=False, input_ids=input_ids)
         picked = self._sample_on_device(work, logits)[-1]
@@ -637,8 +643,9 @@ class LLM:
         work = []
         for i in go_on:
             seq = prev.work[i].seq
-            seq.num_computed = seq.num_tokens  # prev's KV, written before this step in stream order
-            blocks.mark_computed(seq)  # full blocks only: the placeholder's position is past them
+            # prev's KV, written before this step in stream order; its blocks enter the prefix cache
+            # only in _record, once prev's row is known finite (a failed row's KV is never cached)
+            seq.num_computed = seq.num_tokens
             seq.output.append(_PENDING)
             blocks.append_slot(seq)
             self.scheduler.events.append(("decode", seq.seq_id))
@@ -651,7 +658,9 @@ class LLM:
             if ids.is_cuda:  # pinned, so the copy does not wait for the stream's earlier work
                 index = index.pin_memory().to(ids.device, non_blocking=True)
             ids = ids.index_select(0, index)
-        nxt = self._launch(work, ids.clamp(min=0))  # a failed row's -1: any id, the row is discarded
+        # running: the sequences that go on (those ending at prev by length are still listed by the
+        # scheduler, and would refresh their adapters in the pool one step late)
+        nxt = self._launch(work, ids.clamp(min=0), running=[w.seq.uid for w in work])  # -1: any id, row discarded
         nxt.provisional = {prev.work[i].seq.seq_id for i in go_on}
         return nxt
 
@@ -681,8 +690,8 @@ class LLM:
                 seq.output[-1] = token
             else:
                 seq.num_computed, seq.in_prefill = w.end, False
-                self.blocks.mark_computed(seq)
                 seq.output.append(token)
+            self.blocks.mark_computed(seq)  # in row order, as postprocess registers them
             tokens[seq.seq_id] = token
             reason = ("stop" if token in seq.params.stop_token_ids else
                       "length" if len(seq.output) >= seq.params.max_new_tokens else None)
