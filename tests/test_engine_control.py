@@ -343,3 +343,27 @@ def test_adapter_affinity_beats_round_robin_on_swap_ins_and_prefix_hits():
     assert aff["adapters_per_batch"] < rr["adapters_per_batch"], (aff, rr)
     with pytest.raises(ValueError):
         simulate_cluster(trace, 4, "random")
+
+
+@pytest.mark.parametrize("starving", [None, "c"], ids=["base_model", "adapter"])
+def test_a_drain_ends_when_the_request_it_served_finished_in_its_admitting_step(starving):
+    """Cap 1: "a" decodes, a one-token request of ``starving`` waits past the threshold, so "a" is
+    drained for it. It is admitted when "a" finishes and ends in that same step (one new token), so
+    its adapter is never seen running: the drain must still end (nothing of it waits any more), or a
+    later request of "a" is held forever and the scheduler idles with requests unfinished (found by a
+    differential fuzz of the engine; the base model's uid None was the case that hid it longest)."""
+    sched = Scheduler(SchedulerConfig(8, 64, 1, drain_threshold=1), BlockManager(64, 4))
+    sched.add(seq(0, [1, 2], "a", n=4))
+    sched.schedule()  # "a" admitted
+    sched.add(seq(1, [3, 4], starving, n=1))
+    later_added = False
+    for step in range(30):
+        kind, work = sched.schedule()
+        if not work:
+            break
+        sched.postprocess(work, {w.seq.seq_id: 9 for w in work if w.end == w.seq.num_tokens})
+        if not later_added and not any(s.seq_id == 1 for s in [*sched.waiting, *sched.running]):
+            sched.add(seq(2, [5, 6], "a", n=2))
+            later_added = True
+    assert ("drain", "a") in sched.events and later_added
+    assert not sched.has_unfinished(), (kind, sched.waiting, sched.drain_active, sched.events[-6:])

@@ -140,9 +140,10 @@ class Scheduler:
         # adapter merely stops running would hand the slot straight back to it, since admission
         # prefers resident adapters and the drained one still is
         # ... or once nothing of that adapter waits any more: its request may have finished in the
-        # very step that admitted it (max_new_tokens 1), so it is never seen running (LLM._abort's rule)
-        if self.drain_active and (self.drain_for in remaining or (
-                self.drain_for is not None and not any(s.uid == self.drain_for for s in self.waiting))):
+        # very step that admitted it (max_new_tokens 1), so it is never seen running (LLM._abort's
+        # rule; drain_for None is the base model, whose requests have uid None too)
+        if self.drain_active and (self.drain_for in remaining
+                                  or not any(s.uid == self.drain_for for s in self.waiting)):
             self.events.append(("drain_end", self.draining))
             self.drain_active, self.draining, self.drain_for = False, None, None
         if self.drain_active or self.config.drain_threshold is None:
