@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import random
 import warnings
 
 import pytest
@@ -598,3 +599,78 @@ def test_a_failed_request_gets_no_logprob_for_its_failed_row_and_no_error_outliv
     with pytest.raises(RuntimeError, match="planted"):
         llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=8))
     assert not llm._errors and llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def _random_case(r):
+    """A random small engine config and 1-2 calls of 1-6 requests (helper-31's differential fuzz,
+    condensed): prompts sharing prefixes, adapters up to more than the slots, stop tokens, seeds,
+    top-k/p, min_tokens, logprobs, a refused request, and a NaN row planted at one (uid, position)."""
+    bs = r.choice([1, 2, 4])
+    cfg = dict(block_size=bs, num_kv_blocks=r.choice([6, 12, 24, 64]) * (4 // bs), max_num_seqs=r.choice([1, 2, 3, 6]),
+               max_num_batched_tokens=r.choice([4, 8, 24]), max_loras_per_batch=r.choice([1, 2, 3]),
+               drain_threshold=r.choice([None, 0, 2]), mixed_steps=r.random() < .6,
+               max_prefill_tokens_while_decoding=r.choice([None, 3]), cuda_graph=r.random() < .5)
+    heads = [[r.randrange(CFG["vocab_size"]) for _ in range(r.randint(1, 8))] for _ in range(3)]
+    calls = []
+    for _ in range(r.choice([1, 2])):
+        prompts, names, params = [], [], []
+        for _ in range(r.randint(1, 6)):
+            prompts.append((list(r.choice(heads)) if r.random() < .5 else [])
+                           + [r.randrange(CFG["vocab_size"]) for _ in range(r.randint(1, 5))])
+            names.append(r.choice([None, None, "a0", "a1", "a2", "a3"]))
+            kw = dict(max_new_tokens=r.choice([0, 1, 2, 3, 5, 8, 10]) if r.random() < .05 else r.choice([1, 2, 3, 5, 8, 10]))
+            if r.random() < .3:
+                kw.update(temperature=r.choice([0.5, 1.0]), seed=r.randint(0, 99), top_k=r.choice([0, 3]),
+                          top_p=r.choice([1.0, 0.8]))
+            kw["logprobs"] = r.random() < .1
+            params.append(kw)
+        calls.append((prompts, names, params))
+    fault = (r.choice([None, "a0", "a1"]), r.randint(2, 12)) if r.random() < .25 else None
+    return cfg, calls, fault
+
+
+def _with_fault(llm, fault):
+    if fault is None:
+        return
+    real = llm.runner.forward
+
+    def forward(work, running=(), **kw):
+        out = real(work, running, **kw)
+        bad = [i for i, w in enumerate(work)
+               if (w.uid.split("@")[0] if w.uid else None) == fault[0] and w.start + len(w.token_ids) - 1 == fault[1]]
+        if bad:
+            out = out.clone()
+            out[bad] = float("nan")
+        return out
+
+    llm.runner.forward = forward
+
+
+def test_overlapped_decode_equals_the_plain_loop_on_random_workloads(base, adapter_dirs):
+    """Seeded random configs and workloads, each through a plain and an overlapped engine (stop tokens
+    taken from a first, unstopped run so that they do stop requests mid-way): every call's outputs
+    (tokens, finish reasons, errors, logprobs) are equal, and both engines end with every block free."""
+    rng = random.Random(31)
+    overlapped = 0
+    for case in range(14):
+        cfg, calls, fault = _random_case(rng)
+        engines = [make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, overlap_decode=o, **cfg))
+                   for o in (False, True)]
+        calls_seen = _spy_input_ids(engines[1])
+        for o, llm in enumerate(engines):
+            _with_fault(llm, fault)
+        for prompts, names, kws in calls:
+            unstopped = [SamplingParams(max_new_tokens=max(1, k["max_new_tokens"])) for k in kws]
+            first, again = (llm.generate(prompts, unstopped, lora_request=names) for llm in engines)
+            assert _outputs(first) == _outputs(again), (case, cfg, fault)
+            params = []
+            for k, out in zip(kws, first):
+                if out.token_ids and rng.random() < .6:
+                    k = dict(k, stop_token_ids=(rng.choice(out.token_ids),))
+                params.append(SamplingParams(**k))
+            got = [[(*out, o.logprobs) for out, o in zip(_outputs(outs), outs)]
+                   for outs in (llm.generate(prompts, params, lora_request=names) for llm in engines)]
+            assert got[0] == got[1], (case, cfg, fault)
+        assert all(llm.blocks.num_free == llm.blocks.num_blocks and llm._inflight is None for llm in engines)
+        overlapped += sum(calls_seen)
+    assert overlapped >= 20, "the pipeline ran in the random cases"
