@@ -141,9 +141,10 @@ def choose_drain(
         else: drain the running uid whose requests finish soonest (the smallest remaining), ties
               broken by ``uid_sort_key`` (base first, then by value) -> (True, that uid)
     While a drain lasts, admission takes no new request of the drained uid; the scheduler ends it
-    once the starving request's adapter is running (ending it as soon as the drained uid stops
-    running would give the slot straight back to it: it is still resident, and admission prefers
-    resident adapters), then asks again.
+    once the starving request's adapter is running, or once none of its requests waits (one may
+    finish in the step that admits it) (ending it as soon as the drained uid stops running would
+    give the slot straight back to it: it is still resident, and admission prefers resident
+    adapters), then asks again.
     Source: SGLang ``python/sglang/srt/lora/lora_drainer.py`` (``LoRADrainer``: an adapter is starving
     when a request of it waited past the threshold and the slots are full; the running adapter with
     the smallest maximum remaining tokens is drained for it). SGLang may drain one adapter per

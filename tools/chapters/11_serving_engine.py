@@ -357,7 +357,9 @@ graders.show_reference("ch11.2")
 # the cap is what keeps it out: its adapter is not running and every slot is taken (KV is not the
 # reason). Then one running adapter is **drained**: it takes no new requests, so its slot frees once its running ones finish, and the
 # drain lasts until the starving adapter is running (ended earlier, the slot would go straight back
-# to the drained adapter: it is still resident, and admission prefers resident adapters). The adapter drained is the one whose requests finish soonest (the smallest
+# to the drained adapter: it is still resident, and admission prefers resident adapters), or until
+# none of its requests waits any more (one that ends in the very step that admits it is never seen
+# running). The adapter drained is the one whose requests finish soonest (the smallest
 # "most tokens any of its requests still has to generate"), ties broken by `uid_sort_key` (base
 # first). This book drains one adapter at a time and holds all of its requests; SGLang may drain one
 # per starving adapter and still admits a drained adapter's requests short enough to finish within
