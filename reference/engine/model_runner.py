@@ -500,6 +500,15 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
+def _staged(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without waiting for the stream: on CUDA through pinned memory with a
+    non-blocking copy (a copy from pageable memory waits for the stream's earlier work, which would
+    stall the engine's overlapped decode behind the step in flight); torch's pinned-memory cache
+    keeps the buffer until the copy has run."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
                  counters: Sequence[int], top_ks: Optional[Sequence[int]] = None,
                  top_ps: Optional[Sequence[float]] = None,
@@ -535,23 +544,22 @@ def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     if banned is not None and any(banned):
         rows = [i for i, b in enumerate(banned) for _ in b]
         cols = [t for b in banned for t in b]
-        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+        logits = logits.index_put((_staged(rows, torch.int64, dev), _staged(cols, torch.int64, dev)),
                                   torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
     if all(t == 0 for t in temperatures):
         return logits.argmax(dim=-1)
-    temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float64).to(dev, non_blocking=True)
-    keys = torch.tensor([_signed64(s * 0x9E3779B97F4A7C15 + c) for s, c in zip(seeds, counters)],
-                        dtype=torch.int64).to(dev, non_blocking=True)
-    hot = torch.tensor([t > 0 for t in temperatures]).to(dev, non_blocking=True)
+    temp = _staged([t if t > 0 else 1.0 for t in temperatures], torch.float64, dev)
+    keys = _staged([_signed64(s * 0x9E3779B97F4A7C15 + c) for s, c in zip(seeds, counters)], torch.int64, dev)
+    hot = _staged([t > 0 for t in temperatures], torch.bool, dev)
     z = logits.double() / temp[:, None]
     if top_ks is not None and any(0 < k < vocab for k in top_ks):
         k_max = max(k for k in top_ks if 0 < k < vocab)
-        kth = torch.tensor([min(k, k_max) - 1 if 0 < k < vocab else k_max - 1 for k in top_ks], device=dev)
+        kth = _staged([min(k, k_max) - 1 if 0 < k < vocab else k_max - 1 for k in top_ks], torch.int64, dev)
         cut = z.topk(k_max, dim=-1).values.gather(1, kth[:, None])
-        off = torch.tensor([not 0 < k < vocab for k in top_ks], device=dev)
+        off = _staged([not 0 < k < vocab for k in top_ks], torch.bool, dev)
         z = torch.where(off[:, None] | (z >= cut), z, float("-inf"))
     if top_ps is not None and any(p < 1 for p in top_ps):
-        p = torch.tensor(list(top_ps), dtype=torch.float64).to(dev, non_blocking=True)
+        p = _staged(list(top_ps), torch.float64, dev)
         sorted_z, order = z.sort(dim=-1, descending=True)
         probs = sorted_z.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
