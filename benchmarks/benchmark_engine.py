@@ -214,16 +214,6 @@ def decode_ranges(prof, step_kv: list[Optional[int]], label: str = STEP_LABEL) -
     return [r for r, kv in zip(ranges, step_kv) if kv is not None]
 
 
-def gpu_busy(prof, ranges: list[tuple[int, int]]) -> Optional[float]:
-    """Fraction of the ``ranges``' wall time during which some GPU kernel or copy ran (the union of
-    their intervals, clipped to the ranges), from a torch.profiler trace."""
-    total = sum(hi - lo for lo, hi in ranges)
-    if not total:
-        return None
-    events = list(prof.profiler.kineto_results.events())
-    return _union_inside([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in _gpu_work(events)], ranges) / total
-
-
 def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], label: str = STEP_LABEL) -> Optional[dict]:
     """Where a decode step's time goes, from a torch.profiler trace whose engine steps are each one
     ``label`` range (``step_kv``: see :func:`decode_ranges`). Per decode step, mean over them, in ms:
@@ -351,8 +341,9 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     finally:
         llm.runner.forward = forward
         del llm._step  # the bound method again
-    busy = gpu_busy(prof, decode_ranges(prof, step_kv))
-    return (None if busy is None else round(busy, 3)), decode_breakdown(prof, step_kv, floor)
+    breakdown = decode_breakdown(prof, step_kv, floor)
+    busy = breakdown["gpu_busy_ms"] / breakdown["wall_ms"] if breakdown and breakdown["wall_ms"] else None
+    return (None if busy is None else round(busy, 3)), breakdown
 
 
 def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,

@@ -522,19 +522,27 @@ class LLM:
         """One step; returns {seq_id: token} of the tokens sampled. Token times are recorded as
         absolute perf_counter readings (each caller turns them into times after its requests'
         arrival). Sequences whose logits were not finite are failed alone (``_step_failed``)."""
+        return self._run(self._schedule()[1])
+
+    def _schedule(self) -> tuple[str, list[Work]]:
+        """The scheduler's next step, counted; raises RuntimeError (an engine bug, not input) when
+        it found nothing to run while requests are unfinished."""
         kind, work = self.scheduler.schedule()
         self.steps[kind] += 1
         if not work:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug, not input
-        return self._run(work)
+        return kind, work
+
+    def _forward(self, work: list[Work], running: list, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The runner on a step's work: the tables are passed, not copied (the runner reads them
+        during the call and keeps nothing), unchecked (this scheduler's work is valid by construction:
+        ModelRunner.forward's ``check``); ``input_ids``: see ModelRunner.forward."""
+        return self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
+                                    for w in work], running=running, check=False, input_ids=input_ids)
 
     def _run(self, work: list[Work]) -> dict[int, int]:
         """Compute, sample and record one scheduled step (the body of :meth:`_step`)."""
-        running = [s.uid for s in self.scheduler.running]
-        # the tables are passed, not copied: the runner reads them during the call and keeps nothing;
-        # unchecked: this scheduler's work is valid by construction (ModelRunner.forward's ``check``)
-        logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
-                                      for w in work], running=running, check=False)
+        logits = self._forward(work, [s.uid for s in self.scheduler.running])
         tokens, logprobs = self._sample(work, logits)
         self._step_failed = [seq_id for seq_id, t in tokens.items() if t < 0]
         if self._step_failed:
@@ -585,10 +593,7 @@ class LLM:
         """
         prev = self._inflight
         if prev is None:
-            kind, work = self.scheduler.schedule()
-            self.steps[kind] += 1
-            if not work:
-                raise RuntimeError("the scheduler found nothing to run with requests unfinished")  # a bug
+            kind, work = self._schedule()
             if kind == "decode" and self._can_overlap():
                 self._inflight = self._launch(work, None)
                 return {}
@@ -613,9 +618,7 @@ class LLM:
         """Run a decode step's model and sampler on the device and start the copy of its tokens to the
         host (pinned memory, an event after it); nothing here waits for the device. ``running``: the
         uids the pool keeps resident (default: every running sequence's)."""
-        running = [s.uid for s in self.scheduler.running] if running is None else running
-        logits = self.runner.forward([SeqWork(w.seq.token_slice(w.start, w.end), w.start, w.seq.block_table, w.seq.uid)
-                                      for w in work], running=running, check=False, input_ids=input_ids)
+        logits = self._forward(work, [s.uid for s in self.scheduler.running] if running is None else running, input_ids)
         picked = self._sample_on_device(work, logits)[-1]
         host, copied = picked, None
         if picked.is_cuda:
@@ -635,7 +638,7 @@ class LLM:
                  and len(w.seq.output) + 1 < w.seq.params.max_new_tokens]
         if not go_on:
             return None
-        blocks, bs = self.blocks, self.blocks.block_size
+        blocks = self.blocks
         need = sum(blocks.blocks_for(prev.work[i].seq.num_tokens + 1) > len(prev.work[i].seq.block_table)
                    for i in go_on)
         if need > blocks.num_free:
