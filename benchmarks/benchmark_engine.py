@@ -280,7 +280,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
         unchecked = llm.runner.forward
 
         def checked(work, running=(), **kw):
-            return unchecked(work, running, check=True)
+            return unchecked(work, running, **{**kw, "check": True})
 
         llm.runner.forward = checked
     for name, adapter in adapters.items():
@@ -322,25 +322,32 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     host's scheduling and sampling fell outside them: the committed engine_breakdown_h100.json.)"""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    forward, step = llm.runner.forward, llm._step
+    # generate()'s loop calls one of them per iteration: with overlapped decode an iteration launches
+    # step N+1 and records step N, so its range is one TPOT and its GPU work that of N+1 (and of N's
+    # tail); the range's KV is that of the decode step launched in it (None: none launched, e.g. the
+    # pipeline's last record)
+    name = "_overlap_step" if llm.config.overlap_decode else "_step"
+    forward, step = llm.runner.forward, getattr(llm, name)
     step_kv: list[Optional[int]] = []
 
-    def recorded(work, running=(), **kw):  # kw: ModelRunner.forward's check
+    def recorded(work, running=(), **kw):  # kw: ModelRunner.forward's check, input_ids
         decode = all(len(w.token_ids) == 1 for w in work)
-        step_kv.append(sum(w.start + 1 for w in work) if decode else None)
+        step_kv[-1] = sum(w.start + 1 for w in work) if decode else None
         return forward(work, running, **kw)
 
     def labelled():
+        step_kv.append(None)
         with record_function(STEP_LABEL):
             return step()
 
-    llm.runner.forward, llm._step = recorded, labelled
+    llm.runner.forward = recorded
+    setattr(llm, name, labelled)
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, params, lora_request=names)
     finally:
         llm.runner.forward = forward
-        del llm._step  # the bound method again
+        delattr(llm, name)  # the bound method again
     breakdown = decode_breakdown(prof, step_kv, floor)
     busy = breakdown["gpu_busy_ms"] / breakdown["wall_ms"] if breakdown and breakdown["wall_ms"] else None
     return (None if busy is None else round(busy, 3)), breakdown

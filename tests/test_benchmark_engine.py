@@ -60,3 +60,26 @@ def test_decode_breakdown_per_step_clipped_to_the_decode_steps():
     assert decode_breakdown(_trace(events), [None, None, None], None) is None  # no decode step
     with pytest.raises(ValueError, match="3 engine_step ranges in the trace but 2 steps"):
         decode_breakdown(_trace(events), [100, 300], None)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profiled_busy_labels_every_loop_iteration(overlap):
+    """profiled_busy on a real (tiny, CPU) engine: one labelled range per iteration of generate()'s
+    loop, plain or overlapped (an overlapped iteration launches step N+1 and records N; before this,
+    the overlapped loop was never labelled and the H100 run raised "0 engine_step ranges"), and its
+    decode ranges are the iterations that launched a decode step."""
+    from benchmark_engine import profiled_busy
+    from reference.engine import LLM, EngineConfig, SamplingParams
+    from reference.engine.tiny import tiny_llama
+
+    llm = LLM(tiny_llama(), EngineConfig(max_num_seqs=4, num_kv_blocks=32, block_size=4, overlap_decode=overlap),
+              device="cpu")
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    params = SamplingParams(max_new_tokens=6)
+    busy, breakdown = profiled_busy(llm, prompts, params, [None, None])
+    launched = llm.stats["decode_steps"]
+    # plain: every decode step is one range; overlapped: the last one is recorded by an iteration that
+    # launches nothing (no decode range of its own)
+    assert breakdown["decode_steps"] == launched and launched >= 4
+    assert busy == 0.0 and breakdown["host_ms"] == breakdown["wall_ms"] > 0  # no CUDA kernel on the CPU
+    assert llm._step.__func__ is LLM._step and llm._overlap_step.__func__ is LLM._overlap_step  # restored
