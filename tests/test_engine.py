@@ -203,21 +203,24 @@ def test_graph_decode_every_request_equals_peft_generate_alone(graph_run, peft_m
     assert graph.padding_rows > 0
 
 
-# the attention kernel the device does not default to: on the CPU the Triton kernel (interpreted),
-# on CUDA the torch gather path; both through graph decode and the eager prefill/chunk steps
+# the attention kernel and the layer's elementwise ops the device does not default to: on the CPU the
+# Triton kernels (interpreted), on CUDA the torch gather path and Hugging Face's torch ops; both
+# through graph decode and the eager prefill/chunk steps
 OTHER_ATTENTION = "triton" if DEVICE == "cpu" else "torch"
+OTHER_FUSED = DEVICE == "cpu"
 
 
 @pytest.fixture(scope="module")
 def other_attention_run(base, adapter_dirs):
-    return run_workload(base, adapter_dirs, cuda_graph=True, attention_backend=OTHER_ATTENTION)
+    return run_workload(base, adapter_dirs, cuda_graph=True, attention_backend=OTHER_ATTENTION, fused_ops=OTHER_FUSED)
 
 
 def test_the_other_attention_kernel_equals_peft_generate_alone(other_attention_run, peft_model):
-    """The judge once more with the attention path this device does not take by default, so both
-    kernels are judged on both devices (prefill, chunks over a cached prefix, graph decode)."""
+    """The judge once more with the attention path and the elementwise ops (fused Triton kernels or
+    the torch ops) this device does not take by default, so both are judged on both devices
+    (prefill, chunks over a cached prefix, graph decode)."""
     llm, outs = other_attention_run
-    assert llm.runner.attention_backend == OTHER_ATTENTION
+    assert llm.runner.attention_backend == OTHER_ATTENTION and llm.runner.fused_ops == OTHER_FUSED
     prompts, names, params = workload()
     for out, prompt, name, p in zip(outs, prompts, names, params):
         assert out.error is None

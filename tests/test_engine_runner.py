@@ -208,6 +208,17 @@ def test_runner_accepts_a_wrapped_model_and_refuses_mismatches(base, adapters):
         _runner(base).forward([SeqWork([1], 0, [0], "qv")])
 
 
+def test_fused_ops_default_follows_the_device_and_refuses_what_it_cannot_run(base):
+    assert ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE).fused_ops == (DEVICE == "cuda")
+    with pytest.raises(ValueError, match="fused_ops must be"):
+        ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, fused_ops="yes")
+    gelu = copy.deepcopy(base)
+    gelu.config.hidden_act = "gelu"  # the kernel is SiLU-and-mul: another activation keeps the torch ops
+    with pytest.raises(ValueError, match="SiLU"):
+        ModelRunner(gelu, None, None, 4, BLOCK_SIZE, fused_ops=True)
+    assert not ModelRunner(gelu, None, None, 4, BLOCK_SIZE).fused_ops
+
+
 # ---- refusals: nothing is written -----------------------------------------------------------------
 def test_bad_work_raises_and_writes_nothing(base, adapters):
     pool = LoRAMemoryPool(MODULES, LAYERS, 2, MAX_RANK, device=DEVICE, adapter_source=adapters.__getitem__)

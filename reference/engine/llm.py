@@ -62,6 +62,9 @@ class EngineConfig:
     # the attention kernel (``reference.engine.model_runner.paged_attention``): "torch" (gather, mask,
     # SDPA), "triton" (walks each block table up to its length); None = "triton" on CUDA, else "torch"
     attention_backend: Optional[str] = None
+    # the decoder layer's residual add + RMSNorm, rotary embedding and SiLU-and-mul as one Triton kernel
+    # each (``ModelRunner``'s ``fused_ops``); None = on CUDA for a SiLU model, the torch ops elsewhere
+    fused_ops: Optional[bool] = None
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
@@ -208,7 +211,7 @@ class LLM:
         self.context = LoRAContext()
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
-                                  config.backend, config.attention_backend)
+                                  config.backend, config.attention_backend, config.fused_ops)
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             enable_graph_decode(self.runner, config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,

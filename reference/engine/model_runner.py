@@ -51,6 +51,7 @@ from reference.batch_info import batch_info_from_requests
 from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, wrap_llama
 from reference.mem_pool import LoRAMemoryPool
 from reference.ops.paged_attention import choose_num_splits, triton_paged_attention
+from reference.ops.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
 from reference.static_llama import apply_rope
 
 __all__ = ["PagedKVCache", "SeqWork", "AttentionMetadata", "build_attention_metadata", "check_work",
@@ -338,20 +339,32 @@ class ModelRunner:
         backend: the LoRA ops, when the runner wraps the model (see ``reference.layers.get_backend``).
         attention_backend: "torch" or "triton" (see :func:`paged_attention`); None: "triton" on
             CUDA, "torch" elsewhere (:func:`default_attention_backend`).
+        fused_ops: each layer's residual add and RMSNorm, rotary embedding and SiLU-and-mul as one
+            Triton kernel each (:mod:`reference.ops.fused_elementwise`: about thirty launches of a
+            layer's torch ops become four) instead of the Hugging Face modules' torch ops; the
+            projections (and their LoRA) are the model's own either way. None: on CUDA for a SiLU
+            model (the CPU interpreter would run them a program at a time).
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
         layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown
-        attention backend.
+        attention backend, ``fused_ops`` not None / True / False, or True for a model whose MLP
+        activation is not SiLU.
     """
 
     def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
                  num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch",
-                 attention_backend: Optional[str] = None) -> None:
+                 attention_backend: Optional[str] = None, fused_ops: Optional[bool] = None) -> None:
         self._check_lora_setup(model, pool, context, get_backend(backend))
         device = model.get_input_embeddings().weight.device
         self.attention_backend = default_attention_backend(device) if attention_backend is None else attention_backend
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {attention_backend!r}")
+        if fused_ops not in (None, True, False):
+            raise ValueError(f"fused_ops must be None, True or False, got {fused_ops!r}")
+        silu = getattr(model.config, "hidden_act", None) == "silu"
+        if fused_ops and not silu:
+            raise ValueError(f"fused_ops needs a SiLU MLP, the model's activation is {model.config.hidden_act!r}")
+        self.fused_ops = (device.type == "cuda" and silu) if fused_ops is None else fused_ops
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if pool is not None and not _is_wrapped(model):
             wrap_llama(model, pool, context, backend)
@@ -463,16 +476,37 @@ class ModelRunner:
         # position_ids[:, None, :]; a flat [num_tokens] raised there): one batch row of the stream
         cos, sin = inner.rotary_emb(h[None], meta.positions[None])  # [1, num_tokens, hd]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, hd]: broadcast over heads
+        if self.fused_ops:
+            return self._fused_decoder(h, cos, sin, meta)
         for i, layer in enumerate(inner.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, i, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
+    def _fused_decoder(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The layers of :meth:`_decoder` with the fused kernels: each sublayer's output is added to the
+        residual stream by the next RMSNorm's kernel (vLLM's fused_add_rms_norm), so a layer runs
+        norm, projections, rope, attention, o_proj, norm, gate / up, SiLU-and-mul, down."""
+        out, residual = h, None
+        for i, layer in enumerate(self.model.model.layers):
+            ln = layer.input_layernorm
+            x, residual = rms_norm(out, ln.weight, ln.variance_epsilon, residual)
+            out = self._attention(layer.self_attn, x, cos, sin, i, meta)
+            ln, mlp = layer.post_attention_layernorm, layer.mlp
+            x, residual = rms_norm(out, ln.weight, ln.variance_epsilon, residual)
+            out = mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return out + residual
+
     def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                    meta: AttentionMetadata) -> torch.Tensor:
         N = x.shape[0]
-        q = apply_rope(attn.q_proj(x).view(N, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        if self.fused_ops:
+            q, k = rotary_embedding(attn.q_proj(x).view(N, self.num_heads, self.head_dim),
+                                    attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        else:
+            q = apply_rope(attn.q_proj(x).view(N, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
         v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta, self.attention_backend)
         return attn.o_proj(out)
