@@ -530,6 +530,9 @@ def main() -> None:
                          "decodes may carry (default: what the token budget leaves)")
     ap.add_argument("--overlap-decode", action="store_true",
                     help="EngineConfig.overlap_decode: launch decode step N+1 before reading step N's tokens")
+    ap.add_argument("--no-fused-ops", action="store_true",
+                    help="EngineConfig.fused_ops=False: the decoder layer's norms, rope and SiLU-and-mul as "
+                         "Hugging Face's torch ops instead of the fused Triton kernels")
     ap.add_argument("--check-work", action="store_true",
                     help="the engine's step checks its own work every step (as before it trusted its scheduler)")
     ap.add_argument("--out", type=Path, default=None)
@@ -552,7 +555,7 @@ def main() -> None:
                               backend="triton" if device.type == "cuda" else "torch",
                               cuda_graph=False if args.no_cuda_graph else None,
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
-                              overlap_decode=args.overlap_decode)
+                              overlap_decode=args.overlap_decode, fused_ops=False if args.no_fused_ops else None)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}
