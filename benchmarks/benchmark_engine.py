@@ -319,7 +319,8 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     each engine step one ``engine_step`` range (``LLM._step``: schedule, model, sampling, which reads
     the tokens to the host, and postprocess): the GPU-busy fraction of the decode steps' wall time,
     and :func:`decode_breakdown` of them. (Before this, the ranges held the model call only, so the
-    host's scheduling and sampling fell outside them: the committed engine_breakdown_h100.json.)"""
+    host's scheduling and sampling fell outside them: engine_breakdown_h100.json until its re-run
+    with overlapped decode.)"""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     # generate()'s loop calls one of them per iteration: with overlapped decode an iteration launches
@@ -528,8 +529,9 @@ def main() -> None:
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="max_prefill_tokens_while_decoding of the engine: the prompt tokens a step that also "
                          "decodes may carry (default: what the token budget leaves)")
-    ap.add_argument("--overlap-decode", action="store_true",
-                    help="EngineConfig.overlap_decode: launch decode step N+1 before reading step N's tokens")
+    ap.add_argument("--no-overlap-decode", action="store_true",
+                    help="EngineConfig.overlap_decode=False: the plain loop, which reads step N's tokens before "
+                         "it launches step N+1 (default: overlapped)")
     ap.add_argument("--no-fused-ops", action="store_true",
                     help="EngineConfig.fused_ops=False: the decoder layer's norms, rope and SiLU-and-mul as "
                          "Hugging Face's torch ops instead of the fused Triton kernels")
@@ -555,7 +557,7 @@ def main() -> None:
                               backend="triton" if device.type == "cuda" else "torch",
                               cuda_graph=False if args.no_cuda_graph else None,
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
-                              overlap_decode=args.overlap_decode, fused_ops=False if args.no_fused_ops else None)
+                              overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}

