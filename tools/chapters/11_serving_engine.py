@@ -1012,9 +1012,9 @@ for row in bench["extras"]:
 # one row per token) and the keys and values of every position it attends, and a GPU cannot read
 # faster than its memory bandwidth. `benchmark_engine.py` measures that bandwidth with a plain
 # device-to-device copy and prints, for every row, the median floor of its decode steps and TPOT p50
-# over it. Three things kept this engine far above its floor; each has a remedy in the code now.
-# The engine is still well above it: the committed measurements at the end of this section, and
-# what they say, show by how much.
+# over it. Five things kept this engine far above its floor; each has a remedy in the code now.
+# The committed measurements at the end of this section show how close the engine comes, and
+# what still stands between it and the floor.
 #
 # **1. Attention that reads what it needs.** The torch attention of section 6 gathers each
 # sequence's block table into a dense tensor, zeroes what lies past its length and runs SDPA with a
@@ -1107,6 +1107,28 @@ for splits in (1, 2):
 # the fraction of the decode steps' wall time during which the GPU ran anything, and where a decode
 # step's GPU time goes (section 9).
 #
+# Even so, the loop builds step N+1 only after it has read step N's tokens, and the GPU waits for
+# that. **Overlapped decode** (`EngineConfig.overlap_decode`, the default; SGLang's overlap
+# scheduler, vLLM V1's asynchronous scheduling) launches step N+1 first, with step N's sampled
+# tokens as its input ids on the device (`ModelRunner.forward(input_ids=...)`), and reads and
+# records step N while the GPU runs N+1. The price: a sequence that stops at step N has already
+# been launched into N+1, so that row is computed and thrown away (its KV block for N+1 was taken,
+# and its adapter refreshed in the pool's LRU, one step late). It runs only between pure decode
+# steps with nothing waiting, no prompt in progress and no request asking for logprobs: those
+# steps need the host's answer before the next one can be built. Section 6 turns it off, so its
+# scheduler log reads one step at a time; the tokens are the same either way (the tests compare
+# both loops over random workloads, seeds, stop tokens and failing rows).
+#
+# **Fused elementwise kernels.** Hugging Face's Llama layer spells RMSNorm, the residual add,
+# rotary embedding and SiLU-and-mul as about thirty small torch ops per layer. In a decode step of
+# a few hundred tokens each moves a few megabytes, far below a microsecond of bandwidth, but each
+# is a kernel launch of its own. `reference/ops/fused_elementwise.py` makes them four Triton
+# kernels per layer (vLLM's `fused_add_rms_norm`, `rotary_embedding` and `silu_and_mul`): the
+# residual add happens inside the next norm's kernel. Each computes in fp32 and rounds where the
+# torch ops round, so the results match them up to the order of the variance's sum
+# (`tests/test_fused_elementwise.py`). The engine uses them on CUDA (`EngineConfig.fused_ops`); on
+# the CPU the interpreter would run them one program at a time, so the torch ops stay there.
+#
 # **3. Mixed steps.** The scheduler of sections 1-7 runs a step of prefill or a step of decode,
 # prefill first (nano-vllm's rule). When a long prompt arrives, every sequence that is decoding
 # waits for all of its chunks: its time per output token spikes by the whole prefill. vLLM's V1
@@ -1174,45 +1196,49 @@ for t in floor_bench["targets"]:
     print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']})")
 
 # %% [markdown]
-# Most of those targets are missed, and where a decode step's time goes says why. `--profile` runs
-# the workload once more under torch.profiler and sums, over the decode steps, the GPU time of the
-# kernels by class: attention, the base model's GEMMs, the LoRA kernels, and the rest (norms, rotary
-# embedding, activation, copies, sampling). Two classes have a floor of their own: the GEMMs must
-# read every weight once, and attention the KV of the positions the step attends. In a closed batch
-# every running sequence gets one token per step, so TPOT p50 is about one decode step's time, and
-# what the GPU's work leaves of it is time in which no kernel runs: the host's.
+# That file was measured before the overlapped loop and the fused kernels, and most of its targets
+# are missed; where a decode step's time goes says why. `--profile` runs the workload once more
+# under torch.profiler. Each iteration of `generate`'s loop is one labelled range (with overlapped
+# decode an iteration launches step N+1 and records step N, so its length is one TPOT), and the
+# benchmark sums, over the decode steps, the GPU time of the kernels by class: attention, the base
+# model's GEMMs, the LoRA kernels, and the rest (norms, rotary embedding, activation, copies,
+# sampling). Two classes have a floor of their own: the GEMMs must read every weight once, and
+# attention the KV of the positions the step attends. In a closed batch every running sequence gets
+# one token per step, so TPOT p50 is about one decode step's time, and what the GPU's work leaves of
+# it is time in which no kernel runs: the host's.
 #
 # A note on the file above: its `gpu_busy_decode` column (printed below for the record) is an
 # overcount. Kineto mirrors each labelled profiler range on the GPU's timeline as an event of its
 # own, and the benchmark counted that event as a kernel. The benchmark now leaves the mirrors out;
-# `tests/test_benchmark_engine.py` checks it with a synthetic trace. The committed breakdown,
-# `engine_breakdown_h100.json`, was measured on an H100 after the fix:
+# `tests/test_benchmark_engine.py` checks it with a synthetic trace. Three runs of one H100 session
+# after that fix, each adding one change to the last:
 
 # %%
 print("the H200 file's overcounted GPU-busy fractions:",
       ", ".join(f"D={r['adapters']} {r['gpu_busy_decode']}" for r in floor_rows if "gpu_busy_decode" in r) or "none")
-breakdown_path = floor_path.with_name("engine_breakdown_h100.json")
-breakdown = json.loads(breakdown_path.read_text()) if breakdown_path.exists() else {"rows": [], "targets": []}
+# three runs of one H100 session, each change on top of the last (README's commands)
+runs = [("Hugging Face's torch ops, plain loop", "engine_unfused_h100.json"),
+        ("fused elementwise kernels, plain loop", "engine_plain_h100.json"),
+        ("fused kernels, overlapped decode: the default", "engine_breakdown_h100.json")]
+loaded = [(label, json.loads(path.read_text())) for label, path in
+          ((label, floor_path.with_name(name)) for label, name in runs) if path.exists()]
+if not loaded:
+    print("the breakdowns are not committed yet: run `python benchmarks/benchmark_engine.py --adapters 1 32 64 "
+          "--new-tokens 64 --no-extras --arrival-loads --profile --out benchmarks/results/engine_breakdown_h100.json` "
+          "on a GPU (README: the other two runs)")
+for label, bench in loaded:
+    print(f"{label} ({bench['device']}, copy bandwidth {bench['copy_bandwidth_TBps']} TB/s):")
+    for r in (r for r in bench["rows"] if r.get("decode_breakdown")):
+        d, tpot = r["decode_breakdown"], r["tpot_ms_p50"]
+        floors, gpu = d.get("floor_ms", {}), d["gpu_busy_ms"]
+        classes = ", ".join(f"{k} {v:.2f}" + (f" ({v / floors[k]:.2f}x its floor)" if k in floors else "")
+                            for k, v in d["gpu_ms"].items())
+        print(f"  D={r['adapters']:2d}: TPOT p50 {tpot:.2f} ms = {r['tpot_p50_over_floor']:.2f}x the floor of its median "
+              f"decode step; GPU work {gpu:.2f} ms per decode step ({gpu / sum(floors.values()):.2f}x their mean "
+              f"floor), busy {gpu / d['wall_ms']:.0%} of the step; {r['tokens_per_s']:.0f} tok/s")
+        print(f"         by class (ms): {classes}")
+breakdown = loaded[-1][1] if loaded else {"rows": [], "targets": []}
 rows = [r for r in breakdown["rows"] if r.get("decode_breakdown")]
-if not rows:
-    print(f"{breakdown_path.name} is not committed yet: run `python benchmarks/benchmark_engine.py --adapters 1 32 64 "
-          f"--new-tokens 64 --no-extras --arrival-loads --profile --out {breakdown_path}` on a GPU")
-else:
-    print(f"device: {breakdown['device']}; copy bandwidth {breakdown['copy_bandwidth_TBps']} TB/s")
-for r in rows:
-    d, floors = r["decode_breakdown"], r["decode_breakdown"].get("floor_ms", {})
-    gpu = d.get("gpu_busy_ms", sum(d["gpu_ms"].values()))  # older files: kernels of one stream, no overlap
-    tpot = r["tpot_ms_p50"]
-    print(f"D={r['adapters']:3d}: TPOT p50 {tpot:.2f} ms, {r['tpot_p50_over_floor']:.2f}x the floor of its median "
-          f"decode step ({r['decode_floor_ms_p50']:.2f} ms)")
-    if floors:
-        print(f"       GPU work per decode step {gpu:.2f} ms, {gpu / sum(floors.values()):.2f}x the mean floor of "
-              f"the profiled decode steps ({sum(floors.values()):.2f} ms); no kernel running: {tpot - gpu:.2f} ms "
-              f"of TPOT p50 ({(tpot - gpu) / tpot:.0%})")
-    names = {"norm, rope, activation, copies": "other", "other": "other"}
-    print("       by class: " + ", ".join(
-        f"{names.get(k, k)} {v:.2f} ms" + (f" ({v / floors[k]:.2f}x its floor)" if k in floors else "")
-        for k, v in d["gpu_ms"].items()))
 for t in breakdown["targets"]:
     print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']}, {breakdown['device']})")
 if rows:
@@ -1233,28 +1259,31 @@ if floor_rows:
     print(f"token budget {budget} per step = {budget // longest} prompts of the longest length ({longest})")
 
 # %% [markdown]
-# What that says. Two things keep TPOT above the floor. The first is the host: for a large share of
-# every decode step no kernel runs. The step loop schedules step N+1, builds the graph's inputs and
-# launches it only after it has read step N's tokens and recorded them, and the GPU waits for all of
-# that. Production engines hide that time by preparing the next step while the GPU runs the current
-# one (SGLang's overlap scheduler, vLLM's asynchronous scheduling). The price is that a step's
-# sampled tokens reach the next step's inputs on the device, before the host has seen them, and a
-# sequence that stops at step N has already been launched into step N+1, whose row for it is thrown
-# away. This engine has it as an option, `EngineConfig.overlap_decode`, off by default until it has
-# been measured on a GPU; the numbers above are without it. The second is the GPU's own work, which is itself above the floor.
-# Attention comes closest to its floor, because the paged kernel reads each sequence's blocks only up
-# to its length. The decode step's GEMMs, one row per running sequence, are further from theirs. The
-# "other" kernels have no floor of their own; fused kernels (vLLM's and SGLang's fused RMSNorm, rotary
-# and SiLU-and-mul ops) would shrink them. The LoRA kernels' time is chapter 08's LoRA overhead,
-# measured inside the engine; the D=0 row launches none, because a base-only decode step skips them.
+# What that says, reading the runs top to bottom. In the plain loop, for a large share of every
+# decode step no kernel runs: the host schedules step N+1, builds the graph's inputs and launches it
+# only after it has read step N's tokens. The fused kernels shrink the "other" class (compare it in
+# the first two runs), and TPOT falls by about what they save, because the host's share is
+# unchanged. Overlapped decode hides the host's share: the GPU is busy almost the whole step, and
+# TPOT p50 comes down to the GPU's own work. With no adapter that is within 1.5x of the floor.
+# (The first run's D=1 row compiled Triton's LoRA kernels inside its timed generate: its throughput
+# shows that; its TPOT p50, a median over every token, does not.)
+#
+# What is left is the GPU's work above the floor. Attention comes closest to its floor, because the
+# paged kernel reads each sequence's blocks only up to its length. The decode step's GEMMs, one row
+# per running sequence, are further from theirs. Fusing q, k and v into one GEMM, and gate and up
+# into another (chapter 04's stacking, which production engines apply to the base weights too),
+# would launch fewer and larger GEMMs. The LoRA kernels' time is chapter 08's LoRA overhead,
+# measured inside the engine. It is what separates the D=1 and D=32 rows from D=0, and why
+# D=32 misses 1.7x. The D=0 row launches no LoRA kernel, because a base-only decode step skips them.
 #
 # The D=64 row is not comparable with the others. Its trace holds more distinct adapters than the
 # GPU has slots, so admission ran in waves (more steps, more than one prefill step), each step
 # carrying part of the batch. Its decode steps attend fewer positions, so its floor is smaller and
-# its TPOT over floor divides by less; its smaller steps keep its TPOT p50 near the others' while
-# its throughput drops. Its "lora" class may also hold some attention: the committed file was measured
-# before the benchmark filed paged attention's merge kernel (flash-decoding's second stage, which
-# runs when a decode step has few sequences, as in the second wave) under attention.
+# its TPOT over floor divides by less. While the second wave's requests wait for slots, the loop
+# cannot overlap: a waiting request may be admitted as soon as a sequence finishes, and only the
+# host knows when that is. Its busy fraction shows it. This is why the 64-adapter throughput
+# targets are missed against a base step that is now much faster: they measure the slot cap and the
+# plain loop, not the LoRA kernels.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
