@@ -35,6 +35,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
                      stride_x, stride_res, stride_out, stride_res_out,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: s = x (+ residual), stored as the new residual; out = w * (s / rms(s))."""
+    # int64 offsets: a prefill's rows x hidden can pass 2^31 elements (the book's rule for every kernel)
+    stride_x, stride_res = tl.cast(stride_x, tl.int64), tl.cast(stride_res, tl.int64)
+    stride_out, stride_res_out = tl.cast(stride_out, tl.int64), tl.cast(stride_res_out, tl.int64)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -96,6 +99,8 @@ def _rope_tile(x_ptr, out_ptr, row, stride_x, stride_xh, stride_out, stride_outh
                HALF: tl.constexpr, H_PAD: tl.constexpr):
     """Rotate one token's [heads, head_dim] tile: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), rotate_half's
     layout (the two halves of each head, not interleaved pairs)."""
+    stride_x, stride_xh = tl.cast(stride_x, tl.int64), tl.cast(stride_xh, tl.int64)
+    stride_out, stride_outh = tl.cast(stride_out, tl.int64), tl.cast(stride_outh, tl.int64)
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < heads
@@ -116,6 +121,11 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_heads, 
                  stride_qo, stride_qoh, stride_ko, stride_koh,
                  HALF: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr):
     """One program per token: its cos / sin row once, then every head of q and of k."""
+    stride_q, stride_qh = tl.cast(stride_q, tl.int64), tl.cast(stride_qh, tl.int64)
+    stride_k, stride_kh = tl.cast(stride_k, tl.int64), tl.cast(stride_kh, tl.int64)
+    stride_cs, stride_sn = tl.cast(stride_cs, tl.int64), tl.cast(stride_sn, tl.int64)
+    stride_qo, stride_qoh = tl.cast(stride_qo, tl.int64), tl.cast(stride_qoh, tl.int64)
+    stride_ko, stride_koh = tl.cast(stride_ko, tl.int64), tl.cast(stride_koh, tl.int64)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     # cos / sin in the model's dtype, as Hugging Face's rotary embedding returns them
@@ -174,6 +184,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    stride_g, stride_u, stride_o = tl.cast(stride_g, tl.int64), tl.cast(stride_u, tl.int64), tl.cast(stride_o, tl.int64)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
