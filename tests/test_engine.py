@@ -659,6 +659,44 @@ def _with_fault(llm, fault):
     llm.runner.forward = forward
 
 
+def test_overlap_goes_on_while_requests_wait_for_a_slot_and_admits_them_when_the_plain_loop_does(base, adapter_dirs):
+    """Requests of more adapters than the GPU has slots: the first wave decodes while the others wait
+    (the adapter cap blocks them). No sequence can end before its length, so the overlapped loop
+    keeps launching ahead through the wave (the admission policy, asked with the next step's state,
+    admits no one), stops at the step where the wave ends, and admits the second wave at the very
+    step the plain loop does: the same scheduler log counts, steps and tokens. With a stop token a
+    sequence may end at any step, so the loop does not launch ahead while requests wait."""
+    names = ["a0", "a1", "a2", "a3", "a0", "a1"]
+    prompts = [[3 + i, 9, 27, 5 + 2 * i] for i in range(len(names))]
+    cfg = dataclasses.replace(CONFIG, max_loras_per_batch=3, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=24)
+    for stop in ((), (0,)):
+        params = SamplingParams(max_new_tokens=8, stop_token_ids=stop, min_tokens=0)
+        engines = [make_engine(base, adapter_dirs, dataclasses.replace(cfg, overlap_decode=o)) for o in (False, True)]
+        seen = _spy_input_ids(engines[1])
+        waiting_when_launched = []
+        real = engines[1].runner.forward
+
+        def forward(work, running=(), _real=real, _llm=engines[1], **kw):
+            if kw.get("input_ids") is not None:
+                waiting_when_launched.append(len(_llm.scheduler.waiting))
+            return _real(work, running, **kw)
+
+        engines[1].runner.forward = forward
+        outs = [llm.generate(prompts, params, lora_request=names) for llm in engines]
+        assert _outputs(outs[0]) == _outputs(outs[1])
+        plain, over = engines
+        assert plain.stats["drains"] == 0 and plain.stats["prefill_steps"] + plain.stats["mixed_steps"] >= 2
+        assert {k: v for k, v in over.stats.items() if k != "pool_events"} == \
+            {k: v for k, v in plain.stats.items() if k != "pool_events"}
+        assert sorted(e for e in over.scheduler.events if e[0] != "decode") == \
+            sorted(e for e in plain.scheduler.events if e[0] != "decode")
+        assert any(seen), "the pipeline ran"
+        if stop:
+            assert not any(waiting_when_launched), "launched ahead while a stop token could free a slot"
+        else:
+            assert any(waiting_when_launched), "the pipeline stopped while requests waited for a slot"
+
+
 def test_overlapped_decode_equals_the_plain_loop_on_random_workloads(base, adapter_dirs):
     """Seeded random configs and workloads, each through a plain and an overlapped engine (stop tokens
     taken from a first, unstopped run so that they do stop requests mid-way): every call's outputs

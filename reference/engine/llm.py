@@ -600,7 +600,8 @@ class LLM:
         prev = self._inflight
         if prev is None:
             kind, work = self._schedule()
-            if kind == "decode" and self._can_overlap():
+            # the scheduler composed this step itself (requests may wait: it admitted none of them)
+            if kind == "decode" and self._pure_decode():
                 self._inflight = self._launch(work, None)
                 return {}
             return self._run(work)
@@ -611,13 +612,35 @@ class LLM:
             self._inflight = None  # every row of it is void: nothing left to record
         return tokens
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step is a pure decode of the running sequences that may be launched before
-        the last step's tokens are read: nothing waiting (no admission, no drain), no prompt in
-        progress, and no request asking for logprobs (read with the tokens)."""
+    def _pure_decode(self) -> bool:
+        """No drain, no prompt in progress, and no request asking for logprobs (read with the tokens)."""
         sched = self.scheduler
-        return (not sched.waiting and not sched.drain_active
-                and not any(s.in_prefill or s.params.logprobs for s in sched.running))
+        return not sched.drain_active and not any(s.in_prefill or s.params.logprobs for s in sched.running)
+
+    def _can_overlap(self) -> bool:
+        """Whether the step after the one in flight may be launched before the latter's tokens are
+        read: a pure decode (:meth:`_pure_decode`) with nothing waiting, or with requests waiting
+        that the next step could not admit anyway (:meth:`_may_stay_blocked` here, then
+        ``Scheduler.next_step_admits_none`` in :meth:`_launch_next` once that step's KV blocks are
+        counted out). A request is then admitted one step later than the plain loop would only
+        where the host could not foresee it (a row of the step in flight turns non-finite and frees a
+        seat; a block that step fills gives a waiting prompt a prefix hit): its tokens are the same."""
+        return self._pure_decode() and (not self.scheduler.waiting or self._may_stay_blocked())
+
+    def _may_stay_blocked(self) -> bool:
+        """With requests waiting, what the plain loop's next step could change without the host's
+        tokens: a drain may start (``drain_threshold``), and a sequence that ends at the step in flight
+        (by length, or by a stop token it may sample) frees a seat, blocks and perhaps a slot."""
+        sched, prev = self.scheduler, self._inflight
+        if sched.config.drain_threshold is not None or prev is None:
+            return False
+        for w in prev.work:
+            seq, p = w.seq, w.seq.params
+            if seq.seq_id in prev.discard:
+                continue
+            if len(seq.output) + 1 >= p.max_new_tokens or (p.stop_token_ids and len(seq.output) >= p.min_tokens):
+                return False
+        return True
 
     def _launch(self, work: list[Work], input_ids: Optional[torch.Tensor],
                 running: Optional[list] = None) -> "_InFlight":
@@ -648,6 +671,10 @@ class LLM:
         need = sum(blocks.blocks_for(prev.work[i].seq.num_tokens + 1) > len(prev.work[i].seq.block_table)
                    for i in go_on)
         if need > blocks.num_free:
+            return None
+        # requests wait (_can_overlap found no sequence ending at prev): the plain loop's next step must
+        # admit none of them either, asked once that step's blocks are counted out
+        if self.scheduler.waiting and not self.scheduler.next_step_admits_none(len(go_on), blocks.num_free - need):
             return None
         work = []
         for i in go_on:

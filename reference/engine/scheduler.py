@@ -128,9 +128,45 @@ class Scheduler:
         work = self._decode_work()
         return ("decode", work) if work else ("idle", [])
 
-    def _candidates(self) -> list[Candidate]:
-        return [Candidate(s.seq_id, s.uid, self.blocks.blocks_needed(s), self.step_no - s.enqueued_step)
+    def _candidates(self, step_no: Optional[int] = None) -> list[Candidate]:
+        step_no = self.step_no if step_no is None else step_no
+        return [Candidate(s.seq_id, s.uid, self.blocks.blocks_needed(s), step_no - s.enqueued_step)
                 for s in self.waiting]
+
+    def _warm(self, step_no: int) -> set:
+        warm = set(self.resident())
+        if self.config.drain_threshold is not None:
+            # a request that waited past the threshold counts as warm: admission then takes it in
+            # arrival order with the resident adapters' requests, so when seats (max_num_seqs) or KV
+            # blocks bind rather than the adapter cap, a hot adapter cannot take every freed seat
+            # before it (the drain covers the cap; this covers the other limits)
+            limit = step_no - self.config.drain_threshold
+            warm |= {s.uid for s in self.waiting if s.enqueued_step < limit}
+        return warm
+
+    def next_step_admits_none(self, decodes: int, free_blocks: int) -> bool:
+        """Whether the next :meth:`schedule`, with the running sequences as they are, ``decodes`` of
+        them decoding and ``free_blocks`` left once they took their blocks, would admit no waiting
+        request (a dry run of :meth:`_admit`'s policy call, one step later; nothing changes).
+
+        For a caller that launches the next decode step before the current one is recorded (the
+        engine's overlapped decode): it may do so while requests wait only when this is True. The
+        drain is not foreseen: such a caller needs ``drain_threshold`` None.
+        """
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - (decodes if cfg.mixed_steps else 0)
+        if cfg.mixed_steps and decodes and cfg.max_prefill_tokens_while_decoding is not None:
+            budget = min(budget, cfg.max_prefill_tokens_while_decoding)
+        if budget <= 0 or not self.waiting:
+            return True
+        step_no = self.step_no + 1
+        admitted = self.admit_fn(self._candidates(step_no), [s.uid for s in self.running], self._warm(step_no),
+                                 cfg.max_loras_per_batch, free_blocks, cfg.max_num_seqs - len(self.running),
+                                 self.draining, self.drain_active)
+        if not admitted:
+            return True
+        first = next(s for s in self.waiting if s.seq_id == admitted[0])
+        return self.blocks.blocks_needed(first) > free_blocks  # _admit stops at the first that does not fit
 
     def _update_drain(self) -> None:
         remaining: dict = {}
@@ -184,15 +220,7 @@ class Scheduler:
         return Work(seq, seq.num_computed, end)
 
     def _admit(self, budget: int) -> list[Work]:
-        warm = set(self.resident())
-        if self.config.drain_threshold is not None:
-            # a request that waited past the threshold counts as warm: admission then takes it in
-            # arrival order with the resident adapters' requests, so when seats (max_num_seqs) or KV
-            # blocks bind rather than the adapter cap, a hot adapter cannot take every freed seat
-            # before it (the drain covers the cap; this covers the other limits)
-            limit = self.step_no - self.config.drain_threshold
-            warm |= {s.uid for s in self.waiting if s.enqueued_step < limit}
-        admitted = self.admit_fn(self._candidates(), [s.uid for s in self.running], warm,
+        admitted = self.admit_fn(self._candidates(), [s.uid for s in self.running], self._warm(self.step_no),
                                  self.config.max_loras_per_batch, self.blocks.num_free,
                                  self.config.max_num_seqs - len(self.running), self.draining, self.drain_active)
         by_id = {s.seq_id: s for s in self.waiting}
