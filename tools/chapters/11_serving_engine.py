@@ -1114,8 +1114,9 @@ for splits in (1, 2):
 # records step N while the GPU runs N+1. The price: a sequence that stops at step N has already
 # been launched into N+1, so that row is computed and thrown away (its KV block for N+1 was taken,
 # and its adapter refreshed in the pool's LRU, one step late). It runs only between pure decode
-# steps with nothing waiting, no prompt in progress and no request asking for logprobs: those
-# steps need the host's answer before the next one can be built. Section 6 turns it off, so its
+# steps with no prompt in progress and no request asking for logprobs, and with no request
+# waiting that the next step could admit: those steps need the host's answer before the next one
+# can be built. Section 6 turns it off, so its
 # scheduler log reads one step at a time; the tokens are the same either way (the tests compare
 # both loops over random workloads, seeds, stop tokens and failing rows).
 #
@@ -1279,11 +1280,15 @@ if floor_rows:
 # The D=64 row is not comparable with the others. Its trace holds more distinct adapters than the
 # GPU has slots, so admission ran in waves (more steps, more than one prefill step), each step
 # carrying part of the batch. Its decode steps attend fewer positions, so its floor is smaller and
-# its TPOT over floor divides by less. While the second wave's requests wait for slots, the loop
-# cannot overlap: a waiting request may be admitted as soon as a sequence finishes, and only the
-# host knows when that is. Its busy fraction shows it. This is why the 64-adapter throughput
-# targets are missed against a base step that is now much faster: they measure the slot cap and the
-# plain loop, not the LoRA kernels.
+# its TPOT over floor divides by less. While the second wave's requests waited for slots, the loop
+# of that run could not overlap (its busy fraction shows it): a waiting request may be admitted as
+# soon as a sequence finishes, and only the host knows when that is. The engine now goes on
+# overlapping in that state when it can tell that the next step would admit no one anyway: no drain
+# can start, no sequence of the step in flight can end at it (by its length, or by a stop token it
+# may sample), and the admission policy, asked with the next step's state, admits nobody
+# (`Scheduler.next_step_admits_none`). The run above predates that change. The 64-adapter
+# throughput targets are missed against a base step that is now much faster: they measure the slot
+# cap and, in that run, the plain loop, not the LoRA kernels.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
