@@ -78,8 +78,9 @@ class EngineConfig:
     # scheduling), in generate(): while the GPU runs decode step N the host builds and launches step
     # N+1, whose input ids are N's sampled tokens on the device, and only then reads N's tokens and
     # records them; a sequence that stopped at N (a stop token, a non-finite row) has its row of N+1
-    # discarded. Only between pure decode steps (nothing waiting, no prompt in progress, no request
-    # asking for logprobs); every other step, add_request/step() and a custom step run as before.
+    # discarded. Only between pure decode steps (no prompt in progress, no request asking for
+    # logprobs, no waiting request the next step could admit: LLM._can_overlap); every other step,
+    # add_request/step() and a custom step run as before.
     # On by default: on an H100 it took the benchmark's base decode step from 6.51 to 4.34 ms
     # (benchmarks/results/engine_plain_h100.json against engine_breakdown_h100.json); False = the
     # plain loop, which reads each step's tokens before it builds the next.
