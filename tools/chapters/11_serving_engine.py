@@ -1107,8 +1107,8 @@ for splits in (1, 2):
 # the fraction of the decode steps' wall time during which the GPU ran anything, and where a decode
 # step's GPU time goes (section 9).
 #
-# Even so, the loop builds step N+1 only after it has read step N's tokens, and the GPU waits for
-# that. **Overlapped decode** (`EngineConfig.overlap_decode`, the default; SGLang's overlap
+# **3. Overlapped decode.** Even so, the loop builds step N+1 only after it has read step N's
+# tokens, and the GPU waits for that. Overlapped decode (`EngineConfig.overlap_decode`, the default; SGLang's overlap
 # scheduler, vLLM V1's asynchronous scheduling) launches step N+1 first, with step N's sampled
 # tokens as its input ids on the device (`ModelRunner.forward(input_ids=...)`), and reads and
 # records step N while the GPU runs N+1. The price: a sequence that stops at step N has already
@@ -1120,7 +1120,7 @@ for splits in (1, 2):
 # scheduler log reads one step at a time; the tokens are the same either way (the tests compare
 # both loops over random workloads, seeds, stop tokens and failing rows).
 #
-# **Fused elementwise kernels.** Hugging Face's Llama layer spells RMSNorm, the residual add,
+# **4. Fused elementwise kernels.** Hugging Face's Llama layer spells RMSNorm, the residual add,
 # rotary embedding and SiLU-and-mul as about thirty small torch ops per layer. In a decode step of
 # a few hundred tokens each moves a few megabytes, far below a microsecond of bandwidth, but each
 # is a kernel launch of its own. `reference/ops/fused_elementwise.py` makes them four Triton
@@ -1130,7 +1130,7 @@ for splits in (1, 2):
 # (`tests/test_fused_elementwise.py`). The engine uses them on CUDA (`EngineConfig.fused_ops`); on
 # the CPU the interpreter would run them one program at a time, so the torch ops stay there.
 #
-# **3. Mixed steps.** The scheduler of sections 1-7 runs a step of prefill or a step of decode,
+# **5. Mixed steps.** The scheduler of sections 1-7 runs a step of prefill or a step of decode,
 # prefill first (nano-vllm's rule). When a long prompt arrives, every sequence that is decoding
 # waits for all of its chunks: its time per output token spikes by the whole prefill. vLLM's V1
 # scheduler and Sarathi-Serve ("Taming Throughput-Latency Tradeoff in LLM Inference with
