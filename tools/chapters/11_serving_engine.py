@@ -1108,17 +1108,17 @@ for splits in (1, 2):
 # step's GPU time goes (section 9).
 #
 # **3. Overlapped decode.** Even so, the loop builds step N+1 only after it has read step N's
-# tokens, and the GPU waits for that. Overlapped decode (`EngineConfig.overlap_decode`, the default; SGLang's overlap
-# scheduler, vLLM V1's asynchronous scheduling) launches step N+1 first, with step N's sampled
-# tokens as its input ids on the device (`ModelRunner.forward(input_ids=...)`), and reads and
-# records step N while the GPU runs N+1. The price: a sequence that stops at step N has already
-# been launched into N+1, so that row is computed and thrown away (its KV block for N+1 was taken,
-# and its adapter refreshed in the pool's LRU, one step late). It runs only between pure decode
-# steps with no prompt in progress and no request asking for logprobs, and with no request
-# waiting that the next step could admit: those steps need the host's answer before the next one
-# can be built. Section 6 turns it off, so its
-# scheduler log reads one step at a time; the tokens are the same either way (the tests compare
-# both loops over random workloads, seeds, stop tokens and failing rows).
+# tokens, and the GPU waits for that. Overlapped decode (`EngineConfig.overlap_decode`, the default;
+# SGLang's overlap scheduler, vLLM V1's asynchronous scheduling) launches step N+1 first, with step
+# N's sampled tokens as its input ids on the device (`ModelRunner.forward(input_ids=...)`), and
+# reads and records step N while the GPU runs N+1. The price: a sequence that stops at step N has
+# already been launched into N+1, so that row is computed and thrown away (its KV block for N+1 was
+# taken, and its adapter refreshed in the pool's LRU, one step late). It runs only between pure
+# decode steps with no prompt in progress and no request asking for logprobs, and with no request
+# waiting that the next step could admit: those steps need the host's answer before the next one can
+# be built. Section 6 turns it off, so its scheduler log reads one step at a time; the tokens are
+# the same either way (the tests compare both loops over random workloads, seeds, stop tokens and
+# failing rows).
 #
 # **4. Fused elementwise kernels.** Hugging Face's Llama layer spells RMSNorm, the residual add,
 # rotary embedding and SiLU-and-mul as about thirty small torch ops per layer. In a decode step of
