@@ -1399,6 +1399,9 @@ for run in step_runs:
 # - A decode step's floor is (weights + attended KV) / bandwidth. Attention that gathers a padded
 #   table moves bytes no sequence owns; a paged kernel walks each table up to its length. Host work
 #   per step must not grow with the batch, and mixed steps keep decoding while prompts are prefilled.
+# - Overlapped decode launches step N+1 with step N's tokens still on the device, so the host's
+#   work hides behind the GPU's; it may only run ahead where the host's answer cannot change the
+#   next step. Fusing each layer's elementwise ops cuts launches, not bytes.
 #
 # ## Review questions
 #
@@ -1422,3 +1425,8 @@ for run in step_runs:
 # 8. A decode batch of 4 sequences runs on a GPU of 132 SMs with 8 KV heads. Why does the paged
 #    kernel split each sequence's keys over several programs, what does the merge cost, and why is
 #    the split count fixed per CUDA-graph bucket rather than chosen per step?
+# 9. With overlapped decode, a request's stop token is sampled at step N. What has the engine
+#    already done for that request at step N+1, what does it throw away, and what can it not undo?
+#    Why may it not run ahead while a waiting request could be admitted as soon as that request ends?
+# 10. The fused RMSNorm kernel moves the same bytes as the torch ops it replaces. Why is it faster in
+#    a decode step of 256 tokens, and would it be in a prefill step of 8192?
