@@ -697,6 +697,66 @@ def test_overlap_goes_on_while_requests_wait_for_a_slot_and_admits_them_when_the
             assert any(waiting_when_launched), "the pipeline stopped while requests waited for a slot"
 
 
+def test_overlap_leaves_the_prefix_cache_as_the_plain_loop_does(base):
+    """helper-32's repro: with two KV blocks, a sequence's next block evicted the free block that held
+    the prefix its current block was computing. The plain loop registered the key first (kept by the
+    free block, then evicted with it); the overlapped loop took the new block first and registered the
+    key on the live one, so later calls got prefix hits the plain loop did not. BlockManager now gives
+    the key to the live block either way: the same cache, hits and steps."""
+    cfg = dict(num_kv_blocks=2, block_size=4, max_num_seqs=1, max_num_batched_tokens=2, max_loras_per_batch=2,
+               mixed_steps=True, cuda_graph=False)
+    got = []
+    for overlap in (False, True):
+        llm = LLM(copy.deepcopy(base), EngineConfig(overlap_decode=overlap, **cfg), device=DEVICE)
+        prompt = [11, 22, 33]
+        first = llm.generate([prompt], SamplingParams(max_new_tokens=5))[0].token_ids
+        llm.generate([prompt], SamplingParams(max_new_tokens=5))
+        keys = len(llm.blocks.key_to_block)
+        outs = llm.generate([prompt + first[:2], [5, 6, 7]], SamplingParams(max_new_tokens=3))
+        got.append((keys, llm.stats["prefix_hit_tokens"], llm.stats["steps"], _outputs(outs)))
+    assert got[0] == got[1]
+
+
+def test_a_prefill_first_step_admits_with_the_blocks_its_decodes_have_not_taken(base):
+    """helper-32's repro: the look-ahead asked the admission policy with the blocks left after the
+    next step's decodes, but a prefill-first step admits before they take them. After a row fails
+    (its blocks freed, which the host could not foresee), a waiting prompt that fits only in the
+    blocks before the decodes waited until a sequence ended (step 21 against the plain loop's 6);
+    now it is admitted one step after the plain loop, the delay the look-ahead cannot avoid."""
+    def admit_step(overlap):
+        llm = LLM(copy.deepcopy(base), EngineConfig(overlap_decode=overlap, num_kv_blocks=30, block_size=1, max_num_seqs=2,
+                                                    max_num_batched_tokens=24, mixed_steps=False, cuda_graph=False),
+                  device=DEVICE)
+        real, fired = llm.runner.forward, [False]
+
+        def forward(work, running=(), **kw):  # the row at position 8 turns non-finite, once
+            out = real(work, running, **kw)
+            bad = [i for i, w in enumerate(work) if w.start + len(w.token_ids) - 1 == 8]
+            if bad and not fired[0]:
+                fired[0] = True
+                out = out.clone()
+                out[bad[0]] = float("nan")
+            return out
+
+        llm.runner.forward = forward
+        admitted = {}
+
+        class Log(list):
+            def append(self, event):
+                super().append(event)
+                if event[0] == "admit":
+                    admitted.setdefault(event[1], llm.scheduler.step_no)
+
+        llm.scheduler.events = Log()
+        outs = llm.generate([[1, 2], [3, 4, 5, 6, 7], list(range(10, 33))],
+                            [SamplingParams(max_new_tokens=20)] * 2 + [SamplingParams(max_new_tokens=1)])
+        return admitted[2] - admitted[0], _outputs(outs)
+
+    (plain, plain_out), (over, over_out) = admit_step(False), admit_step(True)
+    assert plain_out == over_out and plain_out[1][1] == "error"
+    assert plain <= over <= plain + 1, (plain, over)
+
+
 def test_overlapped_decode_equals_the_plain_loop_on_random_workloads(base, adapter_dirs):
     """Seeded random configs and workloads, each through a plain and an overlapped engine (stop tokens
     taken from a first, unstopped run so that they do stop requests mid-way): every call's outputs

@@ -163,6 +163,33 @@ def test_blocks_whole_prompt_cached_still_computes_one_token_and_eviction_forget
         bm.allocate(seq(4, [5, 5, 5]))
 
 
+def test_a_free_block_hands_its_key_to_a_live_block_that_computes_the_same_prefix():
+    """helper-32's find: a key already held by a FREE block (next in line for eviction) was not
+    registered for a live block computing the same prefix, so whether the cache kept that prefix
+    depended on the order of a step's block allocations and registrations (the engine's overlapped
+    decode takes step N+1's blocks before registering step N's). Now the live block takes the key;
+    a block a sequence holds keeps its own."""
+    bm = BlockManager(6, 2)
+    a, d, e = seq(0, [1, 2, 3]), seq(1, [1, 2, 7]), seq(2, [1, 2, 8])
+    for s_ in (a, d, e):  # nothing computed yet: each gets blocks of its own
+        bm.allocate(s_)
+    a.num_computed = 2
+    bm.mark_computed(a)
+    key = bm.block_key[a.block_table[0]]
+    old = a.block_table[0]
+    bm.release(a)  # still cached, and free
+    d.num_computed = 2
+    bm.mark_computed(d)
+    assert bm.key_to_block[key] == d.block_table[0] and bm.block_key[old] is None
+    e.num_computed = 2
+    bm.mark_computed(e)  # d holds the key's block: it keeps it
+    assert bm.key_to_block[key] == d.block_table[0] and bm.block_key[e.block_table[0]] is None
+    assert old in bm.free
+    while old in bm.free:  # evicting the old free block no longer forgets the prefix
+        bm._take_new()
+    assert bm.blocks_needed(seq(3, [1, 2, 9])) == 1
+
+
 # ---- the scheduler against the fake model ----------------------------------------------------
 def run(seqs, config, num_blocks, block_size, resident=lambda: ()):
     bm = BlockManager(num_blocks, block_size)

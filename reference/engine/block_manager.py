@@ -157,7 +157,14 @@ class BlockManager:
                 self.hash_fn(seq.tokens[:full * self.block_size], seq.uid, self.block_size))
         for j in range(seq.num_hashed, full):
             block, key = seq.block_table[j], keys[j]
-            if key not in self.key_to_block:  # an identical block cached elsewhere keeps its entry
+            held = self.key_to_block.get(key)
+            # an identical block that a sequence holds keeps its entry; a free one (next in line to be
+            # evicted) hands the key to this live block, so the cache does not depend on whether a
+            # step's new blocks were taken before or after this registration (the engine's overlapped
+            # decode takes step N+1's before it registers step N's: helper-32's fuzz)
+            if held is None or (held != block and self.ref_count[held] == 0):
+                if held is not None:
+                    self.block_key[held] = None
                 self.key_to_block[key] = block
                 self.block_key[block] = key
         seq.num_hashed = full

@@ -623,9 +623,13 @@ class LLM:
         read: a pure decode (:meth:`_pure_decode`) with nothing waiting, or with requests waiting
         that the next step could not admit anyway (:meth:`_may_stay_blocked` here, then
         ``Scheduler.next_step_admits_none`` in :meth:`_launch_next` once that step's KV blocks are
-        counted out). A request is then admitted one step later than the plain loop would only
-        where the host could not foresee it (a row of the step in flight turns non-finite and frees a
-        seat; a block that step fills gives a waiting prompt a prefix hit): its tokens are the same."""
+        counted out). A request is then admitted later than the plain loop would only where the
+        host could not foresee it: a row of the step in flight turns non-finite and frees a seat and
+        its blocks, while the step launched ahead has taken blocks of its own (so the wait can last
+        until another sequence ends). Its greedy tokens are the same; its logprobs may differ in the
+        last bits (its rows are batched with others). Found by helper-32's fuzz, as are the effects
+        of running ahead that outlive the call: a row discarded at N+1 has taken a KV block (which
+        can evict a cached prefix) and refreshed its adapter in the pool's LRU."""
         return self._pure_decode() and (not self.scheduler.waiting or self._may_stay_blocked())
 
     def _may_stay_blocked(self) -> bool:
@@ -675,7 +679,9 @@ class LLM:
             return None
         # requests wait (_can_overlap found no sequence ending at prev): the plain loop's next step must
         # admit none of them either, asked once that step's blocks are counted out
-        if self.scheduler.waiting and not self.scheduler.next_step_admits_none(len(go_on), blocks.num_free - need):
+        # (a prefill-first step admits before its decodes take their blocks: then they are not counted out)
+        free = blocks.num_free - need if self.scheduler.config.mixed_steps else blocks.num_free
+        if self.scheduler.waiting and not self.scheduler.next_step_admits_none(len(go_on), free):
             return None
         work = []
         for i in go_on:

@@ -145,9 +145,10 @@ class Scheduler:
         return warm
 
     def next_step_admits_none(self, decodes: int, free_blocks: int) -> bool:
-        """Whether the next :meth:`schedule`, with the running sequences as they are, ``decodes`` of
-        them decoding and ``free_blocks`` left once they took their blocks, would admit no waiting
-        request (a dry run of :meth:`_admit`'s policy call, one step later; nothing changes).
+        """Whether the next :meth:`schedule`, with the running sequences as they are and ``decodes``
+        of them decoding, would admit no waiting request (a dry run of :meth:`_admit`'s policy call,
+        one step later; nothing changes). ``free_blocks``: the blocks free when that step admits
+        (with mixed steps, after its decodes took theirs; prefill first, before).
 
         For a caller that launches the next decode step before the current one is recorded (the
         engine's overlapped decode): it may do so while requests wait only when this is True. The
