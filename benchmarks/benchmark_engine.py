@@ -326,7 +326,11 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     # generate()'s loop calls one of them per iteration: with overlapped decode an iteration launches
     # step N+1 and records step N, so its range is one TPOT and its GPU work that of N+1 (and of N's
     # tail); the range's KV is that of the decode step launched in it (None: none launched, e.g. the
-    # pipeline's last record)
+    # pipeline's last record). Where the pipeline breaks (a sequence ends by length, a stop token may
+    # end one while requests wait), one decode step spans two iterations: a record-only one, left
+    # out, and a launch-only one, counted with its host time alone (helper-33). This workload has
+    # no stop tokens and breaks only where a wave of requests ends; a workload that breaks every
+    # step would need ranges from each launch to its record instead.
     name = "_overlap_step" if llm.config.overlap_decode else "_step"
     forward, step = llm.runner.forward, getattr(llm, name)
     step_kv: list[Optional[int]] = []

@@ -757,6 +757,35 @@ def test_a_prefill_first_step_admits_with_the_blocks_its_decodes_have_not_taken(
     assert plain <= over <= plain + 1, (plain, over)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed_steps"])
+def test_a_block_the_step_in_flight_completes_can_admit_a_waiting_prompt(base, mixed):
+    """helper-33's repro: B's first block is A's once A has decoded one token. The block is registered
+    when that step is recorded, so the look-ahead's admission dry run, made before, saw B's full
+    need and ran ahead, and B was admitted four steps after the plain loop (prefill first). The
+    look-ahead now stays behind when a block the step in flight completes is in a waiting prompt's
+    prefix: the same admission step, preemptions and prefix hits."""
+    cfg = dict(num_kv_blocks=2, block_size=4, max_num_seqs=2, max_num_batched_tokens=24, mixed_steps=mixed,
+               cuda_graph=False)
+    prompt = [11, 22, 33]
+    o1 = LLM(copy.deepcopy(base), EngineConfig(**cfg), device=DEVICE).generate(
+        [prompt], SamplingParams(max_new_tokens=1))[0].token_ids[0]
+    got = []
+    for overlap in (False, True):
+        llm = LLM(copy.deepcopy(base), EngineConfig(overlap_decode=overlap, **cfg), device=DEVICE)
+        admitted = {}
+
+        class Log(list):
+            def append(self, event, _llm=llm, _admitted=admitted):
+                super().append(event)
+                if event[0] == "admit":
+                    _admitted.setdefault(event[1], _llm.scheduler.step_no)
+
+        llm.scheduler.events = Log()
+        outs = llm.generate([prompt, prompt + [o1, 7]], [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=2)])
+        got.append((admitted, llm.stats["preemptions"], llm.stats["prefix_hit_tokens"], _outputs(outs)))
+    assert got[0] == got[1]
+
+
 def test_overlapped_decode_equals_the_plain_loop_on_random_workloads(base, adapter_dirs):
     """Seeded random configs and workloads, each through a plain and an overlapped engine (stop tokens
     taken from a first, unstopped run so that they do stop requests mid-way): every call's outputs

@@ -217,6 +217,13 @@ def test_fused_ops_default_follows_the_device_and_refuses_what_it_cannot_run(bas
     with pytest.raises(ValueError, match="SiLU"):
         ModelRunner(gelu, None, None, 4, BLOCK_SIZE, fused_ops=True)
     assert not ModelRunner(gelu, None, None, 4, BLOCK_SIZE).fused_ops
+    # helper-33: a head_dim that is not a power of two (OpenLLaMA-3B's 100) crashed the first forward
+    # on CUDA; it is refused when asked for and left to the torch ops by default
+    odd = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CFG, "hidden_size": 96, "num_attention_heads": 2,
+                                                                     "num_key_value_heads": 2})).eval()
+    with pytest.raises(ValueError, match="power of two"):
+        ModelRunner(odd, None, None, 4, BLOCK_SIZE, fused_ops=True)
+    assert not ModelRunner(odd, None, None, 4, BLOCK_SIZE).fused_ops
 
 
 # ---- refusals: nothing is written -----------------------------------------------------------------

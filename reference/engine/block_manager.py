@@ -148,6 +148,21 @@ class BlockManager:
             raise ValueError(f"no free block for sequence {seq.seq_id}")
         seq.block_table.append(self._take_new())
 
+    def pending_keys(self, seq: Sequence, num_computed: int) -> list:
+        """The keys :meth:`mark_computed` would register (or take over from a free block) for ``seq``
+        once ``num_computed`` of its positions are computed; nothing changes."""
+        full = num_computed // self.block_size
+        if full <= seq.num_hashed:
+            return []
+        keys = (self._chained_keys(seq, full) if self.hash_fn is block_hashes else
+                self.hash_fn(seq.tokens[:full * self.block_size], seq.uid, self.block_size))
+        return list(keys[seq.num_hashed:full])
+
+    def looks_up_any(self, seq: Sequence, keys: set) -> bool:
+        """Whether allocating ``seq`` would look up one of ``keys`` (its prefix hits could change once
+        they are registered)."""
+        return bool(keys) and not keys.isdisjoint(self._lookup_keys(seq))
+
     def mark_computed(self, seq: Sequence) -> None:
         """Register the key of every full block of ``seq`` whose KV is now computed."""
         full = seq.num_computed // self.block_size

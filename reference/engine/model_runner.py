@@ -343,12 +343,12 @@ class ModelRunner:
             Triton kernel each (:mod:`reference.ops.fused_elementwise`: about thirty launches of a
             layer's torch ops become four) instead of the Hugging Face modules' torch ops; the
             projections (and their LoRA) are the model's own either way. None: on CUDA for a SiLU
-            model (the CPU interpreter would run them a program at a time).
+            model with a power-of-two head_dim (the CPU interpreter would run them a program at a time).
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
         layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown
         attention backend, ``fused_ops`` not None / True / False, or True for a model whose MLP
-        activation is not SiLU.
+        activation is not SiLU or whose head_dim is not a power of two (None then keeps the torch ops).
     """
 
     def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
@@ -361,10 +361,14 @@ class ModelRunner:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {attention_backend!r}")
         if fused_ops not in (None, True, False):
             raise ValueError(f"fused_ops must be None, True or False, got {fused_ops!r}")
-        silu = getattr(model.config, "hidden_act", None) == "silu"
-        if fused_ops and not silu:
-            raise ValueError(f"fused_ops needs a SiLU MLP, the model's activation is {model.config.hidden_act!r}")
-        self.fused_ops = (device.type == "cuda" and silu) if fused_ops is None else fused_ops
+        act = getattr(model.config, "hidden_act", None)
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        # what the kernels compute: SiLU-and-mul, and rope over two halves of a power-of-two head_dim
+        unfit = ([f"the MLP's activation is {act!r}, not SiLU"] if act not in ("silu", "swish") else []) + \
+            ([f"head_dim {head_dim} is not a power of two"] if head_dim < 2 or head_dim & (head_dim - 1) else [])
+        if fused_ops and unfit:
+            raise ValueError(f"fused_ops cannot run this model: {'; '.join(unfit)}")
+        self.fused_ops = (device.type == "cuda" and not unfit) if fused_ops is None else fused_ops
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if pool is not None and not _is_wrapped(model):
             wrap_llama(model, pool, context, backend)
