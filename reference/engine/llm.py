@@ -678,17 +678,12 @@ class LLM:
         if need > blocks.num_free:
             return None
         # requests wait (_can_overlap found no sequence ending at prev): the plain loop's next step must
-        # admit none of them either, asked once that step's blocks are counted out
-        # (a prefill-first step admits before its decodes take their blocks: then they are not counted out);
-        # and the blocks prev completes, registered only when it is recorded, must not be in a waiting
-        # prompt's prefix: their hits would lower what it needs (helper-33's repro)
+        # admit none of them either; and the blocks prev completes, registered only when it is
+        # recorded, must not be in a waiting prompt's prefix: their hits would lower what it needs
         sched = self.scheduler
         if sched.waiting:
             fresh = {key for i in go_on for key in blocks.pending_keys(prev.work[i].seq, prev.work[i].seq.num_tokens)}
-            if any(blocks.looks_up_any(s, fresh) for s in sched.waiting):
-                return None
-            free = blocks.num_free - need if sched.config.mixed_steps else blocks.num_free
-            if not sched.next_step_admits_none(len(go_on), free):
+            if any(blocks.looks_up_any(s, fresh) for s in sched.waiting) or not sched.next_step_admits_none(len(go_on), need):
                 return None
         work = []
         for i in go_on:

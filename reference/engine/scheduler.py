@@ -144,20 +144,26 @@ class Scheduler:
             warm |= {s.uid for s in self.waiting if s.enqueued_step < limit}
         return warm
 
-    def next_step_admits_none(self, decodes: int, free_blocks: int) -> bool:
-        """Whether the next :meth:`schedule`, with the running sequences as they are and ``decodes``
-        of them decoding, would admit no waiting request (a dry run of :meth:`_admit`'s policy call,
-        one step later; nothing changes). ``free_blocks``: the blocks free when that step admits
-        (with mixed steps, after its decodes took theirs; prefill first, before).
+    def _prefill_budget(self, decodes: int) -> int:
+        """The prompt tokens a mixed step holding ``decodes`` decode rows may carry."""
+        budget = self.config.max_num_batched_tokens - decodes
+        if decodes and self.config.max_prefill_tokens_while_decoding is not None:
+            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        return budget
+
+    def next_step_admits_none(self, decodes: int, decode_blocks: int) -> bool:
+        """Whether the next :meth:`schedule`, with the running sequences as they are, ``decodes`` of
+        them decoding and taking ``decode_blocks`` new KV blocks, would admit no waiting request (a
+        dry run of :meth:`_admit`'s policy call, one step later; nothing changes). A mixed step admits
+        after its decodes took their blocks, a prefill-first step before.
 
         For a caller that launches the next decode step before the current one is recorded (the
         engine's overlapped decode): it may do so while requests wait only when this is True. The
         drain is not foreseen: such a caller needs ``drain_threshold`` None.
         """
         cfg = self.config
-        budget = cfg.max_num_batched_tokens - (decodes if cfg.mixed_steps else 0)
-        if cfg.mixed_steps and decodes and cfg.max_prefill_tokens_while_decoding is not None:
-            budget = min(budget, cfg.max_prefill_tokens_while_decoding)
+        budget = self._prefill_budget(decodes) if cfg.mixed_steps else cfg.max_num_batched_tokens
+        free_blocks = self.blocks.num_free - (decode_blocks if cfg.mixed_steps else 0)
         if budget <= 0 or not self.waiting:
             return True
         step_no = self.step_no + 1
@@ -197,10 +203,7 @@ class Scheduler:
     def _mixed_work(self) -> tuple[str, list[Work]]:
         """Sarathi-Serve's stall-free batch: decodes first, so a long prompt never holds them back."""
         decodes = self._decode_work(self.config.max_num_batched_tokens)
-        budget = self.config.max_num_batched_tokens - len(decodes)
-        if decodes and self.config.max_prefill_tokens_while_decoding is not None:
-            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
-        prefills = self._prefill_work(budget)
+        prefills = self._prefill_work(self._prefill_budget(len(decodes)))
         kind = "mixed" if decodes and prefills else "decode" if decodes else "prefill" if prefills else "idle"
         return kind, decodes + prefills
 
