@@ -11,7 +11,12 @@ vocab 32000), random bf16 weights, ``--layers`` layers (the results record how m
 128 new tokens each, greedy; request i's adapter drawn from a Zipf(1.0) popularity over D adapters
 of rank 16 on every projection; the same prompts for every D and for the base run (every request on
 the base model). The engine: ``reference.engine.LLM`` with the Triton LoRA backend (CUDA) or torch
-(CPU), ``max_loras_per_batch`` 33 (32 adapters and the base), every adapter in the CPU tier.
+(CPU), ``max_loras_per_batch`` ``--max-loras`` (default 65: 64 adapters and the base, so the
+64-adapter row's 47 distinct adapters are resident at once, as S-LoRA's and Punica's figure
+serves them; the committed runs before it used 33, and that row then ran in two waves through the
+slot cap), every adapter in the CPU tier. On CUDA the decoder takes the fused elementwise kernels
+and packed q|k|v and gate|up projections (``EngineConfig.fused_ops`` / ``packed_projections``;
+``--no-fused-ops``, ``--no-packed-projections`` turn them off).
 
 Reported per run: output tokens/s over the whole ``generate`` wall time; time per output token (the
 gap between a request's consecutive tokens) P50 / P99; time to first token P50 / P99; steps,
@@ -37,7 +42,10 @@ slot more, pinned to the base model (the padding rows' rank-0 slot); the schedul
 The floor (issue #30): a decode step must read every weight but the input embedding and the KV of
 every position it attends, so (weight bytes + attended KV bytes) / copy bandwidth (measured here:
 a device-to-device copy, read + write) bounds its time from below; each row records the median
-floor over its decode steps and TPOT p50 / floor. ``--profile`` adds the GPU-busy fraction of the
+floor over its decode steps and TPOT p50 / floor. Beside it, rows with adapters record the floor with
+the adapters' own bytes (each decode step also reads A and B of each of its distinct adapters once:
+``decode_floor_with_lora_ms_p50``, ``tpot_p50_over_floor_with_lora``); the targets keep the issue's
+floor, which counts the base model's weights. ``--profile`` adds the GPU-busy fraction of the
 decode steps' wall time (torch.profiler, one more generate). ``--arrival-loads``: the workload
 arriving as a Poisson process (``LLM.add_request`` / ``step``) at fractions of the base row's
 request rate, for TPOT p99 and TTFT under continuous arrivals. ``--attention torch triton`` runs
@@ -160,6 +168,28 @@ def record_decode_contexts(llm) -> list[int]:
     return log
 
 
+def record_decode_adapters(llm) -> list[int]:
+    """Wrap ``llm.runner.forward`` to log, for every decode step, how many distinct adapters its
+    rows use (the base model's rows none): the adapters whose A and B the step's LoRA must read."""
+    log: list[int] = []
+    forward = llm.runner.forward
+
+    def logged(work, running=(), **kw):
+        if all(len(w.token_ids) == 1 for w in work):
+            log.append(len({w.uid for w in work if w.uid is not None}))
+        return forward(work, running, **kw)
+
+    llm.runner.forward = logged
+    return log
+
+
+def adapter_bytes(modules, layers: int, rank: int, element_size: int) -> int:
+    """Bytes of one adapter's A and B over every pool module and layer at ``rank``:
+    rank * (stack_num * in_features + out_total) elements per module and layer (A is
+    [stack_num * rank, in], B [out_total, rank]): what a step reads per distinct adapter."""
+    return layers * rank * element_size * sum(m.stack_num * m.in_features + m.out_total for m in modules)
+
+
 KERNEL_CLASSES = (  # first match wins: a kernel's name -> what it does in a decode step
     # _merge_splits_kernel is paged attention's flash-decoding merge (reference/ops/paged_attention.py)
     ("attention", ("attention", "flash", "fmha", "sdpa", "merge_splits")),
@@ -214,7 +244,8 @@ def decode_ranges(prof, step_kv: list[Optional[int]], label: str = STEP_LABEL) -
     return [r for r, kv in zip(ranges, step_kv) if kv is not None]
 
 
-def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], label: str = STEP_LABEL) -> Optional[dict]:
+def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], label: str = STEP_LABEL,
+                     step_adapters: Optional[list[Optional[int]]] = None, top: int = 12) -> Optional[dict]:
     """Where a decode step's time goes, from a torch.profiler trace whose engine steps are each one
     ``label`` range (``step_kv``: see :func:`decode_ranges`). Per decode step, mean over them, in ms:
     ``wall_ms`` (the whole engine step: schedule, model, sampling with its device-to-host read,
@@ -223,13 +254,18 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
     each kernel clipped to the ranges; the classes sum past ``gpu_busy_ms`` only where kernels
     overlap). With ``floor`` (the benchmark's copy bandwidth, weight and KV bytes), ``floor_ms``: the
     GEMMs must read every weight once, attention the KV of the positions the step attends (the mean
-    over these steps: a ratio of means); LoRA and the rest have no floor of their own. Issue #30:
-    "state what limits each target that is missed, from a profile"."""
+    over these steps: a ratio of means), and with ``step_adapters`` (one entry per labelled step, as
+    ``step_kv``: the distinct adapters of a decode step) and ``floor["lora_per_adapter"]`` the LoRA
+    kernels must read each of the step's adapters once (the mean over the decode steps); the rest
+    has no floor of its own. ``top_kernels``: the ``top`` kernels by time per decode step (ms, with
+    their class and launches per step), the profile's own names. Issue #30: "state what limits each
+    target that is missed, from a profile"."""
     ranges = decode_ranges(prof, step_kv, label)
     if not ranges:
         return None
     events = list(prof.profiler.kineto_results.events())
     per_class: dict[str, float] = {}
+    per_kernel: dict[str, list] = {}  # name -> [ns inside the ranges, launches]
     intervals = []
     for e in _gpu_work(events, (label,)):
         a, b = e.start_ns(), e.start_ns() + e.duration_ns()
@@ -237,16 +273,25 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
         if inside:
             intervals.append((a, b))
             per_class[kernel_class(e.name())] = per_class.get(kernel_class(e.name()), 0) + inside
+            entry = per_kernel.setdefault(e.name(), [0, 0])
+            entry[0] += inside
+            entry[1] += 1
     n = len(ranges)
     wall = sum(hi - lo for lo, hi in ranges) / n / 1e6
     busy = _union_inside(intervals, ranges) / n / 1e6
     out = dict(range="engine step: schedule, model, sampling, postprocess", decode_steps=n, wall_ms=round(wall, 4),
                gpu_busy_ms=round(busy, 4), host_ms=round(wall - busy, 4),
                gpu_ms={k: round(v / n / 1e6, 4) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])})
+    out["top_kernels"] = [dict(name=name[:120], kind=kernel_class(name), ms=round(ns / n / 1e6, 4),
+                               launches_per_step=round(count / n, 2))
+                          for name, (ns, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]]
     kv = [k for k in step_kv if k is not None]
     if floor is not None:
         out["floor_ms"] = dict(gemm=round(1e3 * floor["weights"] / floor["bandwidth"], 3),
                                attention=round(1e3 * sum(kv) / len(kv) * floor["kv_per_position"] / floor["bandwidth"], 3))
+        used = [a for k, a in zip(step_kv, step_adapters or []) if k is not None and a is not None]
+        if used and floor.get("lora_per_adapter"):
+            out["floor_ms"]["lora"] = round(1e3 * sum(used) / len(used) * floor["lora_per_adapter"] / floor["bandwidth"], 3)
     return out
 
 
@@ -290,6 +335,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     if device.type == "cuda":
         torch.cuda.synchronize()
     contexts = record_decode_contexts(llm)
+    step_adapters = record_decode_adapters(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=names)
     wall = time.perf_counter() - t0
@@ -297,6 +343,11 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     if floor is not None and contexts:
         floors = [(floor["weights"] + c * floor["kv_per_position"]) / floor["bandwidth"] for c in contexts]
         extra["decode_floor_ms_p50"] = round(1e3 * percentile(floors, 0.5), 3)
+        if floor.get("lora_per_adapter") and any(step_adapters):
+            # the issue's floor counts the base model's weights; a step with adapters also reads each
+            # distinct adapter's A and B once: reported beside it, the targets keep the issue's floor
+            with_lora = [f + a * floor["lora_per_adapter"] / floor["bandwidth"] for f, a in zip(floors, step_adapters)]
+            extra["decode_floor_with_lora_ms_p50"] = round(1e3 * percentile(with_lora, 0.5), 3)
     if profile and device.type == "cuda":
         extra["gpu_busy_decode"], extra["decode_breakdown"] = profiled_busy(llm, prompts, params, names, floor)
     tokens = sum(len(o.token_ids) for o in outs)
@@ -307,6 +358,8 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     unwrap_llama(llm.model)
     if "decode_floor_ms_p50" in extra:
         extra["tpot_p50_over_floor"] = round(1e3 * percentile(tpot, 0.5) / extra["decode_floor_ms_p50"], 2)
+    if "decode_floor_with_lora_ms_p50" in extra:
+        extra["tpot_p50_over_floor_with_lora"] = round(1e3 * percentile(tpot, 0.5) / extra["decode_floor_with_lora_ms_p50"], 2)
     return dict(output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2), **extra,
                 tpot_ms_p50=round(1e3 * percentile(tpot, 0.5), 3), tpot_ms_p99=round(1e3 * percentile(tpot, 0.99), 3),
                 ttft_s_p50=round(percentile(ttft, 0.5), 3), ttft_s_p99=round(percentile(ttft, 0.99), 3),
@@ -334,14 +387,17 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     name = "_overlap_step" if llm.config.overlap_decode else "_step"
     forward, step = llm.runner.forward, getattr(llm, name)
     step_kv: list[Optional[int]] = []
+    step_adapters: list[Optional[int]] = []
 
     def recorded(work, running=(), **kw):  # kw: ModelRunner.forward's check, input_ids
         decode = all(len(w.token_ids) == 1 for w in work)
         step_kv[-1] = sum(w.start + 1 for w in work) if decode else None
+        step_adapters[-1] = len({w.uid for w in work if w.uid is not None}) if decode else None
         return forward(work, running, **kw)
 
     def labelled():
         step_kv.append(None)
+        step_adapters.append(None)
         with record_function(STEP_LABEL):
             return step()
 
@@ -353,7 +409,7 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     finally:
         llm.runner.forward = forward
         delattr(llm, name)  # the bound method again
-    breakdown = decode_breakdown(prof, step_kv, floor)
+    breakdown = decode_breakdown(prof, step_kv, floor, step_adapters=step_adapters)
     busy = breakdown["gpu_busy_ms"] / breakdown["wall_ms"] if breakdown and breakdown["wall_ms"] else None
     return (None if busy is None else round(busy, 3)), breakdown
 
@@ -536,6 +592,10 @@ def main() -> None:
     ap.add_argument("--no-overlap-decode", action="store_true",
                     help="EngineConfig.overlap_decode=False: the plain loop, which reads step N's tokens before "
                          "it launches step N+1 (default: overlapped)")
+    ap.add_argument("--no-packed-projections", action="store_true",
+                    help="each projection its own GEMM and LoRA expand (EngineConfig.packed_projections=False)")
+    ap.add_argument("--max-loras", type=int, default=65,
+                    help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",
                     help="EngineConfig.fused_ops=False: the decoder layer's norms, rope and SiLU-and-mul as "
                          "Hugging Face's torch ops instead of the fused Triton kernels")
@@ -555,13 +615,14 @@ def main() -> None:
     block = 16
     model = build_model(cfg, layers, hi + new + 8, device, dtype)
     mods = llama_pool_modules(llama_checkpoint(model))
-    engine_cfg = EngineConfig(max_loras_per_batch=33 if not args.smoke else 4, max_lora_rank=args.rank,
+    engine_cfg = EngineConfig(max_loras_per_batch=args.max_loras if not args.smoke else 4, max_lora_rank=args.rank,
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
                               max_num_seqs=n, max_num_batched_tokens=args.token_budget or (8192 if not args.smoke else 64),
                               backend="triton" if device.type == "cuda" else "torch",
                               cuda_graph=False if args.no_cuda_graph else None,
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
-                              overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None)
+                              overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None,
+                              packed_projections=False if args.no_packed_projections else None)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}
@@ -595,6 +656,7 @@ def main() -> None:
                       peft_requests=args.peft_requests or n,
                       copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
                       weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),
+                      lora_bytes_per_adapter=floor_info.get("lora_per_adapter"),
                       method="one untimed pass of the whole workload (4 new tokens) first; one generate() per "
                              "row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
                              "between a request's consecutive tokens; TTFT from the call's start (every request "
@@ -613,7 +675,8 @@ def main() -> None:
     floor = None
     if device.type == "cuda":
         weights, per_position = step_bytes(model)
-        floor = dict(bandwidth=copy_bandwidth(device), weights=weights, kv_per_position=per_position)
+        floor = dict(bandwidth=copy_bandwidth(device), weights=weights, kv_per_position=per_position,
+                     lora_per_adapter=adapter_bytes(mods, layers, args.rank, torch.finfo(dtype).bits // 8))
         tqdm.write(f"copy bandwidth {floor['bandwidth'] / 1e12:.2f} TB/s, weights {weights / 2**30:.2f} GiB, "
                    f"KV {per_position} B per position")
     floor_info.update(floor or {})

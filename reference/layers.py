@@ -42,7 +42,7 @@ the base layer, the punica wrapper adds the delta in place).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ from reference.mem_pool import LoRAMemoryPool
 from reference.ops._triton_util import summed_partials
 
 __all__ = ["LoRAContext", "LoRABackend", "get_backend", "uses_token_slots", "SharedShrink", "LoRALinear",
-           "wrap_llama", "unwrap_llama"]
+           "PackedProjection", "pack_projections", "wrap_llama", "unwrap_llama"]
 
 
 class LoRAContext:
@@ -334,6 +334,115 @@ class LoRALinear(nn.Module):
             t = rows.new_empty(rows.shape[0], A.shape[1])
         t = shrink(rows, A, info, t, stack_num=self.spec.stack_num)
         return summed_partials(t) if reduce else t
+
+
+class PackedProjection:
+    """The parts of one packed projection (q|k|v, or gate|up, of one layer) as ONE GEMM over a packed
+    weight, and, when the parts are :class:`LoRALinear` of one packed pool module, that module's LoRA
+    as one shrink and ONE expand over all its slices (the parts' own forwards launch a GEMM and an
+    expand each). Built by :func:`pack_projections`, which also makes each part's weight a view of
+    the packed one, so the model's own modules keep working and no weight is stored twice.
+
+    Semantics (x [..., in], rows = x.reshape(-1, in); parts p_0..p_{n-1} with outputs [lo_i, hi_i)):
+        y = rows @ W.T,  W = cat(p_0.weight, ..., p_{n-1}.weight)   [num_tokens, out_total]
+        y[:, lo_i:hi_i] == p_i(x) for every part i (up to the GEMM's rounding: one GEMM, not n)
+    returned as [..., out_total]. With LoRA parts: t = shrink(rows, A[slot]) once, then one expand
+    with the pool module's ``slice_offsets`` (slice i reads t's columns [i*r, (i+1)*r) and writes
+    y[:, lo_i:hi_i]); a batch without an active adapter launches no LoRA op.
+
+    Why: at decode, k_proj and v_proj (1024 columns of Llama-3-8B) are GEMMs of a few microseconds
+    each, and every GEMM and expand is a launch; one q|k|v GEMM and one gate|up GEMM per layer is
+    how vLLM (``QKVParallelLinear``, ``MergedColumnParallelLinear``) and SGLang load Llama, and
+    their LoRA layers (``MergedQKVParallelLinearWithLoRA``; SGLang's ``QKVParallelLinearWithLoRA``)
+    expand all slices in one launch, as this does.
+    Raises:
+        ValueError: (at the call) an input whose last dim is not the parts' in_features; the batch
+        info covering another number of tokens than x has (as :class:`LoRALinear`).
+    """
+
+    def __init__(self, weight: torch.Tensor, parts: Sequence[nn.Module], lora: Optional[LoRALinear]) -> None:
+        self.weight, self.parts, self.lora = weight, tuple(parts), lora
+        self.out_features = weight.shape[0]
+
+    def __repr__(self) -> str:
+        lora = f", lora={self.lora.spec.name!r} layer {self.lora.layer}" if self.lora is not None else ""
+        return f"PackedProjection({self.weight.shape[1]} -> {self.out_features}, {len(self.parts)} parts{lora})"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"{self!r}: input has {x.shape[-1]} features, not {self.weight.shape[1]}")
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.nn.functional.linear(rows, self.weight)
+        part = self.lora
+        if part is not None:
+            info = part.context.batch_info
+            if info.has_active_lora:
+                part._check_rows(rows, info)
+                shrink, expand = _ops_for(part.backend, info)
+                # one reader of the shrink: the "sorted" expand needs the partials summed, "token" sums them
+                reduce = uses_token_slots(info) and info.expand_schedule == "sorted"
+                t = part._shrink(rows, info, shrink, splits=True, reduce=reduce)
+                expand(t, part.pool.B_buffer[part.spec.name][part.layer], info, y, part.spec.slice_offsets)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _packed_weight(bases: Sequence[nn.Linear]) -> torch.Tensor:
+    """The parts' weights as one [sum(out), in] tensor whose row blocks ARE the parts' weights: the
+    view they already share when an earlier call packed them (no copy), else a new one that each
+    part's ``weight`` is then re-pointed into (a Parameter over a view of it; values unchanged)."""
+    ws = [b.weight for b in bases]
+    rows, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    first, offset = ws[0], ws[0].storage_offset()
+    shared = all(w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                 for w in ws)
+    for w in ws:
+        shared = shared and w.storage_offset() == offset
+        offset += w.numel()
+    if shared:
+        return first.detach().as_strided((rows, k), (k, 1), first.storage_offset())
+    with torch.no_grad():
+        packed = torch.cat([w.detach() for w in ws])
+    lo = 0
+    for b, w in zip(bases, ws):
+        b.weight = nn.Parameter(packed[lo:lo + w.shape[0]], requires_grad=w.requires_grad)
+        lo += w.shape[0]
+    return packed
+
+
+def pack_projections(modules: Sequence[nn.Module]) -> Optional[PackedProjection]:
+    """A :class:`PackedProjection` of these projections of one layer, in output order (q, k, v, or
+    gate, up), or None when they cannot be packed: fewer than two; a base that is not a bias-free
+    ``nn.Linear``; bases of different in_features, dtype or device; LoRA parts that are not all
+    :class:`LoRALinear` of one packed pool module of exactly these parts in order (parts 0..n-1 of
+    a module with ``stack_num`` n, one layer, one context), or that take their backend's fused GEMM
+    (``LoRALinear.fused``: its epilogue expands per part). Modules may be all plain ``nn.Linear``
+    (base only) or all LoRALinear. The callers keep the parts' own forwards when it returns None.
+
+    Side effect (when it packs): each base layer's ``weight`` becomes a Parameter over its rows of
+    the packed tensor (:func:`_packed_weight`), the same values; calling it again on the same
+    modules finds them packed and copies nothing. A model packed so shares storage between those
+    parameters (a safetensors save of its state dict refuses shared tensors: clone them first).
+    """
+    modules = list(modules)
+    if len(modules) < 2:
+        return None
+    loras = [m for m in modules if isinstance(m, LoRALinear)]
+    if loras and len(loras) != len(modules):
+        return None
+    bases = [m.base if isinstance(m, LoRALinear) else m for m in modules]
+    if any(type(b) is not nn.Linear or b.bias is not None for b in bases):
+        return None
+    w0 = bases[0].weight
+    if any(b.weight.shape[1] != w0.shape[1] or b.weight.dtype != w0.dtype or b.weight.device != w0.device
+           for b in bases):
+        return None
+    lora = loras[0] if loras else None
+    if lora is not None:
+        same = all(m.spec is lora.spec and m.layer == lora.layer and m.context is lora.context and m.pool is lora.pool
+                   and m.backend == lora.backend and not m.fused for m in loras)
+        if not same or lora.spec.stack_num != len(modules) or [m.part for m in loras] != list(range(len(modules))):
+            return None
+    return PackedProjection(_packed_weight(bases), modules, lora)
 
 
 def _targets(model: nn.Module, pool: LoRAMemoryPool) -> list[tuple[str, int, str, int]]:

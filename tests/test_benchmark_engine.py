@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from benchmark_engine import decode_breakdown, decode_ranges, kernel_class  # noqa: E402
+from benchmark_engine import adapter_bytes, decode_breakdown, decode_ranges, kernel_class  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -57,6 +57,14 @@ def test_decode_breakdown_per_step_clipped_to_the_decode_steps():
     assert ranges == [(0, 10_000), (20_000, 30_000)]
     assert out["gpu_busy_ms"] / out["wall_ms"] == pytest.approx(11 / 20)  # profiled_busy's fraction
     assert out["floor_ms"] == {"gemm": pytest.approx(2.0), "attention": pytest.approx(0.2)}
+    # the kernels by time per decode step, their launches per step; the prefill step's GEMM not counted
+    assert [(k["name"], k["kind"], k["launches_per_step"]) for k in out["top_kernels"]] == [
+        ("_paged_attention_kernel", "attention", 1.0), ("_sgmv_shrink_kernel", "lora", 1.0), ("nvjet_gemm", "gemm", 0.5)]
+    assert out["top_kernels"][0]["ms"] == pytest.approx(0.003)
+    # with the adapters each decode step reads (the prefill step's entry ignored): their bytes' floor
+    lora = decode_breakdown(_trace(events), [100, 300, None], dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12,
+                                                                   lora_per_adapter=1e8), step_adapters=[2, 4, 9])
+    assert lora["floor_ms"]["lora"] == pytest.approx(0.3)  # (2 + 4) / 2 adapters x 100 MB at 1 TB/s
     assert decode_breakdown(_trace(events), [None, None, None], None) is None  # no decode step
     with pytest.raises(ValueError, match="3 engine_step ranges in the trace but 2 steps"):
         decode_breakdown(_trace(events), [100, 300], None)
@@ -83,3 +91,14 @@ def test_profiled_busy_labels_every_loop_iteration(overlap):
     assert breakdown["decode_steps"] == launched and launched >= 4
     assert busy == 0.0 and breakdown["host_ms"] == breakdown["wall_ms"] > 0  # no CUDA kernel on the CPU
     assert llm._step.__func__ is LLM._step and llm._overlap_step.__func__ is LLM._overlap_step  # restored
+
+
+def test_adapter_bytes_counts_a_and_b_of_every_module_and_layer():
+    from reference.mem_pool import ModuleSpec
+
+    mods = (ModuleSpec("qkv_proj", 4096, (4096, 1024, 1024)), ModuleSpec("o_proj", 4096, (4096,)),
+            ModuleSpec("gate_up_proj", 4096, (14336, 14336)), ModuleSpec("down_proj", 14336, (4096,)))
+    # Llama-3-8B, rank 16, bf16: A [3r, 4096] + B [6144, r]; [r, 4096] + [4096, r]; [2r, 4096] + [28672, r];
+    # [r, 14336] + [4096, r]
+    per_layer = 16 * 2 * ((3 * 4096 + 6144) + (4096 + 4096) + (2 * 4096 + 28672) + (14336 + 4096))
+    assert adapter_bytes(mods, 8, 16, 2) == 8 * per_layer == 20 * 2**20

@@ -100,8 +100,8 @@ class Seq:
         return w
 
 
-def _runner(base, pool=None, context=None, backend="torch"):
-    runner = ModelRunner(copy.deepcopy(base), pool, context, NUM_BLOCKS, BLOCK_SIZE, backend)
+def _runner(base, pool=None, context=None, backend="torch", **kw):
+    runner = ModelRunner(copy.deepcopy(base), pool, context, NUM_BLOCKS, BLOCK_SIZE, backend, **kw)
     runner.kv_cache.k.fill_(float("nan"))  # every entry not written by the runner is NaN
     runner.kv_cache.v.fill_(float("nan"))
     return runner
@@ -176,11 +176,21 @@ def test_chunked_prefill_mixed_with_decode_equals_one_shot(base):
 
 
 # ---- LoRA: a mixed batch through a pool that must evict ------------------------------------------
+# the decoder's two paths: Hugging Face's modules, and the fused one (fused elementwise kernels, with the
+# q|k|v and gate|up projections packed into one GEMM and one LoRA expand each, or left separate)
+DECODERS = {"hf": dict(fused_ops=False), "fused_packed": dict(fused_ops=True),
+            "fused_separate": dict(fused_ops=True, packed_projections=False)}
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_mixed_adapters_with_evictions_equal_peft(backend, base, adapters, peft_model):
+def test_mixed_adapters_with_evictions_equal_peft(backend, decoder, base, adapters, peft_model):
     pool = LoRAMemoryPool(MODULES, LAYERS, 3, MAX_RANK, device=DEVICE, adapter_source=adapters.__getitem__)
     context = LoRAContext()
-    runner, blocks = _runner(base, pool, context, backend), Blocks(seed=4)
+    runner, blocks = _runner(base, pool, context, backend, **DECODERS[decoder]), Blocks(seed=4)
+    assert runner.packed_projections == (decoder == "fused_packed")
+    if runner.packed_projections:  # every layer packed, each with its pool module's LoRA
+        assert all(qkv.lora.spec.name == "qkv_proj" and gu.lora.spec.name == "gate_up_proj" for qkv, gu in runner.packed)
     uids = ["qv", None, "mlp", "rs", "qv"]
     A, B, C, D, E = [Seq(p, u) for p, u in zip(_prompts(2, (6, 3, 5, 7, 2)), uids)]
     # 3 slots for 3 adapters + the base: every batch below evicts someone
@@ -224,6 +234,18 @@ def test_fused_ops_default_follows_the_device_and_refuses_what_it_cannot_run(bas
     with pytest.raises(ValueError, match="power of two"):
         ModelRunner(odd, None, None, 4, BLOCK_SIZE, fused_ops=True)
     assert not ModelRunner(odd, None, None, 4, BLOCK_SIZE).fused_ops
+
+
+def test_packed_projections_follow_fused_ops_and_refuse_bad_values(base):
+    assert ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE).packed_projections == (DEVICE == "cuda")
+    runner = ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, fused_ops=True)
+    assert runner.packed_projections and all(qkv.lora is None and gu.lora is None for qkv, gu in runner.packed)
+    assert not ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, fused_ops=True,
+                           packed_projections=False).packed_projections
+    with pytest.raises(ValueError, match="packed_projections must be"):
+        ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, packed_projections=1)
+    with pytest.raises(ValueError, match="needs fused_ops"):
+        ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, fused_ops=False, packed_projections=True)
 
 
 # ---- refusals: nothing is written -----------------------------------------------------------------

@@ -20,8 +20,8 @@ from torch import nn
 
 from reference.adapters import load_peft_adapter
 from reference.batch_info import batch_info_from_requests
-from reference.layers import (LoRABackend, LoRAContext, LoRALinear, SharedShrink, get_backend, unwrap_llama,
-                              wrap_llama)
+from reference.layers import (LoRABackend, LoRAContext, LoRALinear, PackedProjection, SharedShrink, get_backend,
+                              pack_projections, unwrap_llama, wrap_llama)
 from reference.lora_math import projection_shapes
 from reference.mem_pool import LoRAAdapter, LoRAMemoryPool, ModuleSpec
 
@@ -624,3 +624,122 @@ def test_wrapped_layer_forward_does_not_synchronize():
         torch.cuda.set_sync_debug_mode(0)
     for i, y in enumerate(outs):
         torch.testing.assert_close(y, _expected(x, parts[i].base, pool, "qkv", i, uids, lens))
+
+
+# ---- packed projections: q|k|v and gate|up as one GEMM and one expand (the engine's fused decoder) --
+def _groups(model):
+    """Per layer: [q, k, v] and [gate, up], the model's modules (LoRALinear when wrapped)."""
+    return [group for layer in model.model.layers
+            for group in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                          [layer.mlp.gate_proj, layer.mlp.up_proj])]
+
+
+# (backend, batch): prefill batches (requests, sorted and chunked SGMV) and decode batches through the
+# per-token expand, the forced split-K shrink with the sorted expand, and the slot-grouped shrink;
+# Triton on the GPU when there is one, else in the interpreter
+PACKED_CASES = [("torch", "requests"), ("torch", "sorted_chunked"), ("torch", "decode"), ("triton", "requests"),
+                ("triton", "decode"), ("triton_split", "decode_sorted"), ("triton_grouped", "decode_sorted")]
+
+
+@pytest.mark.parametrize("backend, batch", PACKED_CASES, ids=[f"{b}-{k}" for b, k in PACKED_CASES])
+def test_packed_projection_equals_its_parts(backend, batch, base, adapters):
+    """Every layer's q|k|v and gate|up: the packed GEMM plus one expand over the slices equals the
+    parts' own forwards side by side, on mixed batches (every adapter, the base model, an adapter
+    twice) with per-module ranks (pat's k_proj at rank 2) and adapters missing modules (qv: no k)."""
+    device = "cuda" if CUDA and backend != "torch" else "cpu"
+    pool = _pool("fused", adapters, device)
+    ours, context = _ours(base, pool, backend, device)
+    names = ["rs", "__base__", "qv", "pat", "mlp", "qv"]
+    decode = batch.startswith("decode")
+    lens = [1] * len(names) if decode else [3, 1, 4, 2, 5, 3]
+    info = _set_batch(context, pool, names, lens, device,
+                      "sorted" if batch == "decode_sorted" else "requests" if decode else batch)
+    if batch == "decode_sorted":
+        # the slot-sorted view a CUDA-graph decode batch carries (reference.cuda_graph.StaticLoRABatch):
+        # segments by slot (qv's two tokens one segment), max_len 1 (one token per sequence)
+        assert info.permutation is not None and info.num_segments < len(names)
+        info = replace(info, max_len=1, expand_schedule="sorted")
+        context.set_batch(info)
+    assert (info.token_slots is not None and info.max_len == 1) == decode
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for i, group in enumerate(_groups(ours)):
+            x = torch.randn(sum(lens), group[0].base.in_features, generator=g).to(device)
+            want = torch.cat([m(x) for m in group], dim=1)
+            packed = pack_projections(group)
+            assert isinstance(packed, PackedProjection) and packed.lora is group[0]
+            got = packed(x)
+            assert got.shape == want.shape
+            _assert_close(got, want, f"{backend} {batch} group {i}")
+            # a row of the base model gets exactly the packed base GEMM: no delta leaks across rows
+            base_row = sum(lens[:1])
+            torch.testing.assert_close(got[base_row], x[base_row] @ packed.weight.T)
+            assert (got - x @ packed.weight.T).abs().max() > 1e-3, "not vacuous: adapters change the output"
+
+
+def test_packing_makes_the_weights_views_and_is_idempotent(base):
+    model = copy.deepcopy(base)
+    ids, mask = _prompts([4, 6], 3, "cpu")
+    before = _logits(model, input_ids=ids, attention_mask=mask)
+    group = _groups(model)[0]
+    old = [m.weight.detach().clone() for m in group]
+    packed = pack_projections(group)
+    assert packed is not None and packed.lora is None and packed.weight.shape == (128, 64)
+    lo = 0
+    for m, w in zip(group, old):
+        assert isinstance(m.weight, nn.Parameter) and torch.equal(m.weight, w)
+        assert m.weight.data_ptr() == packed.weight[lo:].data_ptr()  # a view: no weight stored twice
+        lo += w.shape[0]
+    again = pack_projections(group)
+    assert again.weight.data_ptr() == packed.weight.data_ptr(), "packed again: copied nothing"
+    for pair in _groups(model)[1:]:
+        pack_projections(pair)
+    assert torch.equal(_logits(model, input_ids=ids, attention_mask=mask), before), "the model's own forward"
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), torch.cat([m(x) for m in group], 1))
+    with pytest.raises(ValueError, match="features"):
+        packed(torch.randn(5, 32))
+
+
+def test_packed_projection_launches_one_shrink_and_one_expand(base, adapters):
+    pool = _pool("fused", adapters, "cpu")
+    counting = CountingBackend()
+    ours, context = _ours(base, pool, counting.backend, "cpu")
+    x = torch.randn(6, 64)
+    _set_batch(context, pool, ["__base__", "__base__"], [3, 3], "cpu")
+    packed = [pack_projections(group) for group in _groups(ours)]
+    with torch.no_grad():
+        for p in packed:
+            p(x)
+        assert counting.calls == {"shrink": 0, "expand": 0}, "an all-base batch must not launch LoRA ops"
+        _set_batch(context, pool, ["qv", "__base__"], [3, 3], "cpu")
+        for p in packed:
+            p(x)
+    assert counting.calls == {"shrink": 2 * LAYERS, "expand": 2 * LAYERS}
+
+
+def test_pack_projections_refuses_what_it_cannot_pack(base, adapters):
+    """None (the caller keeps the parts' own forwards) for every case it cannot run as one GEMM
+    and one expand; nothing is re-pointed then."""
+    fused = _ours(base, _pool("fused", adapters, "cpu"), "torch", "cpu")[0]
+    per_projection = _ours(base, _pool("per_projection", adapters, "cpu"), "torch", "cpu")[0]
+    epilogue = _ours(base, _pool("fused", adapters, "cpu"), "torch_fused", "cpu")[0]
+    q, k, v = _groups(fused)[0]
+    biased = [nn.Linear(64, 32, bias=True), nn.Linear(64, 32, bias=False)]
+    cases = {
+        "one module": [q],
+        "parts out of order": [k, q, v],
+        "two of three parts": [q, k],
+        "parts of two layers": [q, k, _groups(fused)[2][2]],
+        "a LoRA part beside a plain Linear": [q, k, v.base],
+        "per-projection pool modules": _groups(per_projection)[0],
+        "the fused GEMM's epilogue backend": _groups(epilogue)[0],
+        "a bias": biased,
+        "different in_features": [nn.Linear(64, 32, bias=False), nn.Linear(32, 32, bias=False)],
+        "different dtypes": [nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False).double()],
+    }
+    for what, modules in cases.items():
+        ptrs = [getattr(m, "base", m).weight.data_ptr() for m in modules]
+        assert pack_projections(modules) is None, what
+        assert [getattr(m, "base", m).weight.data_ptr() for m in modules] == ptrs, f"{what}: re-pointed"

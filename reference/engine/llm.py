@@ -65,6 +65,9 @@ class EngineConfig:
     # the decoder layer's residual add + RMSNorm, rotary embedding and SiLU-and-mul as one Triton kernel
     # each (``ModelRunner``'s ``fused_ops``); None = on CUDA for a SiLU model, the torch ops elsewhere
     fused_ops: Optional[bool] = None
+    # with fused_ops, each layer's q|k|v and gate|up as one GEMM each and each packed LoRA module as one
+    # expand (``ModelRunner``'s ``packed_projections``); None = on with fused_ops
+    packed_projections: Optional[bool] = None
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
@@ -215,7 +218,8 @@ class LLM:
         self.context = LoRAContext()
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
-                                  config.backend, config.attention_backend, config.fused_ops)
+                                  config.backend, config.attention_backend, config.fused_ops,
+                                  config.packed_projections)
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             enable_graph_decode(self.runner, config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference.batch_info import batch_info_from_requests
-from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, wrap_llama
+from reference.layers import LoRABackend, LoRAContext, LoRALinear, get_backend, pack_projections, wrap_llama
 from reference.mem_pool import LoRAMemoryPool
 from reference.ops.paged_attention import choose_num_splits, triton_paged_attention
 from reference.ops.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
@@ -344,16 +344,25 @@ class ModelRunner:
             layer's torch ops become four) instead of the Hugging Face modules' torch ops; the
             projections (and their LoRA) are the model's own either way. None: on CUDA for a SiLU
             model with a power-of-two head_dim (the CPU interpreter would run them a program at a time).
+        packed_projections: with ``fused_ops``, each layer's q|k|v and gate|up as one GEMM each over
+            packed weights, and each packed LoRA module as one expand over its slices
+            (:func:`reference.layers.pack_projections`; vLLM's ``QKVParallelLinear`` /
+            ``MergedColumnParallelLinear``): 7 GEMMs and 7 expands of a layer become 4 and 4. The
+            model's q/k/v and gate/up weights become views of the packed ones (same values). A layer
+            whose projections cannot be packed (biases, per-projection pool modules, a fused-GEMM
+            backend) keeps its separate calls. None: on with ``fused_ops``.
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
         layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown
         attention backend, ``fused_ops`` not None / True / False, or True for a model whose MLP
-        activation is not SiLU or whose head_dim is not a power of two (None then keeps the torch ops).
+        activation is not SiLU or whose head_dim is not a power of two (None then keeps the torch ops);
+        ``packed_projections`` not None / True / False, or True without ``fused_ops``.
     """
 
     def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
                  num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch",
-                 attention_backend: Optional[str] = None, fused_ops: Optional[bool] = None) -> None:
+                 attention_backend: Optional[str] = None, fused_ops: Optional[bool] = None,
+                 packed_projections: Optional[bool] = None) -> None:
         self._check_lora_setup(model, pool, context, get_backend(backend))
         device = model.get_input_embeddings().weight.device
         self.attention_backend = default_attention_backend(device) if attention_backend is None else attention_backend
@@ -369,10 +378,21 @@ class ModelRunner:
         if fused_ops and unfit:
             raise ValueError(f"fused_ops cannot run this model: {'; '.join(unfit)}")
         self.fused_ops = (device.type == "cuda" and not unfit) if fused_ops is None else fused_ops
+        if not any(packed_projections is v for v in (None, True, False)):  # 1 == True, but is not a flag
+            raise ValueError(f"packed_projections must be None, True or False, got {packed_projections!r}")
+        if packed_projections and not self.fused_ops:
+            raise ValueError("packed_projections runs in the fused decoder: it needs fused_ops")
+        packed = self.fused_ops if packed_projections is None else packed_projections
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if pool is not None and not _is_wrapped(model):
             wrap_llama(model, pool, context, backend)
         self.model, self.pool, self.context = model, pool, context
+        layers = model.model.layers
+        # per layer (q|k|v, gate|up): a PackedProjection, or None where that layer's parts cannot pack
+        self.packed: list[tuple] = [
+            (pack_projections([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
+             pack_projections([l.mlp.gate_proj, l.mlp.up_proj])) if packed else (None, None) for l in layers]
+        self.packed_projections = any(p is not None for pair in self.packed for p in pair)
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         # one block more than the work may use: the scratch block that padding rows of a graph-decode
@@ -499,19 +519,33 @@ class ModelRunner:
             out = self._attention(layer.self_attn, x, cos, sin, i, meta)
             ln, mlp = layer.post_attention_layernorm, layer.mlp
             x, residual = rms_norm(out, ln.weight, ln.variance_epsilon, residual)
-            out = mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            gate_up = self.packed[i][1]
+            if gate_up is not None:
+                gu = gate_up(x)  # [N, 2 * intermediate]: two column views, no copy
+                half = gu.shape[1] // 2
+                out = mlp.down_proj(silu_and_mul(gu[:, :half], gu[:, half:]))
+            else:
+                out = mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return out + residual
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                    meta: AttentionMetadata) -> torch.Tensor:
         N = x.shape[0]
-        if self.fused_ops:
+        qkv = self.packed[layer][0]
+        if qkv is not None:  # one GEMM; q, k, v are column views of its output (strided rows)
+            y = qkv(x)
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k = rotary_embedding(y[:, :nq].view(N, self.num_heads, self.head_dim),
+                                    y[:, nq:nq + nkv].view(N, self.num_kv_heads, self.head_dim), cos, sin)
+            v = y[:, nq + nkv:].view(N, self.num_kv_heads, self.head_dim)
+        elif self.fused_ops:
             q, k = rotary_embedding(attn.q_proj(x).view(N, self.num_heads, self.head_dim),
                                     attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
+            v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         else:
             q = apply_rope(attn.q_proj(x).view(N, self.num_heads, self.head_dim), cos, sin)
             k = apply_rope(attn.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
-        v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, self.kv_cache.k[layer], self.kv_cache.v[layer], meta, self.attention_backend)
         return attn.o_proj(out)
 
