@@ -339,6 +339,10 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=names)
     wall = time.perf_counter() - t0
+    # this call's counters, before the profiled call below replaces them: that one finds every prompt
+    # in the prefix cache (one prefill step), where this one prefilled all of them (committed runs
+    # before this fix reported the profiled call's steps and hits beside this call's times)
+    stats = dict(llm.stats)
     extra = {}
     if floor is not None and contexts:
         floors = [(floor["weights"] + c * floor["kv_per_position"]) / floor["bandwidth"] for c in contexts]
@@ -363,8 +367,8 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     return dict(output_tokens=tokens, wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 2), **extra,
                 tpot_ms_p50=round(1e3 * percentile(tpot, 0.5), 3), tpot_ms_p99=round(1e3 * percentile(tpot, 0.99), 3),
                 ttft_s_p50=round(percentile(ttft, 0.5), 3), ttft_s_p99=round(percentile(ttft, 0.99), 3),
-                **{k: v for k, v in llm.stats.items() if k != "pool_events"},
-                adapter_loads=llm.stats["pool_events"].get("load", 0))
+                **{k: v for k, v in stats.items() if k != "pool_events"},
+                adapter_loads=stats["pool_events"].get("load", 0))
 
 
 def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> tuple[Optional[float], Optional[dict]]:
