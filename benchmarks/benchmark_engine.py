@@ -353,7 +353,12 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
             with_lora = [f + a * floor["lora_per_adapter"] / floor["bandwidth"] for f, a in zip(floors, step_adapters)]
             extra["decode_floor_with_lora_ms_p50"] = round(1e3 * percentile(with_lora, 0.5), 3)
     if profile and device.type == "cuda":
-        extra["gpu_busy_decode"], extra["decode_breakdown"] = profiled_busy(llm, prompts, params, names, floor)
+        # the same prompts with another first token: no prefix-cache hit, so the profiled call prefills
+        # what the timed one did (a block's key chains every earlier token)
+        vocab = llm.model.config.vocab_size
+        cold = [[(p[0] + 1) % vocab] + p[1:] for p in prompts]
+        extra["gpu_busy_decode"], extra["decode_breakdown"], extra["prefill_breakdown"] = profiled_busy(
+            llm, cold, params, names, floor)
     tokens = sum(len(o.token_ids) for o in outs)
     tpot = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
     ttft = [o.token_times[0] for o in outs if o.token_times]
@@ -371,13 +376,16 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
                 adapter_loads=stats["pool_events"].get("load", 0))
 
 
-def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> tuple[Optional[float], Optional[dict]]:
+def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None
+                  ) -> tuple[Optional[float], Optional[dict], Optional[dict]]:
     """The workload once more under torch.profiler (CPU and CUDA activity, as issue #30 measured),
     each engine step one ``engine_step`` range (``LLM._step``: schedule, model, sampling, which reads
     the tokens to the host, and postprocess): the GPU-busy fraction of the decode steps' wall time,
-    and :func:`decode_breakdown` of them. (Before this, the ranges held the model call only, so the
-    host's scheduling and sampling fell outside them: engine_breakdown_h100.json until its re-run
-    with overlapped decode.)"""
+    :func:`decode_breakdown` of them, and the same breakdown of the steps that carried prompt tokens
+    (prefill and mixed steps; no floor; ``prompt_tokens`` per such step, mean). (Before this, the
+    ranges held the model call only, so the host's scheduling and sampling fell outside them:
+    engine_breakdown_h100.json until its re-run with overlapped decode.) The caller passes prompts
+    the prefix cache does not hold if the prefill steps are to be those of a cold call."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     # generate()'s loop calls one of them per iteration: with overlapped decode an iteration launches
@@ -392,16 +400,19 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
     forward, step = llm.runner.forward, getattr(llm, name)
     step_kv: list[Optional[int]] = []
     step_adapters: list[Optional[int]] = []
+    step_prompt: list[Optional[int]] = []  # prompt tokens of a step that carried some, else None
 
     def recorded(work, running=(), **kw):  # kw: ModelRunner.forward's check, input_ids
         decode = all(len(w.token_ids) == 1 for w in work)
         step_kv[-1] = sum(w.start + 1 for w in work) if decode else None
         step_adapters[-1] = len({w.uid for w in work if w.uid is not None}) if decode else None
+        step_prompt[-1] = None if decode else sum(len(w.token_ids) for w in work if len(w.token_ids) > 1) or None
         return forward(work, running, **kw)
 
     def labelled():
         step_kv.append(None)
         step_adapters.append(None)
+        step_prompt.append(None)
         with record_function(STEP_LABEL):
             return step()
 
@@ -415,7 +426,12 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None) -> 
         delattr(llm, name)  # the bound method again
     breakdown = decode_breakdown(prof, step_kv, floor, step_adapters=step_adapters)
     busy = breakdown["gpu_busy_ms"] / breakdown["wall_ms"] if breakdown and breakdown["wall_ms"] else None
-    return (None if busy is None else round(busy, 3)), breakdown
+    prefill = decode_breakdown(prof, step_prompt, None)  # the same sums over the steps with prompt tokens
+    if prefill is not None:
+        carried = [t for t in step_prompt if t is not None]
+        prefill.update(range="engine steps that carried prompt tokens (prefill or mixed)", steps=prefill.pop("decode_steps"),
+                       prompt_tokens=round(sum(carried) / len(carried), 1))
+    return (None if busy is None else round(busy, 3)), breakdown, prefill
 
 
 def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,

@@ -84,8 +84,11 @@ def test_profiled_busy_labels_every_loop_iteration(overlap):
               device="cpu")
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
     params = SamplingParams(max_new_tokens=6)
-    busy, breakdown = profiled_busy(llm, prompts, params, [None, None])
+    busy, breakdown, prefill = profiled_busy(llm, prompts, params, [None, None])
     launched = llm.stats["decode_steps"]
+    # the prompts' steps: one prefill step of both prompts (8 tokens), its own range
+    assert prefill["steps"] == llm.stats["prefill_steps"] + llm.stats["mixed_steps"] == 1 and prefill["prompt_tokens"] == 8
+    assert "floor_ms" not in prefill and prefill["wall_ms"] > 0
     # plain: every decode step is one range; overlapped: the last one is recorded by an iteration that
     # launches nothing (no decode range of its own)
     assert breakdown["decode_steps"] == launched and launched >= 4

@@ -85,7 +85,7 @@ class EngineConfig:
     # logprobs, no waiting request the next step could admit: LLM._can_overlap); every other step,
     # add_request/step() and a custom step run as before.
     # On by default: on an H100 it took the benchmark's base decode step from 6.51 to 4.34 ms
-    # (benchmarks/results/engine_plain_h100.json against engine_breakdown_h100.json); False = the
+    # (benchmarks/results/engine_plain_h100.json against engine_overlap_h100.json); False = the
     # plain loop, which reads each step's tokens before it builds the next.
     overlap_decode: bool = True
 

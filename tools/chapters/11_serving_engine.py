@@ -1211,16 +1211,19 @@ for t in floor_bench["targets"]:
 # A note on the file above: its `gpu_busy_decode` column (printed below for the record) is an
 # overcount. Kineto mirrors each labelled profiler range on the GPU's timeline as an event of its
 # own, and the benchmark counted that event as a kernel. The benchmark now leaves the mirrors out;
-# `tests/test_benchmark_engine.py` checks it with a synthetic trace. Three runs of one H100 session
-# after that fix, each adding one change to the last:
+# `tests/test_benchmark_engine.py` checks it with a synthetic trace. Five runs after that fix, each
+# adding one change to the last: the first three from one H100 session, the last two from another
+# (each run prints its device and measured copy bandwidth):
 
 # %%
 print("the H200 file's overcounted GPU-busy fractions:",
       ", ".join(f"D={r['adapters']} {r['gpu_busy_decode']}" for r in floor_rows if "gpu_busy_decode" in r) or "none")
-# three runs of one H100 session, each change on top of the last (README's commands)
-runs = [("Hugging Face's torch ops, plain loop", "engine_unfused_h100.json"),
+# five runs, each change on top of the last (README's commands): three of one H100 session, two of another
+runs = [("Hugging Face's torch ops, plain loop, 33 GPU slots", "engine_unfused_h100.json"),
         ("fused elementwise kernels, plain loop", "engine_plain_h100.json"),
-        ("fused kernels, overlapped decode: the default", "engine_breakdown_h100.json")]
+        ("fused kernels, overlapped decode", "engine_overlap_h100.json"),
+        ("the same with 65 GPU slots (another session)", "engine_separate_h100.json"),
+        ("packed q|k|v and gate|up projections: the default", "engine_breakdown_h100.json")]
 loaded = [(label, json.loads(path.read_text())) for label, path in
           ((label, floor_path.with_name(name)) for label, name in runs) if path.exists()]
 if not loaded:
@@ -1238,6 +1241,9 @@ for label, bench in loaded:
               f"decode step; GPU work {gpu:.2f} ms per decode step ({gpu / sum(floors.values()):.2f}x their mean "
               f"floor), busy {gpu / d['wall_ms']:.0%} of the step; {r['tokens_per_s']:.0f} tok/s")
         print(f"         by class (ms): {classes}")
+        if "tpot_p50_over_floor_with_lora" in r:
+            print(f"         with the {r['distinct_in_trace']} adapters' own bytes in the floor: "
+                  f"{r['tpot_p50_over_floor_with_lora']:.2f}x")
 breakdown = loaded[-1][1] if loaded else {"rows": [], "targets": []}
 rows = [r for r in breakdown["rows"] if r.get("decode_breakdown")]
 for t in breakdown["targets"]:
@@ -1271,24 +1277,86 @@ if floor_rows:
 #
 # What is left is the GPU's work above the floor. Attention comes closest to its floor, because the
 # paged kernel reads each sequence's blocks only up to its length. The decode step's GEMMs, one row
-# per running sequence, are further from theirs. Fusing q, k and v into one GEMM, and gate and up
-# into another (chapter 04's stacking, which production engines apply to the base weights too),
-# would launch fewer and larger GEMMs. The LoRA kernels' time is chapter 08's LoRA overhead,
-# measured inside the engine. It is what separates the D=1 and D=32 rows from D=0, and why
-# D=32 misses 1.7x. The D=0 row launches no LoRA kernel, because a base-only decode step skips them.
+# per running sequence, are further from theirs. The last run packs q, k and v into one GEMM, and
+# gate and up into another: chapter 04's stacking applied to the base weights, the way vLLM loads
+# Llama (`QKVParallelLinear`, `MergedColumnParallelLinear`). `reference.layers.pack_projections`
+# concatenates a layer's weights once and makes each projection's weight a view of its rows, so
+# nothing is stored twice and the model's own modules still work. A packed LoRA module then needs
+# one expand over its slices instead of one per projection (the slice offsets of chapter 04). The
+# last two runs differ only in that, so the cell below compares them kernel class by kernel class
+# (launches counted over the twelve longest kernels of a step, the ones the benchmark keeps):
+
+# %%
+by_label = dict(loaded)
+separate, packed = by_label.get(runs[3][0]), by_label.get(runs[4][0])
+
+
+def launches(row, kind):
+    return sum(k["launches_per_step"] for k in row["decode_breakdown"]["top_kernels"] if k["kind"] == kind)
+
+
+if separate is None or packed is None:
+    print("the packed and separate runs are not committed yet (README: engine_separate_h100.json, "
+          "engine_breakdown_h100.json)")
+else:
+    before = {r["adapters"]: r for r in separate["rows"] if r.get("decode_breakdown")}
+    for r in (r for r in packed["rows"] if r.get("decode_breakdown") and r["adapters"] in before):
+        a, b = before[r["adapters"]], r
+        da, db = a["decode_breakdown"], b["decode_breakdown"]
+        parts = [f"{kind} {da['gpu_ms'][kind]:.2f} -> {db['gpu_ms'][kind]:.2f} ms ({launches(a, kind):.0f} -> "
+                 f"{launches(b, kind):.0f} launches)" for kind in ("gemm", "lora") if kind in db["gpu_ms"]]
+        print(f"D={r['adapters']:2d}: {'; '.join(parts)}; GPU work {da['gpu_busy_ms']:.2f} -> {db['gpu_busy_ms']:.2f} ms, "
+              f"TPOT p50 {a['tpot_ms_p50']:.2f} -> {b['tpot_ms_p50']:.2f} ms")
+    r32 = next((r for r in packed["rows"] if r["adapters"] == 32 and r.get("decode_breakdown")), None)
+    if r32 is not None:
+        d = r32["decode_breakdown"]
+        print(f"\nD=32, the LoRA kernels of one decode step ({r32['distinct_in_trace']} distinct adapters; the "
+              f"floor of their A and B bytes {d['floor_ms'].get('lora', float('nan')):.2f} ms):")
+        for k in (k for k in d["top_kernels"] if k["kind"] == "lora"):
+            print(f"  {k['name']}: {k['ms']:.3f} ms in {k['launches_per_step']:.0f} launches "
+                  f"({1e3 * k['ms'] / k['launches_per_step']:.1f} us each)")
+        print(f"  GPU work above D=0's: {d['gpu_busy_ms'] - rows[0]['decode_breakdown']['gpu_busy_ms']:.2f} ms")
+
+# %% [markdown]
+# The packed GEMMs read the same bytes as the separate ones, in fewer and wider launches, so their
+# time comes closer to their floor; the LoRA expands fall from one per projection to one per packed
+# module. What stays is chapter 08's LoRA overhead, measured inside the engine: per layer a shrink
+# and an expand for each of four packed modules, each expand adding its product into the whole output
+# of its projection in place (it reads and writes that output: chapter 08's fused GEMM epilogue
+# avoids exactly that traffic). Those kernels take several times the floor of the adapters' own
+# bytes, and they are what separates the D=1 and D=32 rows from D=0: the reason D=32 misses 1.7x.
+# The D=0 row launches no LoRA kernel, because a base-only decode step skips them.
 #
-# The D=64 row is not comparable with the others. Its trace holds more distinct adapters than the
-# GPU has slots, so admission ran in waves (more steps, more than one prefill step), each step
-# carrying part of the batch. Its decode steps attend fewer positions, so its floor is smaller and
-# its TPOT over floor divides by less. While the second wave's requests waited for slots, the loop
-# of that run could not overlap (its busy fraction shows it): a waiting request may be admitted as
-# soon as a sequence finishes, and only the host knows when that is. The engine now goes on
-# overlapping in that state when it can tell that the next step would admit no one anyway: no drain
-# can start, no sequence of the step in flight can end at it (by its length, or by a stop token it
-# may sample), and the admission policy, asked with the next step's state, admits nobody
-# (`Scheduler.next_step_admits_none`). The run above predates that change. The 64-adapter
-# throughput targets are missed against a base step that is now much faster: they measure the slot
-# cap and, in that run, the plain loop, not the LoRA kernels.
+# The earlier runs had 33 GPU slots (32 adapters and the base). Their D=64 row's trace holds more
+# distinct adapters than that, so admission ran in waves: more steps, more than one prefill step,
+# each step carrying part of the batch, the plain loop while requests waited (a waiting request may
+# be admitted as soon as a sequence finishes, and only the host knows when that is). The engine now
+# goes on overlapping in that state when it can tell that the next step would admit no one anyway:
+# no drain can start, no sequence of the step in flight can end at it (by its length, or by a stop
+# token it may sample), and the admission policy, asked with the next step's state, admits nobody
+# (`Scheduler.next_step_admits_none`). The last two runs give the pool 65 slots instead, so the 64
+# adapters' requests are resident at once, as in S-LoRA's and Punica's figure: the throughput
+# targets then measure LoRA, not the slot cap. Throughput is output tokens over the whole call, and
+# every request arrives at its start, so a call is a prefill phase (until the last request's first
+# token: TTFT p99) followed by decoding. The cell splits each row of the last run that way:
+
+# %%
+if packed is not None:
+    by_d = {r["adapters"]: r for r in packed["rows"]}
+    for r in by_d.values():
+        print(f"D={r['adapters']:2d}: {r['wall_s']:.2f} s in all, the last first token at {r['ttft_s_p99']:.2f} s "
+              f"({r['ttft_s_p99'] / r['wall_s']:.0%} of the call), {r['prefill_steps'] + r['mixed_steps']} steps with "
+              f"prompt tokens; {r['tokens_per_s']:.0f} tok/s")
+    if 0 in by_d and 64 in by_d:
+        extra, first = by_d[64]["wall_s"] - by_d[0]["wall_s"], by_d[64]["ttft_s_p99"] - by_d[0]["ttft_s_p99"]
+        print(f"D=64 takes {extra:.2f} s longer than the base model; {first:.2f} s of it "
+              f"({first / extra:.0%}) before the last first token")
+
+# %% [markdown]
+# Most of what the 64-adapter row loses against the base model is in the prefill phase: the prompts'
+# tokens through the SGMV kernels of 47 adapters (chapter 07's prefill path and its segments per
+# adapter), not the decode steps this section has taken apart. The prefill kernels are the next
+# place to measure.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
