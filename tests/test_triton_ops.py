@@ -658,6 +658,55 @@ def test_expand_into_out_past_2_31_elements_on_gpu(expand_op):
     _check_expand_rows(expand_op, 80_000, 28_672, 16, "cuda")
 
 
+# a prefill or mixed step's SGMV launches every segment's row blocks back to back too (packed=True, the
+# default, where use_packed says it launches fewer blocks): (segment lengths, their slots, pool ranks)
+_MIXED_LAYOUTS = {
+    "a prompt chunk beside one-token decode segments": ([1] * 12 + [40] + [1] * 11,
+                                                        [1, 2, 3, 0, 2, 1, 3, 2, 1, 3, 0, 2] + [3] + [2, 1, 3, 2, 0, 1, 2, 3, 1, 2, 3],
+                                                        [0, 4, 8, 2]),
+    "segments ending mid-block, on a block edge, empty, rank 0": ([16, 5, 0, 17, 2, 33, 1], [1, 2, 3, 1, 0, 2, 3],
+                                                                  [0, 4, 8, 2]),
+    "two chunks and decodes of the rank-0 base model between": ([20, 1, 1, 1, 1, 37, 1], [2, 0, 0, 1, 0, 3, 0],
+                                                                [0, 4, 8, 6]),
+}
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["packed", "grid over every segment"])
+@pytest.mark.parametrize("layout", _MIXED_LAYOUTS, ids=list(_MIXED_LAYOUTS))
+def test_sgmv_kernels_cover_every_segments_rows_once_in_a_mixed_step(layout, fallback, monkeypatch):
+    """A mixed step's segments (a long prompt chunk among one-token decodes, as the engine's mixed steps
+    are): the SGMV shrink and expand, by the packed grid and by the grid over every (segment, row
+    block), compute each segment's row blocks once: a block skipped leaves NaN in the shrink's
+    output, a block run twice adds the expand twice. Both grids were chosen as asked."""
+    from reference.ops import _triton_util
+
+    launched = []
+    real = _triton_util.use_packed
+
+    def use_packed(*args):
+        launched.append(not fallback and real(*args))
+        return launched[-1]
+    for module in ("reference.ops.sgmv_shrink", "reference.ops.sgmv_expand"):
+        monkeypatch.setattr(sys.modules[module], "use_packed", use_packed)
+    device, dtype = TRITON_DEVICE, torch.float32
+    lens, slots, ranks = _MIXED_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(len(lens))
+    A, B = _pool(g, ranks, 8, 32, 40, dtype, device, stack=2)
+    info = _batch(lens, slots, ranks, device)
+    n = sum(lens)
+    x = torch.randn(n, 32, generator=g).to(device)
+    got = sgmv_shrink(x, A, info, torch.full((n, 16), NAN, device=device), stack_num=2, block_m=16)
+    exp = torch_ref.sgmv_shrink(x, A, info, torch.full((n, 16), NAN, device=device), stack_num=2)
+    assert torch.equal(torch.isnan(got), torch.isnan(exp))
+    _close(got, exp, dtype, ~torch.isnan(exp))
+    t = torch.nan_to_num(exp, nan=0.0)
+    base = torch.randn(n, 40, generator=g).to(device)
+    offsets = (0, 24, 40)  # two slices, as a packed gate|up
+    got_out = sgmv_expand(t, B, info, base.clone(), offsets, block_m=16, block_n=16)
+    _close(got_out, torch_ref.sgmv_expand(t, B, info, base.clone(), offsets), dtype)
+    assert launched == [not fallback] * 2, "every layout here launches fewer blocks packed"
+
+
 # the sorted decode kernels launch every segment's row blocks back to back (_triton_util.packed_block)
 _PACKED_LAYOUTS = {
     # name: (slots of the tokens, the pool's ranks): pool slots are the segments, empty ones included

@@ -138,7 +138,7 @@ def sgmv_expand(
     num_warps: int = 4,
     max_len: Optional[int] = None,
     num_stages: Optional[int] = None,
-    packed: bool = False,
+    packed: bool = True,
 ) -> torch.Tensor:
     """Launch the SGMV expand kernel (see the module docstring). Returns ``out``.
 
@@ -148,11 +148,13 @@ def sgmv_expand(
     ``batch_info.max_len``) is the longest segment the grid covers: a decode batch's slot-sorted
     view (``bgmv_expand(schedule="sorted")``) passes its token count, since its ``max_len`` of 1
     is what routes the layers to BGMV. ``num_stages`` (default: Triton's) is the K loop's software
-    pipelining depth. ``packed`` launches every segment's row blocks back to back
+    pipelining depth. ``packed`` (default) launches every segment's row blocks back to back
     (:func:`reference.ops._triton_util.packed_blocks`: at most ``cdiv(tokens, block_m) +
-    min(segments, tokens)`` blocks, instead of ``cdiv(max_len, block_m)`` for each segment), as the
-    decode path does, whose slot-sorted view has a segment per pool slot, where that launches fewer
-    blocks (``_triton_util.use_packed``); same results.
+    min(segments, tokens)`` blocks, instead of ``cdiv(max_len, block_m)`` for each segment) where
+    that launches fewer blocks (``_triton_util.use_packed``): the decode path's slot-sorted view
+    has a segment per pool slot, and an engine's mixed step a prompt chunk of many tokens beside
+    hundreds of one-token decode segments; False keeps the grid over every (segment, row block).
+    Same results.
 
     Raises:
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.

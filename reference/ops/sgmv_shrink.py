@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
-from reference.ops._triton_util import check_same_device, next_pow2_at_least, tl_float32_dot, upcast
+from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
+                                         tl_float32_dot, upcast, use_packed)
 
 __all__ = ["sgmv_shrink"]
 
@@ -32,7 +33,7 @@ def _sgmv_shrink_kernel(
     # pointers
     x_ptr, a_ptr, out_ptr,
     # sizes
-    K, num_n_tiles,
+    K, num_n_tiles, num_segments,
     # strides
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_om, stride_on,
     # batch metadata
@@ -40,6 +41,7 @@ def _sgmv_shrink_kernel(
     # constexpr
     STACK_NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    PACKED: tl.constexpr = False, SEG_BLOCK: tl.constexpr = 16,
 ):
     # offsets in int64: a row (or slot) index times its stride passes 2^31 elements at real sizes
     # (x [600000, 4096], out [80000, 28672]), where an int32 offset wraps to an illegal address.
@@ -49,13 +51,18 @@ def _sgmv_shrink_kernel(
     stride_ak, stride_om = tl.cast(stride_ak, tl.int64), tl.cast(stride_om, tl.int64)
     stride_on = tl.cast(stride_on, tl.int64)
     # 1. map the program to (segment, row tile, column tile); leave at once when there is no work
-    seg = tl.program_id(1)
-    pid_m = tl.program_id(0) // num_n_tiles
     pid_n = tl.program_id(0) % num_n_tiles
+    if PACKED:  # row blocks of every segment back to back (_triton_util.packed_blocks), as sgmv_expand's
+        seg, pid_m, start, seg_len = packed_block(tl.program_id(0) // num_n_tiles, seg_indptr_ptr, num_segments,
+                                                  BLOCK_M, SEG_BLOCK)
+        seg = tl.minimum(seg, num_segments - 1)  # a block past the last has length 0 and returns below
+    else:
+        seg = tl.program_id(1)
+        pid_m = tl.program_id(0) // num_n_tiles
+        start = tl.load(seg_indptr_ptr + seg)
+        seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     slot = tl.load(weight_indices_ptr + seg)
     width = tl.load(lora_ranks_ptr + slot) * STACK_NUM  # rank clip: N of this GEMM
-    start = tl.load(seg_indptr_ptr + seg)
-    seg_len = tl.load(seg_indptr_ptr + seg + 1) - start
     if (width == 0) | (pid_m * BLOCK_M >= seg_len) | (pid_n * BLOCK_N >= width):
         return
     # 2. pointers: rows of x (through the permutation), rows [0, width) of the slot's A
@@ -99,11 +106,18 @@ def sgmv_shrink(
     block_m: Optional[int] = None,
     block_k: Optional[int] = None,
     num_warps: int = 4,
+    packed: bool = True,
 ) -> torch.Tensor:
     """Launch the SGMV shrink kernel (see the module docstring). Returns ``out``.
 
     Defaults are the configs tuned on an H200 (benchmarks/results/tuned_configs.json). The grid
     comes from host ints (``max_len``, ``num_segments``), so launching never synchronizes.
+    ``packed`` (default) launches every segment's row blocks back to back where that launches fewer
+    blocks than a grid of ``cdiv(max_len, block_m)`` blocks for each segment
+    (:func:`reference.ops._triton_util.use_packed`), as ``sgmv_expand`` does: an engine's mixed
+    step holds a prompt chunk of many tokens beside hundreds of one-token decode segments, and the
+    grid over every (segment, row block) launched the chunk's block count for each of them; False
+    keeps that grid. Same results.
 
     Raises:
         ValueError: mismatched shapes or devices.
@@ -120,17 +134,22 @@ def sgmv_shrink(
     # pipeline stages of x and A tiles need 256 KiB of shared memory, over the H200's 227 KiB)
     block_k = block_k or (256 if x.element_size() <= 2 else 128)
     num_n_tiles = triton.cdiv(width, block_n)
-    grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments)
+    packed = packed and use_packed(x.shape[0], batch_info.max_len, batch_info.num_segments, block_m)
+    if packed:
+        grid = (packed_blocks(x.shape[0], batch_info.num_segments, block_m) * num_n_tiles, 1)
+    else:
+        grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments)
     perm = batch_info.permutation
     _sgmv_shrink_kernel[grid](
         x, A_stack, out,
-        x.shape[1], num_n_tiles,
+        x.shape[1], num_n_tiles, batch_info.num_segments,
         x.stride(0), x.stride(1), A_stack.stride(0), A_stack.stride(1), A_stack.stride(2),
         out.stride(0), out.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks,
         perm if perm is not None else batch_info.seg_indptr,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, A_stack),
+        PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
         num_warps=num_warps,
     )
     return out

@@ -1351,12 +1351,19 @@ if packed is not None:
         extra, first = by_d[64]["wall_s"] - by_d[0]["wall_s"], by_d[64]["ttft_s_p99"] - by_d[0]["ttft_s_p99"]
         print(f"D=64 takes {extra:.2f} s longer than the base model; {first:.2f} s of it "
               f"({first / extra:.0%}) before the last first token")
+        a, b = by_d[0].get("prefill_breakdown"), by_d[64].get("prefill_breakdown")
+        if a and b:  # the profiled call's steps that carried prompt tokens (benchmark_engine's --profile)
+            print(f"a step with prompt tokens ({b['prompt_tokens']:.0f} of them on average): GPU work "
+                  f"{a['gpu_busy_ms']:.1f} ms at D=0, {b['gpu_busy_ms']:.1f} ms at D=64; by class at D=64 (ms): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in b["gpu_ms"].items()))
+            for k in (k for k in b["top_kernels"] if k["kind"] == "lora"):
+                print(f"  {k['name']}: {k['ms']:.2f} ms in {k['launches_per_step']:.0f} launches per step")
 
 # %% [markdown]
 # Most of what the 64-adapter row loses against the base model is in the prefill phase: the prompts'
-# tokens through the SGMV kernels of 47 adapters (chapter 07's prefill path and its segments per
-# adapter), not the decode steps this section has taken apart. The prefill kernels are the next
-# place to measure.
+# tokens through the SGMV kernels of 47 adapters (chapter 07's prefill path, a segment per adapter
+# in every chunk of the token budget), not the decode steps this section has taken apart. The
+# profiled call's steps with prompt tokens show the LoRA kernels' share of such a step.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
