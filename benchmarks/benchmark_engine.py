@@ -309,6 +309,24 @@ def release_engines(device) -> None:
         torch.cuda.empty_cache()
 
 
+def other_prompts(prompts, shift: int, vocab: int) -> list[list[int]]:
+    """The prompts with another first token: the same lengths and step shapes, but no prefix-cache hit
+    on the originals (a block's key chains every token before it)."""
+    return [[(p[0] + shift) % vocab] + p[1:] for p in prompts]
+
+
+def warm_up_row(llm, prompts, names) -> None:
+    """An untimed pass of the row's own workload (its prompts' lengths, its adapter mix, 2 new tokens)
+    on prompts the timed call will not find cached: the Triton kernels specialize on what a step
+    holds (the SGMV kernels on its number of segments, rounded up to a power of two), and a row
+    whose steps held more segments than anything before compiled them inside its timed call (the
+    H100 runs of this commit's parent: D=1 and D=32 at 1.6-5.1k tok/s against 9-12k, TTFT p99
+    2.4-7.3 s against 1.0-1.5 s). A first tiny call compiles the decode graphs' kernels."""
+    llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])
+    llm.generate(other_prompts(prompts, 2, llm.model.config.vocab_size), SamplingParams(max_new_tokens=2),
+                 lora_request=names)
+
+
 def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapters: dict, device,
                policies: EnginePolicies = EnginePolicies(), floor: Optional[dict] = None, profile: bool = False,
                check_work: bool = False) -> dict:
@@ -331,7 +349,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
     params = SamplingParams(max_new_tokens=new_tokens)
-    llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])  # warm-up (Triton compiles)
+    warm_up_row(llm, prompts, names)
     if device.type == "cuda":
         torch.cuda.synchronize()
     contexts = record_decode_contexts(llm)
@@ -355,8 +373,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     if profile and device.type == "cuda":
         # the same prompts with another first token: no prefix-cache hit, so the profiled call prefills
         # what the timed one did (a block's key chains every earlier token)
-        vocab = llm.model.config.vocab_size
-        cold = [[(p[0] + 1) % vocab] + p[1:] for p in prompts]
+        cold = other_prompts(prompts, 1, llm.model.config.vocab_size)
         extra["gpu_busy_decode"], extra["decode_breakdown"], extra["prefill_breakdown"] = profiled_busy(
             llm, cold, params, names, floor)
     tokens = sum(len(o.token_ids) for o in outs)
@@ -443,7 +460,7 @@ def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adap
     llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device)
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
-    llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])  # warm-up
+    warm_up_row(llm, prompts, names)
     gen = torch.Generator().manual_seed(seed)
     gaps = torch.empty(len(prompts), dtype=torch.float64).exponential_(rate, generator=gen).tolist()
     due, t = [], 0.0
@@ -614,6 +631,9 @@ def main() -> None:
                          "it launches step N+1 (default: overlapped)")
     ap.add_argument("--no-packed-projections", action="store_true",
                     help="each projection its own GEMM and LoRA expand (EngineConfig.packed_projections=False)")
+    ap.add_argument("--no-packed-sgmv", action="store_true",
+                    help="the SGMV kernels' grid over every (segment, row block) instead of the packed row blocks "
+                         "(reference.ops.sgmv_shrink / sgmv_expand packed=False): the prefill and mixed steps before it")
     ap.add_argument("--max-loras", type=int, default=65,
                     help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",
@@ -623,6 +643,13 @@ def main() -> None:
                     help="the engine's step checks its own work every step (as before it trusted its scheduler)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.no_packed_sgmv:  # the layers' backend looks the ops up on reference.ops when it is built
+        import functools
+
+        import reference.ops as ops
+
+        ops.sgmv_shrink = functools.partial(ops.sgmv_shrink, packed=False)
+        ops.sgmv_expand = functools.partial(ops.sgmv_expand, packed=False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
@@ -677,6 +704,7 @@ def main() -> None:
                       copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
                       weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),
                       lora_bytes_per_adapter=floor_info.get("lora_per_adapter"),
+                      sgmv_grid="segments" if args.no_packed_sgmv else "packed",
                       method="one untimed pass of the whole workload (4 new tokens) first; one generate() per "
                              "row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
                              "between a request's consecutive tokens; TTFT from the call's start (every request "

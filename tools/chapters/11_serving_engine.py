@@ -1351,19 +1351,46 @@ if packed is not None:
         extra, first = by_d[64]["wall_s"] - by_d[0]["wall_s"], by_d[64]["ttft_s_p99"] - by_d[0]["ttft_s_p99"]
         print(f"D=64 takes {extra:.2f} s longer than the base model; {first:.2f} s of it "
               f"({first / extra:.0%}) before the last first token")
-        a, b = by_d[0].get("prefill_breakdown"), by_d[64].get("prefill_breakdown")
-        if a and b:  # the profiled call's steps that carried prompt tokens (benchmark_engine's --profile)
-            print(f"a step with prompt tokens ({b['prompt_tokens']:.0f} of them on average): GPU work "
-                  f"{a['gpu_busy_ms']:.1f} ms at D=0, {b['gpu_busy_ms']:.1f} ms at D=64; by class at D=64 (ms): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in b["gpu_ms"].items()))
-            for k in (k for k in b["top_kernels"] if k["kind"] == "lora"):
-                print(f"  {k['name']}: {k['ms']:.2f} ms in {k['launches_per_step']:.0f} launches per step")
+    print("a step with prompt tokens (the profiled call's), GPU time by class per step (ms):")
+    for r in (r for r in by_d.values() if r.get("prefill_breakdown")):
+        b = r["prefill_breakdown"]
+        lora = next((k for k in b["top_kernels"] if k["name"] == "_sgmv_expand_kernel"), None)
+        print(f"  D={r['adapters']:2d}: {b['steps']} steps, {b['prompt_tokens']:.0f} prompt tokens each on average; "
+              + ", ".join(f"{k} {v:.1f}" for k, v in b["gpu_ms"].items())
+              + (f"; the expand {lora['ms']:.1f} of the LoRA's" if lora else ""))
+segments_path = floor_path.with_name("engine_sgmv_segments_h100.json")
+if packed is not None and segments_path.exists():
+    grid = {r["adapters"]: r.get("prefill_breakdown") for r in json.loads(segments_path.read_text())["rows"]}
+    for r in (r for r in packed["rows"] if r["adapters"] and r.get("prefill_breakdown") and grid.get(r["adapters"])):
+        print(f"  D={r['adapters']:2d}, the SGMV grid over every (segment, row block) instead (same session): LoRA "
+              f"{grid[r['adapters']]['gpu_ms']['lora']:.1f} ms per step against {r['prefill_breakdown']['gpu_ms']['lora']:.1f}")
 
 # %% [markdown]
-# Most of what the 64-adapter row loses against the base model is in the prefill phase: the prompts'
-# tokens through the SGMV kernels of 47 adapters (chapter 07's prefill path, a segment per adapter
-# in every chunk of the token budget), not the decode steps this section has taken apart. The
-# profiled call's steps with prompt tokens show the LoRA kernels' share of such a step.
+# Most of what the 64-adapter row loses against the base model is in the prefill phase, not in the
+# decode steps this section has taken apart. In a step with prompt tokens the GEMMs do the base
+# model's work and attention and the rest are small; the LoRA kernels come next, at about the same
+# time with one adapter as with 47. The LoRA cost of prefill is per token, not per adapter. Most of
+# it is the expand, which adds its product into each projection's whole output in place: for a
+# chunk of thousands of tokens that output is hundreds of megabytes, read and written once per
+# projection group. Chapter 08's fused GEMM epilogue adds the product before the output is ever
+# written, which is what production engines' prefill paths move toward.
+#
+# A mixed step also holds the running sequences' decode tokens, one segment each, beside the
+# prompt chunk. The SGMV kernels' grid gave every segment as many row blocks as the longest
+# segment needed, so a step launched the chunk's block count for each of the hundreds of one-token
+# decodes, and nearly all of those programs returned at once. Both SGMV kernels now launch each
+# segment's own row blocks back to back where that launches fewer (the packed grid of the decode
+# path, `_triton_util.packed_blocks`). The last lines above compare the two grids.
+#
+# Two of these runs' rows need a warning. In the last two runs (and the grid comparison) the D=1 and
+# D=32 rows compiled Triton kernels inside their timed call. The SGMV kernels specialize on a step's
+# number of segments (rounded up to a power of two), and a row whose steps held more segments than
+# any step before it compiled new variants while it was being timed. Their TTFT p99 and throughput
+# show it: the "64 adapters against 1 adapter" ratio computed from those rows says nothing. Their
+# TPOT p50 is a median over every token and is not affected. The benchmark now warms each row up on
+# its own workload first. The busy fractions come from the profiled call, whose mean over the steps
+# a few slow ones can move (the last run's D=0 row, the first profiled call of its process, shows
+# a low one); TPOT p50 comes from the unprofiled timed call.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
