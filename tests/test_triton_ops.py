@@ -20,7 +20,7 @@ import reference
 
 from reference.batch_info import build_batch_info, stable_sort_by_slot
 from reference.moe.fused_moe_lora import fused_moe_lora
-from reference.ops import bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
+from reference.ops import _triton_util, bgmv_expand, bgmv_shrink, fused_decode, sgmv_expand, sgmv_shrink, torch_ref
 from reference.ops.sgmv_expand import slice_bounds
 
 NAN = float("nan")
@@ -658,6 +658,20 @@ def test_expand_into_out_past_2_31_elements_on_gpu(expand_op):
     _check_expand_rows(expand_op, 80_000, 28_672, 16, "cuda")
 
 
+def _spy_use_packed(monkeypatch, modules, fallback: bool) -> list[bool]:
+    """Replace ``use_packed`` in these op modules: it records each launch's grid choice in the returned
+    list (True: packed), and with ``fallback`` always answers False (the grid over every segment)."""
+    launched: list[bool] = []
+    real = _triton_util.use_packed
+
+    def use_packed(*args):
+        launched.append(not fallback and real(*args))
+        return launched[-1]
+    for module in modules:
+        monkeypatch.setattr(sys.modules[module], "use_packed", use_packed)
+    return launched
+
+
 # a prefill or mixed step's SGMV launches every segment's row blocks back to back too (packed=True, the
 # default, where use_packed says it launches fewer blocks): (segment lengths, their slots, pool ranks)
 _MIXED_LAYOUTS = {
@@ -678,16 +692,7 @@ def test_sgmv_kernels_cover_every_segments_rows_once_in_a_mixed_step(layout, fal
     are): the SGMV shrink and expand, by the packed grid and by the grid over every (segment, row
     block), compute each segment's row blocks once: a block skipped leaves NaN in the shrink's
     output, a block run twice adds the expand twice. Both grids were chosen as asked."""
-    from reference.ops import _triton_util
-
-    launched = []
-    real = _triton_util.use_packed
-
-    def use_packed(*args):
-        launched.append(not fallback and real(*args))
-        return launched[-1]
-    for module in ("reference.ops.sgmv_shrink", "reference.ops.sgmv_expand"):
-        monkeypatch.setattr(sys.modules[module], "use_packed", use_packed)
+    launched = _spy_use_packed(monkeypatch, ("reference.ops.sgmv_shrink", "reference.ops.sgmv_expand"), fallback)
     device, dtype = TRITON_DEVICE, torch.float32
     lens, slots, ranks = _MIXED_LAYOUTS[layout]
     g = torch.Generator().manual_seed(len(lens))
@@ -726,16 +731,7 @@ def test_the_sorted_decode_kernels_cover_every_segments_rows_once_whatever_the_e
     the expand twice; a block skipped leaves NaN in the shrink's output), by the packed grid and by
     the grid over every (segment, row block) a batch with too many segments falls back to. The
     packed grid's bound holds for every layout."""
-    from reference.ops import _triton_util
-
-    launched = []
-    real = _triton_util.use_packed
-
-    def use_packed(*args):
-        launched.append(not fallback and real(*args))
-        return launched[-1]
-    for module in ("reference.ops.bgmv_shrink", "reference.ops.sgmv_expand"):
-        monkeypatch.setattr(sys.modules[module], "use_packed", use_packed)
+    launched = _spy_use_packed(monkeypatch, ("reference.ops.bgmv_shrink", "reference.ops.sgmv_expand"), fallback)
     device, dtype = TRITON_DEVICE, torch.float32
     slots, ranks = _PACKED_LAYOUTS[layout]
     g = torch.Generator().manual_seed(len(slots) + len(ranks))
