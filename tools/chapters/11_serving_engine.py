@@ -1247,7 +1247,10 @@ for label, bench in loaded:
 breakdown = loaded[-1][1] if loaded else {"rows": [], "targets": []}
 rows = [r for r in breakdown["rows"] if r.get("decode_breakdown")]
 for t in breakdown["targets"]:
-    print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']}, {breakdown['device']})")
+    if t.get("void"):  # marked in the file after the run: a row it divides by was not a fair measurement
+        print("void:   " + t["target"], f"(measured {t['value']}: {t['void']})")
+    else:
+        print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']}, {breakdown['device']})")
 if rows:
     cap = breakdown["engine_config"]["max_loras_per_batch"]
     first = rows[0]
