@@ -317,11 +317,13 @@ def other_prompts(prompts, shift: int, vocab: int) -> list[list[int]]:
 
 def warm_up_row(llm, prompts, names) -> None:
     """An untimed pass of the row's own workload (its prompts' lengths, its adapter mix, 2 new tokens)
-    on prompts the timed call will not find cached: the Triton kernels specialize on what a step
-    holds (the SGMV kernels on its number of segments, rounded up to a power of two), and a row
-    whose steps held more segments than anything before compiled them inside its timed call (the
-    H100 runs of this commit's parent: D=1 and D=32 at 1.6-5.1k tok/s against 9-12k, TTFT p99
-    2.4-7.3 s against 1.0-1.5 s). A first tiny call compiles the decode graphs' kernels."""
+    on prompts the timed call will not find cached. Triton compiles a kernel anew for each new
+    combination of its compile-time constants and of its integer and pointer arguments' alignment
+    (divisible by 16 or not), which depend on what a step holds; with only the tiny call below and
+    the process's first warm-up pass, the D=1 and D=32 rows compiled kernels inside their timed
+    call (the H100 runs engine_breakdown_h100.json, engine_separate_h100.json: 1.7-7.2k tok/s against
+    9-12k, TTFT p99 2.4-7.3 s against 1.0-1.5 s). The timed call's steps are the warm-up's shapes. A
+    first tiny call compiles the decode graphs' kernels."""
     llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])
     llm.generate(other_prompts(prompts, 2, llm.model.config.vocab_size), SamplingParams(max_new_tokens=2),
                  lora_request=names)

@@ -1211,19 +1211,34 @@ for t in floor_bench["targets"]:
 # A note on the file above: its `gpu_busy_decode` column (printed below for the record) is an
 # overcount. Kineto mirrors each labelled profiler range on the GPU's timeline as an event of its
 # own, and the benchmark counted that event as a kernel. The benchmark now leaves the mirrors out;
-# `tests/test_benchmark_engine.py` checks it with a synthetic trace. Five runs after that fix, each
-# adding one change to the last: the first three from one H100 session, the last two from another
-# (each run prints its device and measured copy bandwidth):
+# `tests/test_benchmark_engine.py` checks it with a synthetic trace. Five runs after that fix: the
+# first three from one H100 session, each adding one change to the last; the last two from another
+# H100 session, and they differ from the third in more than the engine. They give the pool 65 slots
+# instead of 33. Their profiled call takes prompts the prefix cache does not hold, so it prefills and
+# then decodes as the timed call does, where the first three runs' profiled call found every prompt
+# cached and decoded all 256 sequences together from its second step (so their decode steps attend
+# more positions on average, and their floors are larger). Their step counts are the timed call's
+# (the first three runs report the profiled call's: one prefill step). So compare runs 1-3 with each
+# other, and runs 4-5 with each other; across the two groups only the TPOT-over-floor ratios, each
+# against its own run's floor, are like for like.
+#
+# One warning before the tables: in the last two runs the D=1 and D=32 rows compiled Triton kernels
+# inside their timed call. Triton compiles a kernel anew for every new combination of its
+# compile-time constants and of the alignment of its integer and pointer arguments (divisible by 16
+# or not), and those depend on what a step holds, so a row can meet variants no earlier call met.
+# Their TTFT and throughput show it (read those two rows' tok/s as void); their TPOT p50, a median
+# over every token, and their decode breakdown, from a separate profiled call, are not affected. The
+# benchmark now warms each row up on its own workload first; these two runs predate that.
 
 # %%
 print("the H200 file's overcounted GPU-busy fractions:",
       ", ".join(f"D={r['adapters']} {r['gpu_busy_decode']}" for r in floor_rows if "gpu_busy_decode" in r) or "none")
 # five runs, each change on top of the last (README's commands): three of one H100 session, two of another
-runs = [("Hugging Face's torch ops, plain loop, 33 GPU slots", "engine_unfused_h100.json"),
-        ("fused elementwise kernels, plain loop", "engine_plain_h100.json"),
-        ("fused kernels, overlapped decode", "engine_overlap_h100.json"),
-        ("the same with 65 GPU slots (another session)", "engine_separate_h100.json"),
-        ("packed q|k|v and gate|up projections: the default", "engine_breakdown_h100.json")]
+runs = [("1. Hugging Face's torch ops, plain loop, 33 GPU slots", "engine_unfused_h100.json"),
+        ("2. fused elementwise kernels, plain loop", "engine_plain_h100.json"),
+        ("3. fused kernels, overlapped decode", "engine_overlap_h100.json"),
+        ("4. another session: 65 GPU slots, a cold profiled call", "engine_separate_h100.json"),
+        ("5. as 4, with packed q|k|v and gate|up projections: the default", "engine_breakdown_h100.json")]
 loaded = [(label, json.loads(path.read_text())) for label, path in
           ((label, floor_path.with_name(name)) for label, name in runs) if path.exists()]
 if not loaded:
@@ -1272,8 +1287,8 @@ if floor_rows:
 # What that says, reading the runs top to bottom. In the plain loop, for a large share of every
 # decode step no kernel runs: the host schedules step N+1, builds the graph's inputs and launches it
 # only after it has read step N's tokens. The fused kernels shrink the "other" class (compare it in
-# the first two runs), and TPOT falls by about what they save, because the host's share is
-# unchanged. Overlapped decode hides the host's share: the GPU is busy almost the whole step, and
+# the first two runs), and TPOT falls by more than the GPU time they save: fewer kernels to launch
+# also shorten the host's share of the step. Overlapped decode hides the host's share: the GPU is busy almost the whole step, and
 # TPOT p50 comes down to the GPU's own work. With no adapter that is within 1.5x of the floor.
 # (The first run's D=1 row compiled Triton's LoRA kernels inside its timed generate: its throughput
 # shows that; its TPOT p50, a median over every token, does not.)
@@ -1286,28 +1301,28 @@ if floor_rows:
 # concatenates a layer's weights once and makes each projection's weight a view of its rows, so
 # nothing is stored twice and the model's own modules still work. A packed LoRA module then needs
 # one expand over its slices instead of one per projection (the slice offsets of chapter 04). The
-# last two runs differ only in that, so the cell below compares them kernel class by kernel class
-# (launches counted over the twelve longest kernels of a step, the ones the benchmark keeps):
+# last two runs differ only in that, so the cell below compares them kernel class by kernel class,
+# with the launches per decode step that packing changes, counted from the model's structure:
 
 # %%
 by_label = dict(loaded)
 separate, packed = by_label.get(runs[3][0]), by_label.get(runs[4][0])
 
 
-def launches(row, kind):
-    return sum(k["launches_per_step"] for k in row["decode_breakdown"]["top_kernels"] if k["kind"] == kind)
-
-
 if separate is None or packed is None:
     print("the packed and separate runs are not committed yet (README: engine_separate_h100.json, "
           "engine_breakdown_h100.json)")
 else:
+    n = packed["layers"]
+    print(f"per decode step: {7 * n + 1} -> {4 * n + 1} GEMM launches (7 -> 4 projections per layer, and the "
+          f"LM head); with adapters {7 * n} -> {4 * n} LoRA expands (the shrinks were one per packed module "
+          "already: chapter 07's shared shrink)")
     before = {r["adapters"]: r for r in separate["rows"] if r.get("decode_breakdown")}
     for r in (r for r in packed["rows"] if r.get("decode_breakdown") and r["adapters"] in before):
         a, b = before[r["adapters"]], r
         da, db = a["decode_breakdown"], b["decode_breakdown"]
-        parts = [f"{kind} {da['gpu_ms'][kind]:.2f} -> {db['gpu_ms'][kind]:.2f} ms ({launches(a, kind):.0f} -> "
-                 f"{launches(b, kind):.0f} launches)" for kind in ("gemm", "lora") if kind in db["gpu_ms"]]
+        parts = [f"{kind} {da['gpu_ms'][kind]:.2f} -> {db['gpu_ms'][kind]:.2f} ms" for kind in ("gemm", "lora")
+                 if kind in db["gpu_ms"]]
         print(f"D={r['adapters']:2d}: {'; '.join(parts)}; GPU work {da['gpu_busy_ms']:.2f} -> {db['gpu_busy_ms']:.2f} ms, "
               f"TPOT p50 {a['tpot_ms_p50']:.2f} -> {b['tpot_ms_p50']:.2f} ms")
     r32 = next((r for r in packed["rows"] if r["adapters"] == 32 and r.get("decode_breakdown")), None)
@@ -1316,7 +1331,7 @@ else:
         print(f"\nD=32, the LoRA kernels of one decode step ({r32['distinct_in_trace']} distinct adapters; the "
               f"floor of their A and B bytes {d['floor_ms'].get('lora', float('nan')):.2f} ms):")
         for k in (k for k in d["top_kernels"] if k["kind"] == "lora"):
-            print(f"  {k['name']}: {k['ms']:.3f} ms in {k['launches_per_step']:.0f} launches "
+            print(f"  {k['name']}: {k['ms']:.3f} ms in {k['launches_per_step']:.1f} launches on average "
                   f"({1e3 * k['ms'] / k['launches_per_step']:.1f} us each)")
         print(f"  GPU work above D=0's: {d['gpu_busy_ms'] - rows[0]['decode_breakdown']['gpu_busy_ms']:.2f} ms")
 
@@ -1324,7 +1339,10 @@ else:
 # The packed GEMMs read the same bytes as the separate ones, in fewer and wider launches, so their
 # time comes closer to their floor; the LoRA expands fall from one per projection to one per packed
 # module. What stays is chapter 08's LoRA overhead, measured inside the engine: per layer a shrink
-# and an expand for each of four packed modules, each expand adding its product into the whole output
+# and an expand for each of four packed modules (`_sgmv_expand_kernel` in a decode step is the
+# "sorted" decode schedule's expand: SGMV's expand over the slot-sorted view, chapter 08; the
+# `_bgmv_*` kernels are the per-token schedule, which the rule picks for some of the steps), each
+# expand adding its product into the whole output
 # of its projection in place (it reads and writes that output: chapter 08's fused GEMM epilogue
 # avoids exactly that traffic). Those kernels take several times the floor of the adapters' own
 # bytes, and they are what separates the D=1 and D=32 rows from D=0: the reason D=32 misses 1.7x.
@@ -1340,20 +1358,29 @@ else:
 # (`Scheduler.next_step_admits_none`). The last two runs give the pool 65 slots instead, so the 64
 # adapters' requests are resident at once, as in S-LoRA's and Punica's figure: the throughput
 # targets then measure LoRA, not the slot cap. Throughput is output tokens over the whole call, and
-# every request arrives at its start, so a call is a prefill phase (until the last request's first
-# token: TTFT p99) followed by decoding. The cell splits each row of the last run that way:
+# every request arrives at its start, so a call is a prefill phase (until nearly every request has
+# its first token: TTFT p99, the 99th percentile, stands in for the last one) followed by decoding.
+# The cell splits each row of the last run that way, then sets the profiled call's steps with prompt
+# tokens beside it:
 
 # %%
 if packed is not None:
     by_d = {r["adapters"]: r for r in packed["rows"]}
     for r in by_d.values():
-        print(f"D={r['adapters']:2d}: {r['wall_s']:.2f} s in all, the last first token at {r['ttft_s_p99']:.2f} s "
+        print(f"D={r['adapters']:2d}: {r['wall_s']:.2f} s in all, 99% of first tokens by {r['ttft_s_p99']:.2f} s "
               f"({r['ttft_s_p99'] / r['wall_s']:.0%} of the call), {r['prefill_steps'] + r['mixed_steps']} steps with "
               f"prompt tokens; {r['tokens_per_s']:.0f} tok/s")
     if 0 in by_d and 64 in by_d:
         extra, first = by_d[64]["wall_s"] - by_d[0]["wall_s"], by_d[64]["ttft_s_p99"] - by_d[0]["ttft_s_p99"]
         print(f"D=64 takes {extra:.2f} s longer than the base model; {first:.2f} s of it "
-              f"({first / extra:.0%}) before the last first token")
+              f"({first / extra:.0%}) before 99% of first tokens")
+        a, b = by_d[0].get("prefill_breakdown"), by_d[64].get("prefill_breakdown")
+        if a and b:
+            longer = (b["wall_ms"] - a["wall_ms"]) * b["steps"] / 1e3
+            print(f"the profiled call's steps with prompt tokens: {longer:.2f} s longer in all at D=64 than at D=0 "
+                  f"({longer / first:.0%} of that difference); the rest is in the timed call alone, which also "
+                  f"loads the adapters into their slots ({by_d[64]['adapter_loads']} loads; the profiled call finds "
+                  "them resident)")
     print("a step with prompt tokens (the profiled call's), GPU time by class per step (ms):")
     for r in (r for r in by_d.values() if r.get("prefill_breakdown")):
         b = r["prefill_breakdown"]
@@ -1361,39 +1388,46 @@ if packed is not None:
         print(f"  D={r['adapters']:2d}: {b['steps']} steps, {b['prompt_tokens']:.0f} prompt tokens each on average; "
               + ", ".join(f"{k} {v:.1f}" for k, v in b["gpu_ms"].items())
               + (f"; the expand {lora['ms']:.1f} of the LoRA's" if lora else ""))
+    width = 2 * packed["model"]["intermediate_size"]
+    tokens = next(r["prefill_breakdown"]["prompt_tokens"] for r in by_d.values() if r.get("prefill_breakdown"))
+    print(f"the gate|up output of a step of {tokens:.0f} tokens: {tokens * width * 2 / 1e6:.0f} MB in bf16, "
+          f"which its expand reads and writes in each of {packed['layers']} layers")
 segments_path = floor_path.with_name("engine_sgmv_segments_h100.json")
 if packed is not None and segments_path.exists():
     grid = {r["adapters"]: r.get("prefill_breakdown") for r in json.loads(segments_path.read_text())["rows"]}
+    walls = {r["adapters"]: r["wall_s"] for r in json.loads(segments_path.read_text())["rows"]}
     for r in (r for r in packed["rows"] if r["adapters"] and r.get("prefill_breakdown") and grid.get(r["adapters"])):
         print(f"  D={r['adapters']:2d}, the SGMV grid over every (segment, row block) instead (same session): LoRA "
-              f"{grid[r['adapters']]['gpu_ms']['lora']:.1f} ms per step against {r['prefill_breakdown']['gpu_ms']['lora']:.1f}")
+              f"{grid[r['adapters']]['gpu_ms']['lora']:.1f} ms per step against {r['prefill_breakdown']['gpu_ms']['lora']:.1f}; "
+              f"the timed call {walls[r['adapters']]:.2f} s against {r['wall_s']:.2f} s")
+    same = [b["rows"][0]["tokens_per_s"] for b in (separate, packed, json.loads(segments_path.read_text())) if b]
+    print(f"D=0, the same base model in the session's three runs: {', '.join(f'{t:.0f}' for t in same)} tok/s "
+          f"(a spread of {(max(same) - min(same)) / min(same):.1%})")
 
 # %% [markdown]
 # Most of what the 64-adapter row loses against the base model is in the prefill phase, not in the
 # decode steps this section has taken apart. In a step with prompt tokens the GEMMs do the base
 # model's work and attention and the rest are small; the LoRA kernels come next, at about the same
 # time with one adapter as with 47. The LoRA cost of prefill is per token, not per adapter. Most of
-# it is the expand, which adds its product into each projection's whole output in place: for a
-# chunk of thousands of tokens that output is hundreds of megabytes, read and written once per
-# projection group. Chapter 08's fused GEMM epilogue adds the product before the output is ever
-# written, which is what production engines' prefill paths move toward.
+# it is the expand, which adds its product into each projection's whole output in place: the
+# gate|up output alone is printed above, read and written once per layer. Chapter 08's fused GEMM
+# epilogue adds the product before the output is ever written. The profile accounts for part of
+# the D=64 row's longer prefill phase; the rest happened only in the timed call (its adapter loads,
+# and perhaps kernels compiled while timed, as in the rows the warning above names), which the next
+# run, warmed up row by row, can separate.
 #
 # A mixed step also holds the running sequences' decode tokens, one segment each, beside the
 # prompt chunk. The SGMV kernels' grid gave every segment as many row blocks as the longest
 # segment needed, so a step launched the chunk's block count for each of the hundreds of one-token
 # decodes, and nearly all of those programs returned at once. Both SGMV kernels now launch each
 # segment's own row blocks back to back where that launches fewer (the packed grid of the decode
-# path, `_triton_util.packed_blocks`). The last lines above compare the two grids.
-#
-# Two of these runs' rows need a warning. In the last two runs (and the grid comparison) the D=1 and
-# D=32 rows compiled Triton kernels inside their timed call. The SGMV kernels specialize on a step's
-# number of segments (rounded up to a power of two), and a row whose steps held more segments than
-# any step before it compiled new variants while it was being timed. Their TTFT p99 and throughput
-# show it: the "64 adapters against 1 adapter" ratio computed from those rows says nothing. Their
-# TPOT p50 is a median over every token and is not affected. The benchmark now warms each row up on
-# its own workload first. The busy fractions come from the profiled call, whose mean over the steps
-# a few slow ones can move (the last run's D=0 row, the first profiled call of its process, shows
-# a low one); TPOT p50 comes from the unprofiled timed call.
+# path, `_triton_util.packed_blocks`). The last lines above compare the two grids: the LoRA time of a
+# step with prompt tokens falls, but the timed calls do not show it, and their wall times differ by
+# about what one base-model row differs by from run to run in this session (the last line): whole
+# calls of one run each cannot resolve a difference that small. The same holds for the packed run's
+# throughput against the separate one's. The busy fractions come from the profiled call, whose mean
+# over the steps a few slow ones can move (the last run's D=0 row, the first profiled call of its
+# process, shows a low one); TPOT p50 comes from the unprofiled timed call.
 #
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
