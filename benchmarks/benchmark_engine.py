@@ -254,7 +254,8 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
     each kernel clipped to the ranges; the classes sum past ``gpu_busy_ms`` only where kernels
     overlap). With ``floor`` (the benchmark's copy bandwidth, weight and KV bytes), ``floor_ms``: the
     GEMMs must read every weight once, attention the KV of the positions the step attends (the mean
-    over these steps: a ratio of means), and with ``step_adapters`` (one entry per labelled step, as
+    over these steps: a ratio of means), ``launches_per_step`` per class (every kernel and copy, not
+    only the top ones), and with ``step_adapters`` (one entry per labelled step, as
     ``step_kv``: the distinct adapters of a decode step) and ``floor["lora_per_adapter"]`` the LoRA
     kernels must read each of the step's adapters once (the mean over the decode steps); the rest
     has no floor of its own. ``top_kernels``: the ``top`` kernels by time per decode step (ms, with
@@ -266,6 +267,7 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
     events = list(prof.profiler.kineto_results.events())
     per_class: dict[str, float] = {}
     per_kernel: dict[str, list] = {}  # name -> [ns inside the ranges, launches]
+    launches: dict[str, int] = {}  # class -> kernels (and copies) launched inside the ranges
     intervals = []
     for e in _gpu_work(events, (label,)):
         a, b = e.start_ns(), e.start_ns() + e.duration_ns()
@@ -273,6 +275,7 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
         if inside:
             intervals.append((a, b))
             per_class[kernel_class(e.name())] = per_class.get(kernel_class(e.name()), 0) + inside
+            launches[kernel_class(e.name())] = launches.get(kernel_class(e.name()), 0) + 1
             entry = per_kernel.setdefault(e.name(), [0, 0])
             entry[0] += inside
             entry[1] += 1
@@ -282,6 +285,7 @@ def decode_breakdown(prof, step_kv: list[Optional[int]], floor: Optional[dict], 
     out = dict(range="engine step: schedule, model, sampling, postprocess", decode_steps=n, wall_ms=round(wall, 4),
                gpu_busy_ms=round(busy, 4), host_ms=round(wall - busy, 4),
                gpu_ms={k: round(v / n / 1e6, 4) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])})
+    out["launches_per_step"] = {k: round(v / n, 2) for k, v in sorted(launches.items())}
     out["top_kernels"] = [dict(name=name[:120], kind=kernel_class(name), ms=round(ns / n / 1e6, 4),
                                launches_per_step=round(count / n, 2))
                           for name, (ns, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]]

@@ -61,6 +61,7 @@ def test_decode_breakdown_per_step_clipped_to_the_decode_steps():
     assert [(k["name"], k["kind"], k["launches_per_step"]) for k in out["top_kernels"]] == [
         ("_paged_attention_kernel", "attention", 1.0), ("_sgmv_shrink_kernel", "lora", 1.0), ("nvjet_gemm", "gemm", 0.5)]
     assert out["top_kernels"][0]["ms"] == pytest.approx(0.003)
+    assert out["launches_per_step"] == {"attention": 1.0, "gemm": 0.5, "lora": 1.0}  # 2, 1 and 2 over two steps
     # with the adapters each decode step reads (the prefill step's entry ignored): their bytes' floor
     lora = decode_breakdown(_trace(events), [100, 300, None], dict(weights=2e9, kv_per_position=1e6, bandwidth=1e12,
                                                                    lora_per_adapter=1e8), step_adapters=[2, 4, 9])
