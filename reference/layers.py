@@ -362,7 +362,17 @@ class PackedProjection:
 
     def __init__(self, weight: torch.Tensor, parts: Sequence[nn.Module], lora: Optional[LoRALinear]) -> None:
         self.weight, self.parts, self.lora = weight, tuple(parts), lora
+        self.bases = tuple(m.base if isinstance(m, LoRALinear) else m for m in parts)
         self.out_features = weight.shape[0]
+
+    def _in_sync(self) -> bool:
+        """Whether every part's weight is still its rows of ``self.weight`` (host pointers only)."""
+        at = self.weight.data_ptr()
+        for b in self.bases:
+            if b.weight.data_ptr() != at:
+                return False
+            at += b.weight.numel() * b.weight.element_size()
+        return True
 
     def __repr__(self) -> str:
         lora = f", lora={self.lora.spec.name!r} layer {self.lora.layer}" if self.lora is not None else ""
@@ -371,6 +381,10 @@ class PackedProjection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"{self!r}: input has {x.shape[-1]} features, not {self.weight.shape[1]}")
+        if not self._in_sync():
+            # the parts' weights were replaced (model.to(...), load_state_dict(assign=True)): pack again,
+            # so the GEMM never runs stale weights (a CUDA graph captured before must be captured again)
+            self.weight = _packed_weight(self.bases)
         rows = x.reshape(-1, x.shape[-1])
         y = torch.nn.functional.linear(rows, self.weight)
         part = self.lora
@@ -400,12 +414,14 @@ def _packed_weight(bases: Sequence[nn.Linear]) -> torch.Tensor:
         offset += w.numel()
     if shared:
         return first.detach().as_strided((rows, k), (k, 1), first.storage_offset())
-    with torch.no_grad():
+    # outside inference mode whatever the caller's: the model's parameters must stay ordinary tensors
+    # (an inference tensor refuses in-place updates, load_state_dict and autograd afterwards)
+    with torch.inference_mode(False), torch.no_grad():
         packed = torch.cat([w.detach() for w in ws])
-    lo = 0
-    for b, w in zip(bases, ws):
-        b.weight = nn.Parameter(packed[lo:lo + w.shape[0]], requires_grad=w.requires_grad)
-        lo += w.shape[0]
+        lo = 0
+        for b, w in zip(bases, ws):
+            b.weight = nn.Parameter(packed[lo:lo + w.shape[0]], requires_grad=w.requires_grad)
+            lo += w.shape[0]
     return packed
 
 
@@ -419,9 +435,13 @@ def pack_projections(modules: Sequence[nn.Module]) -> Optional[PackedProjection]
     (base only) or all LoRALinear. The callers keep the parts' own forwards when it returns None.
 
     Side effect (when it packs): each base layer's ``weight`` becomes a Parameter over its rows of
-    the packed tensor (:func:`_packed_weight`), the same values; calling it again on the same
-    modules finds them packed and copies nothing. A model packed so shares storage between those
-    parameters (a safetensors save of its state dict refuses shared tensors: clone them first).
+    the packed tensor (:func:`_packed_weight`), the same values, and never an inference tensor;
+    calling it again on the same modules finds them packed and copies nothing. A model packed so
+    shares storage between those parameters: a safetensors save of its state dict refuses shared
+    tensors (clone them first), and parameters that were tied (one Parameter in two projections)
+    are two afterwards, with equal values. Weights replaced later (``model.to(...)``,
+    ``load_state_dict(assign=True)``) are packed again at the next call; an in-place
+    ``load_state_dict`` writes into the packed tensor itself.
     """
     modules = list(modules)
     if len(modules) < 2:

@@ -702,6 +702,34 @@ def test_packing_makes_the_weights_views_and_is_idempotent(base):
         packed(torch.randn(5, 32))
 
 
+def test_packing_inside_inference_mode_leaves_ordinary_parameters(base):
+    """helper-34: an engine built under torch.inference_mode() re-pointed the weights to inference
+    tensors, after which load_state_dict (and autograd) on the model failed."""
+    model = copy.deepcopy(base)
+    state = copy.deepcopy(model.state_dict())
+    with torch.inference_mode():
+        packed = [pack_projections(group) for group in _groups(model)]
+    assert all(p is not None for p in packed)
+    assert not any(m.weight.is_inference() for group in _groups(model) for m in group)
+    model.load_state_dict(state)  # in place: raised "Inplace update to inference tensor" before
+
+
+def test_a_packed_projection_follows_weights_replaced_after_packing(base):
+    """model.to(...) gives every parameter a new tensor: the packed GEMM packs again instead of running
+    the old weights beside the new o_proj and down_proj (helper-34's stale-weights case)."""
+    model = copy.deepcopy(base)
+    group = _groups(model)[0]
+    packed = pack_projections(group)
+    model.double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), torch.cat([m(x) for m in group], 1))
+    assert packed.weight.dtype == torch.float64 and packed.weight.data_ptr() == group[0].weight.data_ptr()
+    with torch.no_grad():
+        group[1].weight = nn.Parameter(torch.ones_like(group[1].weight))  # one part replaced alone
+        torch.testing.assert_close(packed(x), torch.cat([m(x) for m in group], 1))
+
+
 def test_packed_projection_launches_one_shrink_and_one_expand(base, adapters):
     pool = _pool("fused", adapters, "cpu")
     counting = CountingBackend()

@@ -101,6 +101,13 @@ def packed_blocks(num_tokens: int, num_segments: int, block_m: int) -> int:
     return triton.cdiv(num_tokens, block_m) + min(num_segments, num_tokens)
 
 
+def seg_block(num_segments: int, packed: bool) -> int:
+    """The ``SEG_BLOCK`` constexpr of a launch: a power of two >= num_segments for the packed grid
+    (:func:`packed_block` holds one value per segment), a fixed 16 otherwise (not read then), so
+    the grid over every segment does not compile one variant per power of two of the segment count."""
+    return next_pow2_at_least(num_segments) if packed else 16
+
+
 def use_packed(num_tokens: int, max_len: int, num_segments: int, block_m: int) -> bool:
     """True when the packed grid launches fewer row blocks than the grid over every (segment, row block
     of ``max_len`` rows), and the segments fit :data:`MAX_PACKED_SEGMENTS` (host ints)."""

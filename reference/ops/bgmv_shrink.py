@@ -50,7 +50,7 @@ import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
-                                         tl_float32_dot, upcast, use_packed)
+                                         seg_block, tl_float32_dot, upcast, use_packed)
 
 __all__ = ["bgmv_shrink", "split_config", "decode_splits", "tuned_config", "rule_splits", "SORTED_BLOCK_M"]
 
@@ -355,7 +355,7 @@ def _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m
         out.stride(0) if out.dim() == 3 else 0, rows.stride(0), rows.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.permutation,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
-        IEEE_FP32=tl_float32_dot(x, A_stack), PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
+        IEEE_FP32=tl_float32_dot(x, A_stack), PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
         num_warps=4 if num_warps is None else num_warps, **extra,
     )
     return out

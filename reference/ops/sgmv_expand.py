@@ -25,7 +25,7 @@ import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
-                                         summed_partials, tl_float32_dot, upcast, use_packed)
+                                         seg_block, summed_partials, tl_float32_dot, upcast, use_packed)
 
 __all__ = ["sgmv_expand", "slice_bounds"]
 
@@ -187,7 +187,7 @@ def sgmv_expand(
         perm if perm is not None else batch_info.seg_indptr,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank),
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(rows, B_stack),
-        PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
+        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out

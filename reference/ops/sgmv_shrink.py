@@ -23,7 +23,7 @@ import triton.language as tl
 
 from reference.batch_info import LoRABatchInfo
 from reference.ops._triton_util import (check_same_device, next_pow2_at_least, packed_block, packed_blocks,
-                                         tl_float32_dot, upcast, use_packed)
+                                         seg_block, tl_float32_dot, upcast, use_packed)
 
 __all__ = ["sgmv_shrink"]
 
@@ -149,7 +149,7 @@ def sgmv_shrink(
         perm if perm is not None else batch_info.seg_indptr,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, A_stack),
-        PACKED=packed, SEG_BLOCK=next_pow2_at_least(batch_info.num_segments),
+        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
         num_warps=num_warps,
     )
     return out
