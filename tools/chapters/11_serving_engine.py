@@ -1475,13 +1475,16 @@ for run in step_runs:
             print("    no single step was at least p99 long: the slowest gaps also hold the loop's time between steps")
 
 # %% [markdown]
-# At the full budget the slowest steps are the ones that carried a whole budget of prompt tokens, and
-# the line says how many a step could carry and keep p99 within three times p50: fewer than the
+# At the full budget and load 0.5 the slowest step carried a whole budget of prompt tokens (at load
+# 0.8 no single step reached p99: those gaps also hold the loop's time between steps), and the line
+# says how many prompt tokens a step could carry and keep p99 within three times p50: fewer than the
 # budget allows. At the smaller budget, and with the cap on decoding steps, the target is met. Both
 # pay for it the same way: more steps carry a prompt, so every decoding sequence waits through more
 # prefill, and the median gap grows (compare each run's p50 with the first run's, at the same load).
-# The three runs were made at different times, so read small differences between them as noise; the
-# growth of p50 is far larger. The token budget and the cap set where a server sits between a low
+# The three runs were made at different times on different states of the engine (their steps
+# without a prompt differ by about 2x, printed), and the later two had the faster decode steps, so
+# their larger p50 is not the engine getting slower: it is the prefill they wait through. The
+# token budget and the cap set where a server sits between a low
 # p99 and a low p50 (vLLM and SGLang expose the budget as `max_num_batched_tokens` and
 # `chunked_prefill_size`).
 
