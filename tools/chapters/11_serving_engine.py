@@ -1121,9 +1121,9 @@ for splits in (1, 2):
 # failing rows).
 #
 # **4. Fused elementwise kernels.** Hugging Face's Llama layer spells RMSNorm, the residual add,
-# rotary embedding and SiLU-and-mul as about thirty small torch ops per layer. In a decode step of
-# a few hundred tokens each moves a few megabytes, far below a microsecond of bandwidth, but each
-# is a kernel launch of its own. `reference/ops/fused_elementwise.py` makes them four Triton
+# rotary embedding and SiLU-and-mul as many small torch ops per layer (casts, a mean of squares, a
+# reciprocal square root, multiplies, the rotate-half slices and concatenations). In a decode step
+# each of them moves little data, but each is a kernel launch of its own. `reference/ops/fused_elementwise.py` makes them four Triton
 # kernels per layer (vLLM's `fused_add_rms_norm`, `rotary_embedding` and `silu_and_mul`): the
 # residual add happens inside the next norm's kernel. Each computes in fp32 and rounds where the
 # torch ops round, so the results match them up to the order of the variance's sum
