@@ -179,7 +179,10 @@ def test_chunked_prefill_mixed_with_decode_equals_one_shot(base):
 # the decoder's two paths: Hugging Face's modules, and the fused one (fused elementwise kernels, with the
 # q|k|v and gate|up projections packed into one GEMM and one LoRA expand each, or left separate)
 DECODERS = {"hf": dict(fused_ops=False), "fused_packed": dict(fused_ops=True),
-            "fused_separate": dict(fused_ops=True, packed_projections=False)}
+            "fused_separate": dict(fused_ops=True, packed_projections=False),
+            # and the LoRA rows of a step with prompt tokens grouped by slot (one SGMV segment per slot)
+            "hf_sorted": dict(fused_ops=False, sort_lora_by_slot=True),
+            "fused_packed_sorted": dict(fused_ops=True, sort_lora_by_slot=True)}
 
 
 @pytest.mark.parametrize("decoder", list(DECODERS))
@@ -188,16 +191,21 @@ def test_mixed_adapters_with_evictions_equal_peft(backend, decoder, base, adapte
     pool = LoRAMemoryPool(MODULES, LAYERS, 3, MAX_RANK, device=DEVICE, adapter_source=adapters.__getitem__)
     context = LoRAContext()
     runner, blocks = _runner(base, pool, context, backend, **DECODERS[decoder]), Blocks(seed=4)
-    assert runner.packed_projections == (decoder == "fused_packed")
+    assert runner.packed_projections == decoder.startswith("fused_packed")
     if runner.packed_projections:  # every layer packed, each with its pool module's LoRA
         assert all(qkv.lora.spec.name == "qkv_proj" and gu.lora.spec.name == "gate_up_proj" for qkv, gu in runner.packed)
     uids = ["qv", None, "mlp", "rs", "qv"]
     A, B, C, D, E = [Seq(p, u) for p, u in zip(_prompts(2, (6, 3, 5, 7, 2)), uids)]
     # 3 slots for 3 adapters + the base: every batch below evicts someone
-    for what, batch in [("prefill", (A, B, C)), ("prefill beside a decode token", (D, B, E)),
+    # the second step: D and E's prompts beside B's and A's decode tokens, A and E on one adapter
+    for what, batch in [("prefill", (A, B, C)), ("prefill beside decode tokens", (D, B, E, A)),
                         ("decode", (A, C, B)), ("decode", (D, E, B)), ("decode", (C, A)), ("decode", (D, C, B))]:
         logits, work = _step(runner, batch, blocks)
         _check(peft_model, batch, work, logits, what, use_peft=True)
+        info = context.batch_info
+        grouped = runner.sort_lora_by_slot and what != "decode"
+        # grouped: one segment per distinct slot (A and E share one); else one per sequence
+        assert info.num_segments == (len({s.uid for s in batch}) if grouped else len(batch)), (what, info)
         if what == "decode":
             assert uses_token_slots(context.batch_info), "a decode batch should take the BGMV ops"
     assert sum(e[0] == "evict" for e in pool.events) >= 4, pool.events
@@ -246,6 +254,8 @@ def test_packed_projections_follow_fused_ops_and_refuse_bad_values(base):
         ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, packed_projections=1)
     with pytest.raises(ValueError, match="needs fused_ops"):
         ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, fused_ops=False, packed_projections=True)
+    with pytest.raises(ValueError, match="sort_lora_by_slot must be"):
+        ModelRunner(copy.deepcopy(base), None, None, 4, BLOCK_SIZE, sort_lora_by_slot=1)
 
 
 # ---- refusals: nothing is written -----------------------------------------------------------------

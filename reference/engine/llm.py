@@ -68,6 +68,9 @@ class EngineConfig:
     # with fused_ops, each layer's q|k|v and gate|up as one GEMM each and each packed LoRA module as one
     # expand (``ModelRunner``'s ``packed_projections``); None = on with fused_ops
     packed_projections: Optional[bool] = None
+    # a step with prompt tokens gives the LoRA ops its rows grouped by adapter slot, one SGMV segment
+    # per slot (``ModelRunner``'s ``sort_lora_by_slot``); off until measured on a GPU
+    sort_lora_by_slot: bool = False
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
@@ -219,7 +222,7 @@ class LLM:
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
                                   config.backend, config.attention_backend, config.fused_ops,
-                                  config.packed_projections)
+                                  config.packed_projections, config.sort_lora_by_slot)
         if graphs:  # captured now (nano-vllm's order), not inside the first timed decode step
             enable_graph_decode(self.runner, config.max_num_seqs, use_graphs=device.type == "cuda").capture()
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras_per_batch,

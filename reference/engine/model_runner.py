@@ -351,6 +351,13 @@ class ModelRunner:
             model's q/k/v and gate/up weights become views of the packed ones (same values). A layer
             whose projections cannot be packed (biases, per-projection pool modules, a fused-GEMM
             backend) keeps its separate calls. None: on with ``fused_ops``.
+        sort_lora_by_slot: a step with prompt tokens gives the LoRA ops its rows grouped by adapter
+            slot (``batch_info_from_requests(sort_by_slot=True)``: one SGMV segment per slot, the
+            rows reached through a permutation), as vLLM V1's LoRA kernels take tokens sorted by
+            LoRA id; False: one segment per SeqWork, so a mixed step's hundreds of one-token decode
+            rows are hundreds of segments, each launching whole row blocks for one row (H100
+            profile, engine_breakdown_h100.json: the expand took 10.7 ms of a 7.7k-token step).
+            Off by default until measured on a GPU; the results are the same either way.
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
         layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown
@@ -362,7 +369,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, pool: Optional[LoRAMemoryPool], context: Optional[LoRAContext],
                  num_blocks: int, block_size: int, backend: Union[str, LoRABackend] = "torch",
                  attention_backend: Optional[str] = None, fused_ops: Optional[bool] = None,
-                 packed_projections: Optional[bool] = None) -> None:
+                 packed_projections: Optional[bool] = None, sort_lora_by_slot: bool = False) -> None:
         self._check_lora_setup(model, pool, context, get_backend(backend))
         device = model.get_input_embeddings().weight.device
         self.attention_backend = default_attention_backend(device) if attention_backend is None else attention_backend
@@ -383,6 +390,9 @@ class ModelRunner:
         if packed_projections and not self.fused_ops:
             raise ValueError("packed_projections runs in the fused decoder: it needs fused_ops")
         packed = self.fused_ops if packed_projections is None else packed_projections
+        if not any(sort_lora_by_slot is v for v in (True, False)):
+            raise ValueError(f"sort_lora_by_slot must be True or False, got {sort_lora_by_slot!r}")
+        self.sort_lora_by_slot = sort_lora_by_slot
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if pool is not None and not _is_wrapped(model):
             wrap_llama(model, pool, context, backend)
@@ -477,11 +487,15 @@ class ModelRunner:
         return self.pool.prepare_lora_batch(list(dict.fromkeys(uids)), running=running)
 
     def _set_lora_batch(self, work: list[SeqWork], uid_to_slot: dict) -> None:
-        """Give the layers the batch's LoRABatchInfo, built from host lists only."""
+        """Give the layers the batch's LoRABatchInfo, built from host lists only: one segment per
+        SeqWork, or, with ``sort_lora_by_slot`` and a step holding a prompt chunk, the rows grouped
+        by slot (a decode step keeps one segment per sequence: the BGMV ops read ``token_slots``)."""
         if self.pool is None:
             return
+        sort = self.sort_lora_by_slot and any(len(w.token_ids) > 1 for w in work)
         info = batch_info_from_requests([w.uid for w in work], [len(w.token_ids) for w in work], uid_to_slot,
-                                        self.pool.lora_ranks_host, self.pool.scalings_host, self.device)
+                                        self.pool.lora_ranks_host, self.pool.scalings_host, self.device,
+                                        sort_by_slot=sort)
         self.context.set_batch(info)
 
     def run_model(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
