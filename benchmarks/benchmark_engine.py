@@ -153,34 +153,22 @@ def step_bytes(model) -> tuple[int, int]:
     return weights, cfg.num_hidden_layers * 2 * kv_heads * head_dim * embed.element_size()
 
 
-def record_decode_contexts(llm) -> list[int]:
+def record_decode_steps(llm) -> tuple[list[int], list[int]]:
     """Wrap ``llm.runner.forward`` to log, for every decode step (one token per sequence), the
-    positions it attends in all (sum of start + 1): the KV a perfect step must read."""
-    log: list[int] = []
+    positions it attends in all (sum of start + 1: the KV a perfect step must read) and its distinct
+    adapters (the base model's rows none: the adapters whose A and B its LoRA must read)."""
+    contexts: list[int] = []
+    adapters: list[int] = []
     forward = llm.runner.forward
 
     def logged(work, running=(), **kw):  # kw: ModelRunner.forward's check
         if all(len(w.token_ids) == 1 for w in work):
-            log.append(sum(w.start + 1 for w in work))
+            contexts.append(sum(w.start + 1 for w in work))
+            adapters.append(len({w.uid for w in work if w.uid is not None}))
         return forward(work, running, **kw)
 
     llm.runner.forward = logged
-    return log
-
-
-def record_decode_adapters(llm) -> list[int]:
-    """Wrap ``llm.runner.forward`` to log, for every decode step, how many distinct adapters its
-    rows use (the base model's rows none): the adapters whose A and B the step's LoRA must read."""
-    log: list[int] = []
-    forward = llm.runner.forward
-
-    def logged(work, running=(), **kw):
-        if all(len(w.token_ids) == 1 for w in work):
-            log.append(len({w.uid for w in work if w.uid is not None}))
-        return forward(work, running, **kw)
-
-    llm.runner.forward = logged
-    return log
+    return contexts, adapters
 
 
 def adapter_bytes(modules, layers: int, rank: int, element_size: int) -> int:
@@ -358,8 +346,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     warm_up_row(llm, prompts, names)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    contexts = record_decode_contexts(llm)
-    step_adapters = record_decode_adapters(llm)
+    contexts, step_adapters = record_decode_steps(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=names)
     wall = time.perf_counter() - t0

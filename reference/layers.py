@@ -268,24 +268,35 @@ class LoRALinear(nn.Module):
         if self.fused:
             return self._fused_forward(x)
         y = self.base(x)
-        info = self.context.batch_info
-        if not info.has_active_lora:
+        if not self.context.batch_info.has_active_lora:
             return y  # no adapter in the batch: the LoRA ops are not even launched
+        y = y.contiguous()
+        self.add_delta(x, y.view(-1, y.shape[-1]))
+        return y
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, whole_module: bool = False) -> None:
+        """Add the batch's LoRA deltas of input x [..., in] into out [num_tokens, width] in place
+        (a batch with an active adapter): this part's slice of the packed module (out = this part's
+        output; the shrink shared with the other parts), or with ``whole_module`` every part's
+        slice at once (out = the whole module's output, one shrink and one expand:
+        :class:`PackedProjection`). Raises ValueError as :meth:`_check_rows`."""
+        info = self.context.batch_info
         rows = x.reshape(-1, x.shape[-1])
         self._check_rows(rows, info)
-        y = y.contiguous()
         shrink, expand = _ops_for(self.backend, info)
         # the "sorted" expand sums split-K partials before its launch (sgmv_expand): summed here instead,
         # once per packed module, q/k/v (gate/up) read one sum rather than reducing the same partials
         # each (at 64 x 8, rank 64 on an H200: 56 reductions, 221 us of a 3961 us base step;
         # benchmarks/results/decode_step_schedule_h200.json)
         reduce = uses_token_slots(info) and info.expand_schedule == "sorted"
+        B = self.pool.B_buffer[self.spec.name][self.layer]  # [num_slots, out_total, max_rank]
+        if whole_module:
+            expand(self._shrink(rows, info, shrink, splits=True, reduce=reduce), B, info, out, self.spec.slice_offsets)
+            return
         t = self.shared.get(x, self.context.generation,
                             lambda: self._shrink(rows, info, shrink, splits=True, reduce=reduce))
         lo, hi = self.rows_of_B
-        B = self.pool.B_buffer[self.spec.name][self.layer][:, lo:hi]  # [num_slots, out_part, max_rank]
-        expand(t, B, info, y.view(-1, y.shape[-1]), self.slice_offsets)
-        return y
+        expand(t, B[:, lo:hi], info, out, self.slice_offsets)
 
     def _check_rows(self, rows: torch.Tensor, info: LoRABatchInfo) -> None:
         """Raise ValueError when the batch info covers another number of tokens than ``rows``."""
@@ -385,18 +396,9 @@ class PackedProjection:
             # the parts' weights were replaced (model.to(...), load_state_dict(assign=True)): pack again,
             # so the GEMM never runs stale weights (a CUDA graph captured before must be captured again)
             self.weight = _packed_weight(self.bases)
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch.nn.functional.linear(rows, self.weight)
-        part = self.lora
-        if part is not None:
-            info = part.context.batch_info
-            if info.has_active_lora:
-                part._check_rows(rows, info)
-                shrink, expand = _ops_for(part.backend, info)
-                # one reader of the shrink: the "sorted" expand needs the partials summed, "token" sums them
-                reduce = uses_token_slots(info) and info.expand_schedule == "sorted"
-                t = part._shrink(rows, info, shrink, splits=True, reduce=reduce)
-                expand(t, part.pool.B_buffer[part.spec.name][part.layer], info, y, part.spec.slice_offsets)
+        y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        if self.lora is not None and self.lora.context.batch_info.has_active_lora:
+            self.lora.add_delta(x, y, whole_module=True)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -165,13 +165,9 @@ class BlockManager:
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the key of every full block of ``seq`` whose KV is now computed."""
-        full = seq.num_computed // self.block_size
-        if full <= seq.num_hashed:
-            return
-        keys = (self._chained_keys(seq, full) if self.hash_fn is block_hashes else
-                self.hash_fn(seq.tokens[:full * self.block_size], seq.uid, self.block_size))
-        for j in range(seq.num_hashed, full):
-            block, key = seq.block_table[j], keys[j]
+        keys = self.pending_keys(seq, seq.num_computed)
+        for j, key in enumerate(keys, start=seq.num_hashed):
+            block = seq.block_table[j]
             held = self.key_to_block.get(key)
             # an identical block that a sequence holds keeps its entry; a free one (next in line to be
             # evicted) hands the key to this live block, so the cache does not depend on whether a
@@ -182,7 +178,7 @@ class BlockManager:
                     self.block_key[held] = None
                 self.key_to_block[key] = block
                 self.block_key[block] = key
-        seq.num_hashed = full
+        seq.num_hashed += len(keys)
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks (tail first into the free list); its table is cleared."""
