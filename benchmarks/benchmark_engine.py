@@ -630,6 +630,9 @@ def main() -> None:
     ap.add_argument("--sort-lora-by-slot", action="store_true",
                     help="steps with prompt tokens give the LoRA ops their rows grouped by adapter slot "
                          "(EngineConfig.sort_lora_by_slot; off by default until measured)")
+    ap.add_argument("--overlap-lora-shrink", action="store_true",
+                    help="each layer's LoRA shrink on a side stream beside its base GEMM "
+                         "(EngineConfig.overlap_lora_shrink; off by default until measured)")
     ap.add_argument("--max-loras", type=int, default=65,
                     help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",
@@ -666,7 +669,7 @@ def main() -> None:
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
                               overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None,
                               packed_projections=False if args.no_packed_projections else None,
-                              sort_lora_by_slot=args.sort_lora_by_slot)
+                              sort_lora_by_slot=args.sort_lora_by_slot, overlap_lora_shrink=args.overlap_lora_shrink)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}

@@ -65,9 +65,40 @@ class LoRAContext:
     bumps ``generation``, which invalidates every cached shrink.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, overlap_shrink: bool = False) -> None:
         self._batch_info: Optional[LoRABatchInfo] = None
         self._generation = 0
+        self.overlap_shrink = overlap_shrink
+        self._side_streams: dict = {}  # CUDA device -> the stream the shrinks run on (overlap_shrink)
+
+    @property
+    def overlap_shrink(self) -> bool:
+        """Whether a layer on a CUDA input launches its LoRA shrink on a side stream while its base
+        GEMM runs on the current one, joining before the expand (default False; no effect on the CPU).
+
+        Why: a decode step's shrink reads the same x as the base GEMM and nothing the GEMM writes,
+        and it is a small, latency-bound launch (a few hundred programs at 256 tokens) while the
+        decode GEMM leaves SMs idle (an M = 256 q|k|v GEMM is 48 output tiles on 132 SMs); side by
+        side, the shrink's time hides behind the GEMM's. Inside a CUDA-graph capture the fork and
+        join become graph edges (``torch.cuda.graph`` captures work on other streams that wait on
+        the capturing one). Same results: the shrink computes what it would in line."""
+        return self._overlap_shrink
+
+    @overlap_shrink.setter
+    def overlap_shrink(self, value: bool) -> None:
+        if value is not True and value is not False:  # 1 == True, but is not a flag
+            raise ValueError(f"overlap_shrink must be True or False, got {value!r}")
+        self._overlap_shrink = value
+
+    def side_stream(self, x: torch.Tensor) -> Optional["torch.cuda.Stream"]:
+        """The side stream for the shrink of input x (:attr:`overlap_shrink`), or None where the
+        shrink runs in line: overlap off, or x not on a CUDA device. One stream per device."""
+        if not self._overlap_shrink or x.device.type != "cuda":
+            return None
+        key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if key not in self._side_streams:
+            self._side_streams[key] = torch.cuda.Stream(device=key)
+        return self._side_streams[key]
 
     def set_batch(self, batch_info: Optional[LoRABatchInfo]) -> None:
         """Make ``batch_info`` the batch of the next forward (None clears it)."""
@@ -267,11 +298,30 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self._fused_forward(x)
-        y = self.base(x)
         if not self.context.batch_info.has_active_lora:
-            return y  # no adapter in the batch: the LoRA ops are not even launched
-        y = y.contiguous()
-        self.add_delta(x, y.view(-1, y.shape[-1]))
+            return self.base(x)  # no adapter in the batch: the LoRA ops are not even launched
+        return self.base_and_delta(x, lambda: self.base(x).contiguous())
+
+    def base_and_delta(self, x: torch.Tensor, base: Callable[[], torch.Tensor], whole_module: bool = False) -> torch.Tensor:
+        """``y = base()`` (the base layer's output for x, contiguous) with the batch's LoRA deltas of x
+        added in place (:meth:`add_delta`; a batch with an active adapter), returned. With the
+        context's :attr:`LoRAContext.overlap_shrink` and a CUDA x, the shrink is launched on the
+        side stream first and ``base()`` on the current stream beside it; the current stream waits
+        for the shrink before the expand."""
+        stream = self.context.side_stream(x)
+        if stream is None:
+            y = base()
+            self.add_delta(x, y.view(-1, y.shape[-1]), whole_module)
+            return y
+        main = torch.cuda.current_stream(x.device)
+        stream.wait_stream(main)  # x (and the pool's slots) are written on main: the shrink starts after
+        with torch.cuda.stream(stream):
+            t = self._delta_input(x, whole_module)
+        y = base()
+        main.wait_stream(stream)
+        # no record_stream for t (allocated on the side stream, freed after the expand on main): the
+        # side stream's next allocation follows its next wait on main, so after this expand
+        self._expand(t, y.view(-1, y.shape[-1]), whole_module)
         return y
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, whole_module: bool = False) -> None:
@@ -280,21 +330,33 @@ class LoRALinear(nn.Module):
         output; the shrink shared with the other parts), or with ``whole_module`` every part's
         slice at once (out = the whole module's output, one shrink and one expand:
         :class:`PackedProjection`). Raises ValueError as :meth:`_check_rows`."""
+        self._expand(self._delta_input(x, whole_module), out, whole_module)
+
+    def _delta_input(self, x: torch.Tensor, whole_module: bool) -> torch.Tensor:
+        """The shrink of x the expand reads: this module's own, or (a part) the one its packed
+        parts share. Raises ValueError as :meth:`_check_rows`."""
         info = self.context.batch_info
         rows = x.reshape(-1, x.shape[-1])
         self._check_rows(rows, info)
-        shrink, expand = _ops_for(self.backend, info)
+        shrink, _ = _ops_for(self.backend, info)
         # the "sorted" expand sums split-K partials before its launch (sgmv_expand): summed here instead,
         # once per packed module, q/k/v (gate/up) read one sum rather than reducing the same partials
         # each (at 64 x 8, rank 64 on an H200: 56 reductions, 221 us of a 3961 us base step;
         # benchmarks/results/decode_step_schedule_h200.json)
         reduce = uses_token_slots(info) and info.expand_schedule == "sorted"
+        if whole_module:
+            return self._shrink(rows, info, shrink, splits=True, reduce=reduce)
+        return self.shared.get(x, self.context.generation,
+                               lambda: self._shrink(rows, info, shrink, splits=True, reduce=reduce))
+
+    def _expand(self, t: torch.Tensor, out: torch.Tensor, whole_module: bool) -> None:
+        """The expand of t into out [num_tokens, width] in place: every slice of the module, or this part's."""
+        info = self.context.batch_info
+        _, expand = _ops_for(self.backend, info)
         B = self.pool.B_buffer[self.spec.name][self.layer]  # [num_slots, out_total, max_rank]
         if whole_module:
-            expand(self._shrink(rows, info, shrink, splits=True, reduce=reduce), B, info, out, self.spec.slice_offsets)
+            expand(t, B, info, out, self.spec.slice_offsets)
             return
-        t = self.shared.get(x, self.context.generation,
-                            lambda: self._shrink(rows, info, shrink, splits=True, reduce=reduce))
         lo, hi = self.rows_of_B
         expand(t, B[:, lo:hi], info, out, self.slice_offsets)
 
@@ -396,9 +458,11 @@ class PackedProjection:
             # the parts' weights were replaced (model.to(...), load_state_dict(assign=True)): pack again,
             # so the GEMM never runs stale weights (a CUDA graph captured before must be captured again)
             self.weight = _packed_weight(self.bases)
-        y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        rows = x.reshape(-1, x.shape[-1])
         if self.lora is not None and self.lora.context.batch_info.has_active_lora:
-            self.lora.add_delta(x, y, whole_module=True)
+            y = self.lora.base_and_delta(x, lambda: torch.nn.functional.linear(rows, self.weight), whole_module=True)
+        else:
+            y = torch.nn.functional.linear(rows, self.weight)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -517,9 +517,13 @@ def test_overlapped_decode_fails_a_non_finite_row_alone(base, adapter_dirs):
     assert all(o.finish_reason == "length" for i, o in enumerate(plain) if i != 1)
 
 
-def test_overlap_decode_is_a_bool(base):
+def test_overlap_decode_and_overlap_lora_shrink_are_bools(base):
     with pytest.raises(ValueError, match="overlap_decode"):
         LLM(copy.deepcopy(base), dataclasses.replace(CONFIG, overlap_decode="yes"))
+    with pytest.raises(ValueError, match="overlap_lora_shrink"):
+        LLM(copy.deepcopy(base), dataclasses.replace(CONFIG, overlap_lora_shrink=1))
+    llm = LLM(copy.deepcopy(base), dataclasses.replace(CONFIG, overlap_lora_shrink=True), device=DEVICE)
+    assert llm.context.overlap_shrink is True
 
 
 def test_a_row_that_fails_inside_the_pipeline_leaves_no_kv_in_the_prefix_cache(base, adapter_dirs):

@@ -195,6 +195,42 @@ def test_graph_decode_replays_the_decode_schedule_its_rule_picks(schedule, base,
     assert enable_graph_decode(_runner(base, _pool(adapters, 4)), 2).schedule_rule is choose_decode_schedule
 
 
+@pytest.mark.parametrize("schedule", ["token", "grouped"])
+def test_shrinks_on_a_side_stream_give_the_same_logits_eager_and_replayed(schedule, base, adapters):
+    """``LoRAContext.overlap_shrink`` (``EngineConfig.overlap_lora_shrink``): every layer's shrink on a
+    side stream beside its base GEMM, joined before the expand, in the eager prefill steps and inside
+    the captured decode graphs (the fork and join are graph edges), with the packed projections and
+    the fused decoder the runner takes on a GPU; the grouped schedule's split-K partials are summed on
+    the side stream too. The logits equal the in-line runner's exactly on a GPU (same kernels, same
+    inputs, only the stream differs); on the CPU the flag changes nothing (no stream)."""
+    backend = "triton" if CUDA else "torch"
+    rule = lambda tokens, n, rank: schedule if tokens >= 2 else "token"  # noqa: E731
+    inline = _runner(base, _pool(adapters, 4), backend)
+    enable_graph_decode(inline, max(BUCKETS), BUCKETS, schedule_rule=rule)
+    context = LoRAContext(overlap_shrink=True)
+    side = ModelRunner(copy.deepcopy(base), _pool(adapters, 4), context, NUM_BLOCKS, BLOCK_SIZE, backend)
+    side.kv_cache.k.fill_(float("nan"))
+    side.kv_cache.v.fill_(float("nan"))
+    enable_graph_decode(side, max(BUCKETS), BUCKETS, schedule_rule=rule)
+    seqs, free = _seqs(), torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5)).tolist()
+    for kind, step in [("prefill", s) for s in PREFILLS] + [("decode", s) for s in DECODES]:
+        work = [seqs[i].work(free) for i in step]
+        want, got = inline.forward(work), side.forward(work)
+        if CUDA:  # exact: the same kernels on the same inputs, only the stream differs
+            assert torch.equal(got, want), f"{kind} {step}: logits differ with the shrinks on a side stream"
+        else:
+            _close(got, want, f"{kind} {step}")
+        for i, t in zip(step, sample(want, 0.0).tolist()):
+            seqs[i].tokens.append(t)
+    if CUDA:
+        assert context._side_streams, "no shrink ran on the side stream"
+    if schedule != "token":  # the trace's 4- and 8-row steps replay the grouped graphs
+        assert any(lora == schedule for (b, lora) in side.graph_runner.replays), side.graph_runner.replays
+    with pytest.raises(ValueError, match="overlap_shrink must be True or False"):
+        LoRAContext(overlap_shrink=1)
+    assert LoRAContext(overlap_shrink=True).side_stream(torch.zeros(1)) is None
+
+
 def test_static_buffers_never_move_and_base_only_steps_replay_the_base_graph(base, adapters):
     graph = _runner(base, _pool(adapters, 4), graph=True)
     g = graph.graph_runner

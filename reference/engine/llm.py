@@ -71,6 +71,9 @@ class EngineConfig:
     # a step with prompt tokens gives the LoRA ops its rows grouped by adapter slot, one SGMV segment
     # per slot (``ModelRunner``'s ``sort_lora_by_slot``); off until measured on a GPU
     sort_lora_by_slot: bool = False
+    # on CUDA, each layer's LoRA shrink on a side stream beside its base GEMM, joined before the expand
+    # (``LoRAContext.overlap_shrink``); off until measured on a GPU
+    overlap_lora_shrink: bool = False
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill
     # chunks, so a long prompt never stalls the sequences already decoding; False = prefill first
     mixed_steps: bool = True
@@ -213,12 +216,13 @@ class LLM:
         self.registry = AdapterRegistry()
         if config.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None, True or False, got {config.cuda_graph!r}")
-        if config.overlap_decode not in (True, False):
-            raise ValueError(f"overlap_decode must be True or False, got {config.overlap_decode!r}")
+        for flag in ("overlap_decode", "overlap_lora_shrink"):
+            if not any(getattr(config, flag) is v for v in (True, False)):
+                raise ValueError(f"{flag} must be True or False, got {getattr(config, flag)!r}")
         graphs = device.type == "cuda" if config.cuda_graph is None else config.cuda_graph
         self.decode_mode = "eager" if not graphs else "cuda_graph" if device.type == "cuda" else "static"
         self.pool = self._make_pool(config, model.dtype, device, reserve_base=graphs)
-        self.context = LoRAContext()
+        self.context = LoRAContext(overlap_shrink=config.overlap_lora_shrink)
         wrap_llama(model, self.pool, self.context, config.backend)
         self.runner = ModelRunner(model, self.pool, self.context, config.num_kv_blocks, config.block_size,
                                   config.backend, config.attention_backend, config.fused_ops,
