@@ -753,3 +753,29 @@ def test_the_sorted_decode_kernels_cover_every_segments_rows_once_whatever_the_e
     _close(got, want, dtype)
     # every layout here but one token per slot (12 tokens: one block per segment either way) packs
     assert launched == [not fallback and layout != "every slot one token (as many segments as tokens)"] * 2
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["packed", "grid over every segment"])
+def test_sgmv_shrink_takes_max_len_for_a_decode_view_whose_segments_are_slots(fallback, monkeypatch):
+    """helper-34's find: a decode batch's slot-sorted view says ``max_len`` 1 (what routes the layers to
+    BGMV) while slot 7's segment holds 37 tokens; a backend that runs that view through SGMV's shrink
+    passes ``max_len`` = its token count (as through SGMV's expand), and every row is computed, by
+    either grid. Without it the grid over every segment covered one block of 16 rows per slot."""
+    launched = _spy_use_packed(monkeypatch, ("reference.ops.sgmv_shrink",), fallback)
+    device, dtype = TRITON_DEVICE, torch.float32
+    slots, ranks = _PACKED_LAYOUTS["many empty slots around one long segment"]
+    g = torch.Generator().manual_seed(7)
+    A, _ = _pool(g, ranks, 8, 32, 40, dtype, device)
+    info = _static_decode_info(slots, ranks, len(slots), device)
+    assert info.max_len == 1
+    x = torch.randn(len(slots), 32, generator=g).to(device)
+    want = bgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), schedule="token")
+    got = sgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), block_m=16,
+                      max_len=len(slots))
+    for i, s in enumerate(slots):
+        _close(got[i, :ranks[s]], want[i, :ranks[s]], dtype)
+    assert launched == [not fallback]
+    if fallback:  # the view's own max_len: the first block of 16 rows of slot 7's 37, the rest untouched
+        short = sgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), block_m=16)
+        assert int(torch.isnan(short[:37, :4]).any(1).sum()) == 37 - 16
+

@@ -107,6 +107,7 @@ def sgmv_shrink(
     block_k: Optional[int] = None,
     num_warps: int = 4,
     packed: bool = True,
+    max_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the SGMV shrink kernel (see the module docstring). Returns ``out``.
 
@@ -117,7 +118,10 @@ def sgmv_shrink(
     (:func:`reference.ops._triton_util.use_packed`), as ``sgmv_expand`` does: an engine's mixed
     step holds a prompt chunk of many tokens beside hundreds of one-token decode segments, and the
     grid over every (segment, row block) launched the chunk's block count for each of them; False
-    keeps that grid. Same results.
+    keeps that grid. Same results. ``max_len`` (default ``batch_info.max_len``) is the longest
+    segment the grid covers, as ``sgmv_expand``'s: a decode batch's slot-sorted view says 1 (what
+    routes the layers to BGMV) while a slot's segment holds many tokens, so a backend that runs it
+    through SGMV passes the token count.
 
     Raises:
         ValueError: mismatched shapes or devices.
@@ -126,7 +130,8 @@ def sgmv_shrink(
     width = A_stack.shape[1]
     if x.shape[1] != A_stack.shape[2] or out.shape[0] != x.shape[0] or out.shape[1] < width:
         raise ValueError(f"shapes x {list(x.shape)}, A_stack {list(A_stack.shape)}, out {list(out.shape)}")
-    if batch_info.num_segments == 0 or batch_info.max_len == 0 or x.shape[0] == 0:
+    max_len = batch_info.max_len if max_len is None else max_len
+    if batch_info.num_segments == 0 or max_len == 0 or x.shape[0] == 0:
         return out
     block_n = next_pow2_at_least(min(width, 64))
     block_m = block_m or (32 if width <= 16 else 64)  # tuned on an H200 at rank 16 and 64
@@ -134,11 +139,11 @@ def sgmv_shrink(
     # pipeline stages of x and A tiles need 256 KiB of shared memory, over the H200's 227 KiB)
     block_k = block_k or (256 if x.element_size() <= 2 else 128)
     num_n_tiles = triton.cdiv(width, block_n)
-    packed = packed and use_packed(x.shape[0], batch_info.max_len, batch_info.num_segments, block_m)
+    packed = packed and use_packed(x.shape[0], max_len, batch_info.num_segments, block_m)
     if packed:
         grid = (packed_blocks(x.shape[0], batch_info.num_segments, block_m) * num_n_tiles, 1)
     else:
-        grid = (triton.cdiv(batch_info.max_len, block_m) * num_n_tiles, batch_info.num_segments)
+        grid = (triton.cdiv(max_len, block_m) * num_n_tiles, batch_info.num_segments)
     perm = batch_info.permutation
     _sgmv_shrink_kernel[grid](
         x, A_stack, out,
