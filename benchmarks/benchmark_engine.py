@@ -307,17 +307,19 @@ def other_prompts(prompts, shift: int, vocab: int) -> list[list[int]]:
     return [[(p[0] + shift) % vocab] + p[1:] for p in prompts]
 
 
-def warm_up_row(llm, prompts, names) -> None:
-    """An untimed pass of the row's own workload (its prompts' lengths, its adapter mix, 2 new tokens)
-    on prompts the timed call will not find cached. Triton compiles a kernel anew for each new
-    combination of its compile-time constants and of its integer and pointer arguments' alignment
-    (divisible by 16 or not), which depend on what a step holds; with only the tiny call below and
-    the process's first warm-up pass, the D=1 and D=32 rows compiled kernels inside their timed
-    call (the H100 runs engine_breakdown_h100.json, engine_separate_h100.json: 1.7-7.2k tok/s against
-    9-12k, TTFT p99 2.4-7.3 s against 1.0-1.5 s). The timed call's steps are the warm-up's shapes. A
-    first tiny call compiles the decode graphs' kernels."""
+def warm_up_row(llm, prompts, names, new_tokens: int) -> None:
+    """An untimed pass of the row's own workload (its prompts' lengths, its adapter mix, its new
+    tokens) on prompts the timed call will not find cached, so the timed call's steps hold what the
+    warm-up's held. Triton compiles a kernel anew for each new combination of its compile-time
+    constants and of its integer and pointer arguments' alignment (divisible by 16 or not), which
+    depend on what a step holds (its segments, its tokens). With only the tiny call below and the
+    process's first warm-up pass, the D=1 and D=32 rows compiled kernels inside their timed call
+    (the H100 runs engine_separate_h100.json, engine_sgmv_segments_h100.json: 1.7-7.2k tok/s against
+    9-12k, TTFT p99 2.4-7.3 s against 1.0-1.5 s); with a warm-up of 2 new tokens, whose mixed steps
+    hold fewer decode rows than the timed call's, some rows still did (engine_inline_h100.json: D=1
+    at 2.4k tok/s, TTFT p99 4.6 s). A first tiny call compiles the decode graphs' kernels."""
     llm.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2), lora_request=[names[0]])
-    llm.generate(other_prompts(prompts, 2, llm.model.config.vocab_size), SamplingParams(max_new_tokens=2),
+    llm.generate(other_prompts(prompts, 2, llm.model.config.vocab_size), SamplingParams(max_new_tokens=new_tokens),
                  lora_request=names)
 
 
@@ -343,7 +345,7 @@ def run_engine(model, cfg: EngineConfig, prompts, names, new_tokens: int, adapte
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
     params = SamplingParams(max_new_tokens=new_tokens)
-    warm_up_row(llm, prompts, names)
+    warm_up_row(llm, prompts, names, new_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize()
     contexts, step_adapters = record_decode_steps(llm)
@@ -453,7 +455,7 @@ def run_arrivals(model, cfg: EngineConfig, prompts, names, new_tokens: int, adap
     llm = LLM(copy.deepcopy(model) if device.type == "cpu" else model, cfg, dtype=model.dtype, device=device)
     for name, adapter in adapters.items():
         llm.register_adapter_weights(name, adapter)
-    warm_up_row(llm, prompts, names)
+    warm_up_row(llm, prompts, names, new_tokens)
     gen = torch.Generator().manual_seed(seed)
     gaps = torch.empty(len(prompts), dtype=torch.float64).exponential_(rate, generator=gen).tolist()
     due, t = [], 0.0
@@ -627,12 +629,16 @@ def main() -> None:
     ap.add_argument("--no-packed-sgmv", action="store_true",
                     help="the SGMV kernels' grid over every (segment, row block) instead of the packed row blocks "
                          "(reference.ops.sgmv_shrink / sgmv_expand packed=False): the prefill and mixed steps before it")
+    ap.add_argument("--no-sort-lora-by-slot", action="store_true",
+                    help="steps with prompt tokens give the LoRA ops one segment per sequence instead of their rows "
+                         "grouped by adapter slot (EngineConfig.sort_lora_by_slot=False: the default before "
+                         "engine_breakdown_h100.json's run)")
     ap.add_argument("--sort-lora-by-slot", action="store_true",
-                    help="steps with prompt tokens give the LoRA ops their rows grouped by adapter slot "
-                         "(EngineConfig.sort_lora_by_slot; off by default until measured)")
+                    help="the default since it was measured (kept so the commands that wrote the earlier results run)")
+    ap.add_argument("--no-overlap-lora-shrink", action="store_true",
+                    help="each layer's LoRA shrink in line after its base GEMM (EngineConfig.overlap_lora_shrink=False)")
     ap.add_argument("--overlap-lora-shrink", action="store_true",
-                    help="each layer's LoRA shrink on a side stream beside its base GEMM "
-                         "(EngineConfig.overlap_lora_shrink; off by default until measured)")
+                    help="the default since it was measured (kept so the commands that wrote the earlier results run)")
     ap.add_argument("--max-loras", type=int, default=65,
                     help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",
@@ -669,7 +675,8 @@ def main() -> None:
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
                               overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None,
                               packed_projections=False if args.no_packed_projections else None,
-                              sort_lora_by_slot=args.sort_lora_by_slot, overlap_lora_shrink=args.overlap_lora_shrink)
+                              sort_lora_by_slot=not args.no_sort_lora_by_slot,
+                              overlap_lora_shrink=not args.no_overlap_lora_shrink)
     decode = "cuda_graph" if device.type == "cuda" and not args.no_cuda_graph else "eager"
     gen = torch.Generator().manual_seed(1)
     adapters = {f"a{k}": random_adapter(f"a{k}", args.rank, mods, layers, gen) for k in range(max(adapter_counts))}

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from reference.batch_info import build_batch_info  # noqa: E402
+from reference.batch_info import batch_info_from_requests, build_batch_info  # noqa: E402
 from reference.ops import sgmv_expand, torch_ref  # noqa: E402
 
 WIDTHS = {"qkv_proj": (4096, 1024, 1024), "o_proj/down_proj": (4096,), "gate_up_proj": (14336, 14336)}
@@ -55,7 +55,9 @@ def configs(smoke: bool) -> list[dict]:
             for w in (4, 8):
                 for st in (1, 3):
                     out.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
-    out += [dict(block_m=32, block_n=256, num_warps=4, num_stages=st) for st in (1, 3)]
+    out += [dict(block_m=32, block_n=bn, num_warps=w, num_stages=st) for bn, w in ((256, 4), (128, 4), (512, 4), (512, 8))
+            for st in (1, 3)]
+    out += [dict(block_m=16, block_n=bn, num_warps=4, num_stages=1) for bn in (256, 512)]
     out += [dict(block_m=256, block_n=64, num_warps=8, num_stages=st) for st in (1, 3)]
     return out
 
@@ -81,6 +83,8 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=150)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--sort-by-slot", action="store_true",
+                    help="the rows grouped by adapter slot, one segment per slot (EngineConfig.sort_lora_by_slot)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,7 +98,11 @@ def main() -> None:
                                                                    args.rank, 65, WIDTHS)
         dtype = torch.bfloat16
     lens, seg_slots, ranks, scalings = mixed_step(prompt_tokens, decodes, n_adapters, rank, slots)
-    info = build_batch_info(lens, seg_slots, ranks, scalings, device)
+    if args.sort_by_slot:
+        info = batch_info_from_requests(seg_slots, lens, {u: u for u in range(slots)}, ranks, scalings, device,
+                                        sort_by_slot=True)
+    else:
+        info = build_batch_info(lens, seg_slots, ranks, scalings, device)
     n, distinct = sum(lens), len(set(seg_slots))
     g = torch.Generator().manual_seed(1)
     if device == "cuda":
@@ -111,6 +119,7 @@ def main() -> None:
             fn()
             return 1e6 * (time.perf_counter() - t0)
     rows, best = [], []
+    print(f"{n} tokens in {info.num_segments} segments" + (" (rows grouped by slot)" if args.sort_by_slot else ""))
     start = time.perf_counter()
     for name, parts in widths.items():
         out_total = sum(parts)
@@ -147,7 +156,9 @@ def main() -> None:
         best.append(summary)
         print(f"{name:18} {n} tokens: defaults {summary['defaults_us']} us, best {summary['best_us']} us "
               f"{summary['best']}" + (f", floor {floor_us:.1f} us" if floor_us else ""), flush=True)
-    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+    from reference.ops.sgmv_expand import default_tiles
+    result = dict(sort_by_slot=args.sort_by_slot, defaults_config={**default_tiles(rank), "num_warps": 4},
+                  device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, triton=triton.__version__, smoke=args.smoke, rank=rank, slots=slots,
                   adapters=n_adapters, distinct=distinct, tokens=n, segments=len(lens), decodes=decodes,
                   copy_bandwidth_GBps=round(bandwidth, 1) if bandwidth else None,

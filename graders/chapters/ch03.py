@@ -16,8 +16,8 @@ CPU path picks them (``reference/ops/*.py``, ``benchmarks/results/tuned_configs.
   (two rank tiles), a segment longer than 64 tokens (two or three row tiles), and max_rank 32 with a
   rank above 16 (a rank block fixed at 16 is too small); ``out`` wider than max_rank (its row stride
   is not max_rank).
-- ch03.2 expand (suggested BLOCK_M 32, BLOCK_N 128, one masked K step; reference BLOCK_M 64, BLOCK_N
-  128): out_dim 129..250 and 260..380 (two or three column tiles), ranks above 16 and 32 (a K block
+- ch03.2 expand (suggested BLOCK_M 32, BLOCK_N 128, one masked K step; reference BLOCK_M 32, BLOCK_N
+  256 up to max_rank 16, BLOCK_M 64, BLOCK_N 128 above): out_dim 129..250 and 260..380 (two or three column tiles), ranks above 16 and 32 (a K block
   fixed at 16 needs a loop), a segment longer than 64 tokens; the numbers of row tiles and of column
   tiles differ (a pid_m / pid_n mix-up misses tiles); ``t`` wider than max_rank.
 - ch03.3 fused decode (suggested BLOCK_K 512, BLOCK_N 256, up to 4 splits; reference for <= 16
