@@ -1238,7 +1238,7 @@ runs = [("1. Hugging Face's torch ops, plain loop, 33 GPU slots", "engine_unfuse
         ("2. fused elementwise kernels, plain loop", "engine_plain_h100.json"),
         ("3. fused kernels, overlapped decode", "engine_overlap_h100.json"),
         ("4. another session: 65 GPU slots, a cold profiled call", "engine_separate_h100.json"),
-        ("5. as 4, with packed q|k|v and gate|up projections: the default", "engine_breakdown_h100.json")]
+        ("5. as 4, with packed q|k|v and gate|up projections", "engine_packed_h100.json")]
 loaded = [(label, json.loads(path.read_text())) for label, path in
           ((label, floor_path.with_name(name)) for label, name in runs) if path.exists()]
 if not loaded:
@@ -1311,7 +1311,7 @@ separate, packed = by_label.get(runs[3][0]), by_label.get(runs[4][0])
 
 if separate is None or packed is None:
     print("the packed and separate runs are not committed yet (README: engine_separate_h100.json, "
-          "engine_breakdown_h100.json)")
+          "engine_packed_h100.json)")
 else:
     n = packed["layers"]
     print(f"per decode step: {7 * n + 1} -> {4 * n + 1} GEMM launches (7 -> 4 projections per layer, and the "
@@ -1429,6 +1429,75 @@ if packed is not None and segments_path.exists():
 # over the steps a few slow ones can move (the last run's D=0 row, the first profiled call of its
 # process, shows a low one); TPOT p50 comes from the unprofiled timed call.
 #
+# A third H100 session went after both LoRA costs that the runs above left, with three changes,
+# each measured on its own against the same session's run without it:
+#
+# - **Rows grouped by adapter in a step with prompt tokens** (`EngineConfig.sort_lora_by_slot`).
+#   A step's LoRA rows had one SGMV segment per sequence, so a mixed step's hundreds of one-token
+#   decodes were hundreds of segments, and each got whole row blocks for its one row. Grouped by
+#   slot through a permutation (chapter 07's `sort_by_slot`; vLLM V1 sorts its tokens by LoRA id
+#   the same way), a step has at most one segment per slot.
+# - **The expand's tiles.** The SGMV expand's default tile, 128 rows by 128 columns, was tuned on
+#   four prompts of 2048 tokens and one 4096-wide projection. `benchmarks/sweep_prefill_expand.py`
+#   times it at a mixed step's shapes and every output width of a layer, against the floor of the
+#   bytes it must move (it reads and writes the projection's output).
+# - **The shrink beside the GEMM** (`EngineConfig.overlap_lora_shrink`, `LoRAContext.overlap_shrink`).
+#   A layer's shrink reads the same input as its base GEMM and nothing the GEMM writes, so it can
+#   run on a second CUDA stream at the same time; the expand waits for both. At decode the GEMM of
+#   256 rows leaves SMs idle (a q|k|v GEMM of that size has few output tiles), and the shrink is a
+#   small launch that mostly waits on memory latency. Inside a CUDA graph the fork and the join are
+#   captured as edges of the graph.
+
+# %%
+session = [("6. as 5, each row warmed up on 2 new tokens", "engine_inline_h100.json"),
+           ("7. as 6, the shrink beside the GEMM", "engine_overlap_shrink_h100.json"),
+           ("8. as 6, rows grouped by adapter in steps with prompt tokens", "engine_sorted_h100.json"),
+           ("9. the default now: 7 and 8, the expand's new tiles, each row warmed up on its whole workload",
+            "engine_breakdown_h100.json")]
+third = [(label, json.loads(path.read_text())) for label, path in
+         ((label, floor_path.with_name(name)) for label, name in session) if path.exists()]
+if not third:
+    print("this session's runs are not committed yet (README: engine_inline_h100.json and the lines after it)")
+for label, bench in third:
+    cfg = bench["engine_config"]
+    print(f"{label} ({bench['device']}; sort_lora_by_slot={cfg.get('sort_lora_by_slot', False)}, "
+          f"overlap_lora_shrink={cfg.get('overlap_lora_shrink', False)}):")
+    for r in (r for r in bench["rows"] if r.get("decode_breakdown")):
+        d, p = r["decode_breakdown"], r.get("prefill_breakdown") or {}
+        print(f"  D={r['adapters']:2d}: TPOT p50 {r['tpot_ms_p50']:.2f} ms ({r['tpot_p50_over_floor']:.2f}x), decode GPU "
+              f"work {d['gpu_busy_ms']:.2f} ms (LoRA kernels {d['gpu_ms'].get('lora', 0):.2f}); a step with prompt "
+              f"tokens: LoRA {p.get('gpu_ms', {}).get('lora', 0):.1f} ms, GEMMs {p.get('gpu_ms', {}).get('gemm', 0):.1f} ms; "
+              f"{r['tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_s_p99']:.2f} s")
+    for c in bench.get("caveats", []):
+        print("  caveat:", c[:c.index(":")] if ":" in c else c)
+sweep_path = floor_path.with_name("prefill_expand_h100.json")
+if sweep_path.exists():
+    sweep = json.loads(sweep_path.read_text())
+    old = sweep["defaults_config"]
+    print(f"\nthe expand at a mixed step ({sweep['device']}: {sweep['tokens']} tokens in {sweep['segments']} segments, "
+          f"{sweep['distinct']} adapters of rank {sweep['rank']}), us per launch; the tile before: "
+          f"{old['block_m']} x {old['block_n']}:")
+    for b in sweep["best"]:
+        print(f"  {b['width']:16}: before {b['defaults_us']:.0f}, best {b['best_us']:.0f} "
+              f"({b['best']['block_m']} x {b['best']['block_n']}, {b['best']['num_warps']} warps), "
+              f"floor of its bytes {b['floor_us']:.0f}")
+
+# %%
+if third and third[-1][0].startswith("9."):
+    now = third[-1][1]
+    for t in now["targets"]:
+        if t.get("void"):
+            print("void:   " + t["target"], f"(measured {t['value']}: {t['void']})")
+        else:
+            print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']}, {now['device']})")
+    r32 = next((r for r in now["rows"] if r["adapters"] == 32), None)
+    if r32 is not None:
+        d = r32["decode_breakdown"]
+        print(f"D=32's decode step: GPU work {d['gpu_busy_ms']:.2f} ms of a {d['wall_ms']:.2f} ms step; by class "
+              + ", ".join(f"{k} {v:.2f}" for k, v in d["gpu_ms"].items())
+              + f"; the LoRA kernels' bytes alone {d['floor_ms'].get('lora', float('nan')):.2f} ms at the copy bandwidth")
+
+# %% [markdown]
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
 # decodes plus up to the token budget of prompt tokens, and this benchmark's budget holds several of
 # its longest prompts. One step can therefore cost the prefill of several whole prompts, and those
