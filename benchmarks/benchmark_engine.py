@@ -396,7 +396,7 @@ def profiled_busy(llm, prompts, params, names, floor: Optional[dict] = None
     :func:`decode_breakdown` of them, and the same breakdown of the steps that carried prompt tokens
     (prefill and mixed steps; no floor; ``prompt_tokens`` per such step, mean). (Before this, the
     ranges held the model call only, so the host's scheduling and sampling fell outside them:
-    engine_breakdown_h100.json until its re-run with overlapped decode.) The caller passes prompts
+    the first engine_breakdown_h100.json, until its re-run with overlapped decode.) The caller passes prompts
     the prefix cache does not hold if the prefill steps are to be those of a cold call."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -713,7 +713,8 @@ def main() -> None:
                       lora_bytes_per_adapter=floor_info.get("lora_per_adapter"),
                       sgmv_grid="segments" if args.no_packed_sgmv else "packed",
                       method="one untimed pass of the whole workload (4 new tokens) first; one generate() per "
-                             "row after a warm-up call; tokens/s over its wall time; TPOT = gaps "
+                             "row after its warm-up (a tiny call, then the row's whole workload on other prompts: "
+                             "warm_up_row); tokens/s over its wall time; TPOT = gaps "
                              "between a request's consecutive tokens; TTFT from the call's start (every request "
                              "arrives at once: it is the request's waiting time plus its prefill); Zipf(1.0) "
                              "adapter popularity")

@@ -3,7 +3,7 @@
     python benchmarks/sweep_prefill_expand.py --out benchmarks/results/prefill_expand_<gpu>.json
     TRITON_INTERPRET=1 python benchmarks/sweep_prefill_expand.py --smoke --out /tmp/prefill_expand.json   # any machine
 
-Why: in ``benchmark_engine.py``'s profile (``engine_breakdown_h100.json``, ``prefill_breakdown``) a step
+Why: in ``benchmark_engine.py``'s profile (``engine_packed_h100.json``, ``prefill_breakdown``) a step
 with prompt tokens (7.7k on average) spends 12.4 ms in LoRA kernels against 34.6 ms of GEMMs, 10.7 ms
 of it in ``_sgmv_expand_kernel``; that expand reads and writes each projection's whole output, about
 3x its bytes at the copy bandwidth. Its defaults (``block_m`` 128, ``block_n`` 128, 4 warps at rank
@@ -46,10 +46,14 @@ WIDTHS = {"qkv_proj": (4096, 1024, 1024), "o_proj/down_proj": (4096,), "gate_up_
 SMOKE_WIDTHS = {"qkv": (32, 16, 16), "o": (32,), "gate_up": (48, 48)}
 
 
+#: The tile the defaults had before this sweep (tuned_configs.json: 4 requests of 2048 tokens).
+BASELINE = {"block_m": 128, "block_n": 128, "num_warps": 4}
+
+
 def configs(smoke: bool) -> list[dict]:
     if smoke:
         return [{}, dict(block_m=16, block_n=16), dict(block_m=32, block_n=32, num_warps=2)]
-    out = [{}]  # the defaults
+    out = [{}, dict(BASELINE)]  # the defaults, and the tile before them
     for bm in (64, 128):
         for bn in (128, 256):
             for w in (4, 8):
@@ -149,15 +153,18 @@ def main() -> None:
             results.append(row)
         ok = [r for r in results if "us" in r]
         default = next((r for r in ok if r["config"] == "defaults"), None)
+        before = next((r for r in ok if r["config"] == BASELINE), None)
         top = min(ok, key=lambda r: r["us"]) if ok else None
         summary = dict(width=name, tokens=n, bytes=nbytes, floor_us=round(floor_us, 2) if floor_us else None,
                        defaults_us=default["us"] if default else None, best_us=top["us"] if top else None,
+                       baseline_us=before["us"] if before else None,
                        best=top["config"] if top else None)
         best.append(summary)
         print(f"{name:18} {n} tokens: defaults {summary['defaults_us']} us, best {summary['best_us']} us "
               f"{summary['best']}" + (f", floor {floor_us:.1f} us" if floor_us else ""), flush=True)
     from reference.ops.sgmv_expand import default_tiles
     result = dict(sort_by_slot=args.sort_by_slot, defaults_config={**default_tiles(rank), "num_warps": 4},
+                  baseline_config=BASELINE,
                   device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, triton=triton.__version__, smoke=args.smoke, rank=rank, slots=slots,
                   adapters=n_adapters, distinct=distinct, tokens=n, segments=len(lens), decodes=decodes,

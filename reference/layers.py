@@ -97,8 +97,13 @@ class LoRAContext:
             return None
         key = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if key not in self._side_streams:
-            self._side_streams[key] = torch.cuda.Stream(device=key)
-        return self._side_streams[key]
+            # high priority: the short shrink should not queue behind the GEMM's blocks; and from the
+            # high-priority pool, never the default-priority stream a CUDA-graph capture runs on
+            # (torch.cuda.Stream() hands out one of 32 pooled streams in turn: a side stream that is
+            # the capture stream itself would overlap nothing)
+            self._side_streams[key] = torch.cuda.Stream(device=key, priority=-1)
+        stream = self._side_streams[key]
+        return None if stream == torch.cuda.current_stream(key) else stream
 
     def set_batch(self, batch_info: Optional[LoRABatchInfo]) -> None:
         """Make ``batch_info`` the batch of the next forward (None clears it)."""
@@ -313,12 +318,15 @@ class LoRALinear(nn.Module):
             y = base()
             self.add_delta(x, y.view(-1, y.shape[-1]), whole_module)
             return y
+        self._check_rows(x.reshape(-1, x.shape[-1]), self.context.batch_info)  # before the fork: a refusal forks nothing
         main = torch.cuda.current_stream(x.device)
         stream.wait_stream(main)  # x (and the pool's slots) are written on main: the shrink starts after
-        with torch.cuda.stream(stream):
-            t = self._delta_input(x, whole_module)
-        y = base()
-        main.wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                t = self._delta_input(x, whole_module)
+            y = base()
+        finally:  # joined whatever raised: a CUDA-graph capture must not end with the side stream forked
+            main.wait_stream(stream)
         # no record_stream for t (allocated on the side stream, freed after the expand on main): the
         # side stream's next allocation follows its next wait on main, so after this expand
         self._expand(t, y.view(-1, y.shape[-1]), whole_module)

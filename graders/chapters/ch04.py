@@ -9,7 +9,8 @@ than k and v) and are not multiples of any block size.
 
 Tiles (the case design rule of ``graders``): the edge group and every random and hidden draw cross
 every grid axis and loop at least twice with the chapter's suggested blocks (BLOCK_M 32, BLOCK_N 64,
-BLOCK_K 16 or more) and the reference's (BLOCK_M 64 or 128, BLOCK_N 128, BLOCK_K = max_rank): a
+BLOCK_K 16 or more) and the reference's at these max ranks (BLOCK_M 64, BLOCK_N 128, BLOCK_K = max_rank;
+32 x 256 up to max_rank 16, ``sgmv_expand.default_tiles``): a
 segment of 130-160 tokens (permuted, so its rows come through the permutation), slices of 260-316
 columns that are not multiples of 64 (GQA k and v of 65-79: two tiles of 64), max_rank 32 or 64
 with a rank above 16 that is not a multiple of 16. Few tokens elsewhere keep the interpreter fast.
@@ -241,7 +242,7 @@ def _sliced_specs() -> list[PackedSpec]:
         P(S("unsorted_arrival_permutation", [2, 3, 1, 2], [2, 1, 2, 0], [0, 4, 3], 4, 24, 36, sort=True),
           (20, 8, 8)),
         # Tiles: every grid axis and loop crossed at least twice with the chapter's blocks (32 x 64,
-        # BLOCK_K 16 possible) and the reference's (BLOCK_M 64 or 128, BLOCK_N 128, BLOCK_K = max_rank):
+        # BLOCK_K 16 possible) and the reference's at max_rank 32 / 64 (BLOCK_M 64, BLOCK_N 128, BLOCK_K = max_rank):
         # slices wider than two column tiles and not multiples of either, a segment longer than two
         # row tiles, ranks above 16 that are not multiples of 16.
         P(S("tiles_qkv_gqa_304_76_76_max_rank_32_segment_of_140", [140, 6, 3], [1, 2, 0], [0, 20, 32], 32, 16, 456),

@@ -70,11 +70,11 @@ class EngineConfig:
     packed_projections: Optional[bool] = None
     # a step with prompt tokens gives the LoRA ops its rows grouped by adapter slot, one SGMV segment
     # per slot (``ModelRunner``'s ``sort_lora_by_slot``): on an H100 a step with prompt tokens spent
-    # 5.8-8.2 ms in LoRA kernels against 12.4-12.7 ms by sequence (benchmarks/results/engine_sorted_h100.json
+    # 5.7-8.2 ms in LoRA kernels against 12.4-12.7 ms by sequence (benchmarks/results/engine_sorted_h100.json
     # against engine_inline_h100.json, one session); the tokens are the same either way
     sort_lora_by_slot: bool = True
     # on CUDA, each layer's LoRA shrink on a side stream beside its base GEMM, joined before the expand
-    # (``LoRAContext.overlap_shrink``; no effect on the CPU): decode TPOT p50 0.08-0.10 ms lower with
+    # (``LoRAContext.overlap_shrink``; no effect on the CPU): decode TPOT p50 0.08-0.11 ms lower with
     # 1-64 adapters on an H100 (engine_overlap_shrink_h100.json against engine_inline_h100.json)
     overlap_lora_shrink: bool = True
     # mixed steps (``SchedulerConfig.mixed_steps``): every running decode rides along with prefill

@@ -356,8 +356,9 @@ class ModelRunner:
             rows reached through a permutation), as vLLM V1's LoRA kernels take tokens sorted by
             LoRA id; False: one segment per SeqWork, so a mixed step's hundreds of one-token decode
             rows are hundreds of segments, each launching whole row blocks for one row (H100
-            profile, engine_breakdown_h100.json: the expand took 10.7 ms of a 7.7k-token step).
-            Off by default until measured on a GPU; the results are the same either way.
+            profile, engine_packed_h100.json: the expand took 10.7 ms of a 7.7k-token step).
+            Off by default here; ``EngineConfig.sort_lora_by_slot`` turns it on (measured there).
+            The results are the same either way.
     Raises:
         ValueError: a wrapped model without a pool, a pool without a context, a wrapped model whose
         layers use another backend, cache sizes < 1 (see :class:`PagedKVCache`), an unknown

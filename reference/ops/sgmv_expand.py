@@ -168,7 +168,8 @@ def sgmv_expand(
     the gate|up expand 549 against 865 us; ``benchmarks/sweep_prefill_expand.py`` ->
     ``benchmarks/results/prefill_expand_h100.json``: a tile of 8k outputs per 4 warps, read and
     written once, is what the read-modify-write of the output wants); 64 / 128 above (tuned on an
-    H200 at rank 64, ``tuned_configs.json``).
+    H200 at rank 64, ``tuned_configs.json``). A ``block_m`` given without ``block_n`` keeps the tile
+    at most 16k outputs (128 rows: 128 columns).
 
     Raises:
         ValueError: mismatched shapes or devices, or bad ``slice_offsets``.
@@ -184,7 +185,10 @@ def sgmv_expand(
         return out
     max_rank = B_stack.shape[2]
     tiles = default_tiles(max_rank)
-    block_m, block_n = block_m or tiles["block_m"], block_n or tiles["block_n"]
+    block_m = block_m or tiles["block_m"]
+    # a caller's taller block gets narrower columns: 128 x 256 fp32 accumulators on 4 warps spill (the
+    # sweep: 3271 against 853 us for 128 x 128 on the gate|up expand)
+    block_n = block_n or min(tiles["block_n"], max(16, 16384 // block_m))
     widest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     num_n_tiles = triton.cdiv(max(widest, 1), block_n)
     packed = packed and use_packed(rows.shape[0], max_len, batch_info.num_segments, block_m)

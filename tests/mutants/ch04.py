@@ -1,6 +1,6 @@
 """Wrong answers for chapter 04 (graders.course.mutation.Mutant): each is the solution cell with one realistic
 change. ch04.2's tiling mutants are why its cases cross every grid axis and loop at least twice with
-both the chapter's blocks (32 x 64) and the reference's (64/128 x 128): a segment longer than two row
+both the chapter's blocks (32 x 64) and the reference's at max_rank 32 / 64 (64 x 128): a segment longer than two row
 tiles, slices wider than two column tiles and not multiples of 64, ranks above 16 (a K step of 16
 loops) that are not multiples of 16. The old plausible mistakes (git show
 3ab8fdb:submissions/plausible_mistakes/04_packed_and_chunked.py) are the ``plausible`` ones.

@@ -1429,8 +1429,9 @@ if packed is not None and segments_path.exists():
 # over the steps a few slow ones can move (the last run's D=0 row, the first profiled call of its
 # process, shows a low one); TPOT p50 comes from the unprofiled timed call.
 #
-# A third H100 session went after both LoRA costs that the runs above left, with three changes,
-# each measured on its own against the same session's run without it:
+# A third H100 session went after both LoRA costs that the runs above left, with three changes. The
+# first and the last were measured in whole runs against the same session's run without them; the
+# tiles, by a sweep of the kernel alone:
 #
 # - **Rows grouped by adapter in a step with prompt tokens** (`EngineConfig.sort_lora_by_slot`).
 #   A step's LoRA rows had one SGMV segment per sequence, so a mixed step's hundreds of one-token
@@ -1465,7 +1466,8 @@ for label, bench in third:
     for r in (r for r in bench["rows"] if r.get("decode_breakdown")):
         d, p = r["decode_breakdown"], r.get("prefill_breakdown") or {}
         print(f"  D={r['adapters']:2d}: TPOT p50 {r['tpot_ms_p50']:.2f} ms ({r['tpot_p50_over_floor']:.2f}x), decode GPU "
-              f"work {d['gpu_busy_ms']:.2f} ms (LoRA kernels {d['gpu_ms'].get('lora', 0):.2f}); a step with prompt "
+              f"work {d['gpu_busy_ms']:.2f} ms (LoRA kernels {d['gpu_ms'].get('lora', 0):.2f}, GEMMs "
+              f"{d['gpu_ms'].get('gemm', 0):.2f}); a step with prompt "
               f"tokens: LoRA {p.get('gpu_ms', {}).get('lora', 0):.1f} ms, GEMMs {p.get('gpu_ms', {}).get('gemm', 0):.1f} ms; "
               f"{r['tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_s_p99']:.2f} s")
     for c in bench.get("caveats", []):
@@ -1483,12 +1485,12 @@ if {"6.", "7.", "8."} <= set(by_run):
 sweep_path = floor_path.with_name("prefill_expand_h100.json")
 if sweep_path.exists():
     sweep = json.loads(sweep_path.read_text())
-    old = sweep["defaults_config"]
+    old = sweep["baseline_config"]  # the tile before the sweep (its "defaults" are whatever a re-run finds)
     print(f"\nthe expand at a mixed step ({sweep['device']}: {sweep['tokens']} tokens in {sweep['segments']} segments, "
           f"{sweep['distinct']} adapters of rank {sweep['rank']}), us per launch; the tile before: "
           f"{old['block_m']} x {old['block_n']}:")
     for b in sweep["best"]:
-        print(f"  {b['width']:16}: before {b['defaults_us']:.0f}, best {b['best_us']:.0f} "
+        print(f"  {b['width']:16}: before {b['baseline_us']:.0f}, best {b['best_us']:.0f} "
               f"({b['best']['block_m']} x {b['best']['block_n']}, {b['best']['num_warps']} warps), "
               f"floor of its bytes {b['floor_us']:.0f}")
 
@@ -1500,12 +1502,18 @@ if third and third[-1][0].startswith("9."):
             print("void:   " + t["target"], f"(measured {t['value']}: {t['void']})")
         else:
             print(("met:    " if t["met"] else "missed: ") + t["target"], f"(measured {t['value']}, {now['device']})")
-    r32 = next((r for r in now["rows"] if r["adapters"] == 32), None)
-    if r32 is not None:
-        d = r32["decode_breakdown"]
-        print(f"D=32's decode step: GPU work {d['gpu_busy_ms']:.2f} ms of a {d['wall_ms']:.2f} ms step; by class "
-              + ", ".join(f"{k} {v:.2f}" for k, v in d["gpu_ms"].items())
-              + f"; the LoRA kernels' bytes alone {d['floor_ms'].get('lora', float('nan')):.2f} ms at the copy bandwidth")
+else:
+    print("run 9, the default now, is not committed yet (README: engine_breakdown_h100.json): no targets of it")
+latest = third[-1] if third else None
+r32 = next((r for r in latest[1]["rows"] if r["adapters"] == 32), None) if latest else None
+if r32 is not None:
+    d = r32["decode_breakdown"]
+    print(f"run {latest[0][:1]}, D=32's decode step: GPU work {d['gpu_busy_ms']:.2f} ms of a {d['wall_ms']:.2f} ms step; "
+          "by class " + ", ".join(f"{k} {v:.2f}" for k, v in d["gpu_ms"].items())
+          + f"; the LoRA kernels' bytes alone {d['floor_ms'].get('lora', float('nan')):.2f} ms at the copy bandwidth")
+    for k in (k for k in d["top_kernels"] if k["kind"] == "lora"):
+        print(f"  {k['name']}: {k['launches_per_step']:.1f} launches per step, "
+              f"{1e3 * k['ms'] / k['launches_per_step']:.1f} us each")
 
 # %% [markdown]
 # Each change did what its paragraph said, and where it said. Grouping rows by adapter leaves the
@@ -1513,14 +1521,16 @@ if third and third[-1][0].startswith("9."):
 # step with prompt tokens, most with one adapter and less with more, which bring more segments. The shrink beside the GEMM changes nothing without adapters (a base-only step launches
 # no shrink) and takes a little off every decode step with them; in its profile the LoRA and GEMM
 # classes each take longer than in run 6, because they now share the SMs, while their union, the
-# GPU work, is shorter. The expand's tiles were chosen on the sweep: the smaller tile is faster at
+# GPU work, is shorter. In a step with prompt tokens the GEMMs leave no SMs idle, and the LoRA
+# kernels there only take longer. The expand's tiles were chosen on the sweep: the smaller tile is faster at
 # every width, and the gate|up expand still takes well over the floor of its bytes. Runs 6 and 8
 # also show why the warm-up now runs each row's whole workload: a row whose first steps met kernel
 # variants the warm-up had not compiled waited for Triton while timed (their caveats).
 #
 # What still limits the 32-adapter decode step is chapter 08's overhead, kernel by kernel: four
-# shrinks and four expands per layer, each a small launch whose time is mostly latency, not bytes
-# (their bytes alone are the floor printed above), and the expands' read and write of each output.
+# shrinks and four expands per layer (the launches printed above), each a small launch that takes
+# several microseconds for little data, far more than the floor of the adapters' bytes, and the
+# expands' read and write of each output.
 # Production engines close the same gap in three ways this book shows but the engine does not use
 # at decode: fewer, larger launches (SGLang's and vLLM's fused multi-slice kernels), the expand
 # inside the GEMM's epilogue (chapter 08's fused path, where no output is read back), and one
