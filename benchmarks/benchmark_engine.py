@@ -16,7 +16,10 @@ the base model). The engine: ``reference.engine.LLM`` with the Triton LoRA backe
 serves them; the committed runs before it used 33, and that row then ran in two waves through the
 slot cap), every adapter in the CPU tier. On CUDA the decoder takes the fused elementwise kernels
 and packed q|k|v and gate|up projections (``EngineConfig.fused_ops`` / ``packed_projections``;
-``--no-fused-ops``, ``--no-packed-projections`` turn them off).
+``--no-fused-ops``, ``--no-packed-projections`` turn them off); every layer's LoRA shrink runs on a
+side stream beside its base GEMM (``overlap_lora_shrink``; ``--no-overlap-lora-shrink``), and a step
+with prompt tokens gives the LoRA ops its rows grouped by adapter slot (``sort_lora_by_slot``;
+``--no-sort-lora-by-slot``).
 
 Reported per run: output tokens/s over the whole ``generate`` wall time; time per output token (the
 gap between a request's consecutive tokens) P50 / P99; time to first token P50 / P99; steps,
