@@ -97,8 +97,9 @@ class LoRAContext:
             return None
         key = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if key not in self._side_streams:
-            # high priority: the short shrink should not queue behind the GEMM's blocks; and from the
-            # high-priority pool, never the default-priority stream a CUDA-graph capture runs on
+            # from the high-priority pool: never the default-priority stream a CUDA-graph capture runs on
+            # (in eager launches the priority also lets the short shrink's blocks go first; a graph
+            # replay may not keep it: node priorities need cudaGraphInstantiateFlagUseNodePriority)
             # (torch.cuda.Stream() hands out one of 32 pooled streams in turn: a side stream that is
             # the capture stream itself would overlap nothing)
             self._side_streams[key] = torch.cuda.Stream(device=key, priority=-1)

@@ -1429,28 +1429,38 @@ if packed is not None and segments_path.exists():
 # over the steps a few slow ones can move (the last run's D=0 row, the first profiled call of its
 # process, shows a low one); TPOT p50 comes from the unprofiled timed call.
 #
-# A third H100 session went after both LoRA costs that the runs above left, with three changes. The
-# first and the last were measured in whole runs against the same session's run without them; the
-# tiles, by a sweep of the kernel alone:
+# A third H100 session went after the two LoRA costs the runs above left: the decode step's LoRA
+# kernels, and the LoRA of the steps with prompt tokens. Three changes; the first two were measured
+# in whole runs (7 and 8) against the same session's run without them (6), the third by a sweep of
+# the kernel alone:
 #
-# - **Rows grouped by adapter in a step with prompt tokens** (`EngineConfig.sort_lora_by_slot`).
-#   A step's LoRA rows had one SGMV segment per sequence, so a mixed step's hundreds of one-token
-#   decodes were hundreds of segments, and each got whole row blocks for its one row. Grouped by
-#   slot through a permutation (chapter 07's `sort_by_slot`; vLLM V1 sorts its tokens by LoRA id
-#   the same way), a step has at most one segment per slot.
-# - **The expand's tiles.** The SGMV expand's default tile, 128 rows by 128 columns, was tuned on
-#   four prompts of 2048 tokens and one 4096-wide projection. `benchmarks/sweep_prefill_expand.py`
-#   times it at a mixed step's shapes and every output width of a layer, against the floor of the
-#   bytes it must move (it reads and writes the projection's output).
-# - **The shrink beside the GEMM** (`EngineConfig.overlap_lora_shrink`, `LoRAContext.overlap_shrink`).
-#   A layer's shrink reads the same input as its base GEMM and nothing the GEMM writes, so it can
-#   run on a second CUDA stream at the same time; the expand waits for both. At decode the GEMM of
-#   256 rows leaves SMs idle (a q|k|v GEMM of that size has few output tiles), and the shrink is a
-#   small launch that mostly waits on memory latency. Inside a CUDA graph the fork and the join are
-#   captured as edges of the graph.
+# - **The shrink beside the GEMM** (run 7; `EngineConfig.overlap_lora_shrink`,
+#   `LoRAContext.overlap_shrink`). A layer's shrink reads the same input x as its base GEMM and
+#   nothing the GEMM writes, so it can run on a second CUDA stream at the same time: the side stream
+#   first waits for the current one (x is ready), runs the shrink, and the current stream, after
+#   launching the GEMM, waits for the side stream before the expand. The expand cannot move: it adds
+#   into the GEMM's output in place, so it needs that output finished. At decode the GEMM has one
+#   row per running sequence and so few output tiles that SMs stay idle, and the shrink is a small
+#   launch; side by side, the shrink's time can hide in the GEMM's. Inside a CUDA graph the wait
+#   and the join are captured as edges of the graph. (One hazard for a reimplementation: the
+#   shrink's output is allocated on the side stream and read on the other; it is safe to free after
+#   the expand only because the side stream's next allocation comes after its next wait.)
+# - **Rows grouped by adapter in a step with prompt tokens** (run 8;
+#   `EngineConfig.sort_lora_by_slot`). A step's LoRA rows had one SGMV segment per sequence, so a
+#   mixed step's hundreds of one-token decodes were hundreds of segments, each given a whole block
+#   of rows for its one row. Grouped by slot (chapter 07's `sort_by_slot`; vLLM V1 sorts its tokens
+#   by LoRA id the same way), a step has at most one segment per slot: nothing is copied, the hidden
+#   states stay in sequence order, and the kernels load row `permutation[i]` for the i-th row of a
+#   segment. Only steps that hold a prompt chunk are grouped this way.
+# - **The expand's tiles.** The SGMV expand's default tile, 128 rows by 128 columns, was tuned on a
+#   few long prompts and one projection (`benchmarks/results/tuned_configs.json`).
+#   `benchmarks/sweep_prefill_expand.py` times it at a mixed step's shapes and every output width of
+#   a layer, against the floor of the bytes it must move (it reads and writes the projection's
+#   output).
 
 # %%
-session = [("6. as 5, each row warmed up on 2 new tokens", "engine_inline_h100.json"),
+session = [("6. a third session: as 5 (expand tile 128 x 128, each row warmed up on 2 new tokens)",
+            "engine_inline_h100.json"),
            ("7. as 6, the shrink beside the GEMM", "engine_overlap_shrink_h100.json"),
            ("8. as 6, rows grouped by adapter in steps with prompt tokens", "engine_sorted_h100.json"),
            ("9. the default now: 7 and 8, the expand's new tiles, each row warmed up on its whole workload",
@@ -1477,9 +1487,11 @@ if {"6.", "7.", "8."} <= set(by_run):
     for D in sorted(by_run["6."]):
         a, b, c = by_run["6."][D], by_run["7."][D], by_run["8."][D]
         pa, pc = (x.get("prefill_breakdown") or {} for x in (a, c))
+        pb = b.get("prefill_breakdown") or {}
         print(f"D={D:2d} against run 6: the shrink beside the GEMM {b['tpot_ms_p50'] - a['tpot_ms_p50']:+.2f} ms of "
               f"TPOT p50, {b['decode_breakdown']['gpu_busy_ms'] - a['decode_breakdown']['gpu_busy_ms']:+.2f} ms of decode "
-              f"GPU work; rows grouped by adapter: a step with prompt tokens "
+              f"GPU work, {pb.get('wall_ms', 0) - pa.get('wall_ms', 0):+.1f} ms per step with prompt tokens; "
+              f"rows grouped by adapter: a step with prompt tokens "
               f"{pc.get('wall_ms', 0) - pa.get('wall_ms', 0):+.1f} ms (its LoRA "
               f"{pc.get('gpu_ms', {}).get('lora', 0) - pa.get('gpu_ms', {}).get('lora', 0):+.1f} ms)")
 sweep_path = floor_path.with_name("prefill_expand_h100.json")
@@ -1516,25 +1528,43 @@ if r32 is not None:
               f"{1e3 * k['ms'] / k['launches_per_step']:.1f} us each")
 
 # %% [markdown]
-# Each change did what its paragraph said, and where it said. Grouping rows by adapter leaves the
-# decode steps alone (the graph's decode view was grouped by slot already) and cuts the LoRA of a
-# step with prompt tokens, most with one adapter and less with more, which bring more segments. The shrink beside the GEMM changes nothing without adapters (a base-only step launches
-# no shrink) and takes a little off every decode step with them; in its profile the LoRA and GEMM
-# classes each take longer than in run 6, because they now share the SMs, while their union, the
-# GPU work, is shorter. In a step with prompt tokens the GEMMs leave no SMs idle, and the LoRA
-# kernels there only take longer. The expand's tiles were chosen on the sweep: the smaller tile is faster at
-# every width, and the gate|up expand still takes well over the floor of its bytes. Runs 6 and 8
-# also show why the warm-up now runs each row's whole workload: a row whose first steps met kernel
-# variants the warm-up had not compiled waited for Triton while timed (their caveats).
+# Each change did what its paragraph said, and where it said. Two terms first: a run's *GPU work*
+# is the length of the union of its kernels' intervals on the timeline, while a class's time adds
+# its kernels' durations, so kernels that run at the same time count once in the first and twice
+# in the second. And the base row (D=0) gives the noise between runs of this session: its TPOT p50
+# differs by a few hundredths of a millisecond across runs 6-8 (printed), one run each.
+#
+# The shrink beside the GEMM changes nothing without adapters (a base-only step launches no
+# shrink) and takes a little off the median decode step with them: the GEMM class and the LoRA
+# class each take longer than in run 6 (the kernels share the SMs), but their union, the GPU work,
+# is shorter, by less than the GEMMs slowed. In a step with prompt tokens the GEMMs leave no SMs
+# idle, and there the LoRA kernels only take longer; the flag applies to every step, and whether to
+# keep it to decode steps is a measurement this session did not make. Grouping rows by adapter
+# leaves the decode steps alone: it acts only on steps with a prompt chunk (a decode step's batch
+# carries the slot-sorted view its grouped schedule reads already, chapter 08). It
+# cuts the LoRA of a step with prompt tokens, most with one adapter and less with more, which
+# bring more segments. The sweep's best tile is shorter and wider (rows x columns printed), faster
+# at every width, and the gate|up expand still takes well over the floor of its bytes. The sweep
+# has limits: it measured the rows in sequence order, not grouped by adapter as the engine now
+# gives them, at rank 16 only (above rank 16 the tile is the H200's earlier one), and its best tile
+# lies at the edge of the grid it measured; and no run yet measures the new tile inside the engine.
+#
+# Runs 6 and 8 also show why the warm-up now runs each row's whole workload: their warm-up gave
+# each row its workload with 2 new tokens, whose mixed steps hold fewer decode rows than the timed
+# call's, so the timed call met kernel variants Triton had not compiled (new constants, or
+# arguments that are multiples of 16 where they were not) and waited for the compiler. Read the
+# tok/s and TTFT of run 6's D=1 row and run 8's D=32 and D=64 rows as void (their caveats); their
+# TPOT and breakdowns, from the median and from the separate profiled call, stand.
 #
 # What still limits the 32-adapter decode step is chapter 08's overhead, kernel by kernel: four
-# shrinks and four expands per layer (the launches printed above), each a small launch that takes
-# several microseconds for little data, far more than the floor of the adapters' bytes, and the
-# expands' read and write of each output.
-# Production engines close the same gap in three ways this book shows but the engine does not use
-# at decode: fewer, larger launches (SGLang's and vLLM's fused multi-slice kernels), the expand
-# inside the GEMM's epilogue (chapter 08's fused path, where no output is read back), and one
-# device-side map from row blocks to segments per step, so no program searches for its segment.
+# shrinks and four expands per layer (run 8's launches printed above, in line, without the side
+# stream), each taking microseconds for little data, far more than the floor of the adapters'
+# bytes, plus the expands' read and write of each output. Production engines close the same gap in
+# ways the engine does not use at decode: fewer, larger launches (SGLang's and vLLM's fused
+# multi-slice kernels), the expand inside the GEMM's epilogue (chapter 08's fused path, where no
+# output is read back), and a map from row blocks to segments built once per step (SGLang's
+# chunked SGMV, TensorRT-LLM's grouped GEMM), where each program of the packed grid here searches
+# `seg_indptr` for its own segment (`_triton_util.packed_block`).
 
 # %% [markdown]
 # Under Poisson arrivals (the H200 file above) many steps are mixed. A mixed step carries the
