@@ -636,12 +636,8 @@ def main() -> None:
                     help="steps with prompt tokens give the LoRA ops one segment per sequence instead of their rows "
                          "grouped by adapter slot (EngineConfig.sort_lora_by_slot=False: the default before "
                          "engine_breakdown_h100.json's run)")
-    ap.add_argument("--sort-lora-by-slot", action="store_true",
-                    help="the default since it was measured (kept so the commands that wrote the earlier results run)")
     ap.add_argument("--no-overlap-lora-shrink", action="store_true",
                     help="each layer's LoRA shrink in line after its base GEMM (EngineConfig.overlap_lora_shrink=False)")
-    ap.add_argument("--overlap-lora-shrink", action="store_true",
-                    help="the default since it was measured (kept so the commands that wrote the earlier results run)")
     ap.add_argument("--max-loras", type=int, default=65,
                     help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",

@@ -97,11 +97,11 @@ class LoRAContext:
             return None
         key = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if key not in self._side_streams:
-            # from the high-priority pool: never the default-priority stream a CUDA-graph capture runs on
-            # (in eager launches the priority also lets the short shrink's blocks go first; a graph
-            # replay may not keep it: node priorities need cudaGraphInstantiateFlagUseNodePriority)
-            # (torch.cuda.Stream() hands out one of 32 pooled streams in turn: a side stream that is
-            # the capture stream itself would overlap nothing)
+            # from the high-priority pool: torch.cuda.Stream() hands out the 32 default-priority pooled
+            # streams in turn, so a default-priority side stream could be the one a CUDA-graph capture
+            # runs on, and overlap nothing. (In eager launches the priority also lets the shrink's
+            # blocks go first; a graph replay may drop it: node priorities need
+            # cudaGraphInstantiateFlagUseNodePriority.)
             self._side_streams[key] = torch.cuda.Stream(device=key, priority=-1)
         stream = self._side_streams[key]
         return None if stream == torch.cuda.current_stream(key) else stream
