@@ -51,25 +51,27 @@ class _Reply:
         return json.loads(self.text)
 
 
-def _request(method: str, url: str, body=None, timeout: float = 60, raw: bytes | None = None) -> _Reply:
+def _request(method: str, url: str, body=None, timeout: float = 60, raw: bytes | None = None,
+             headers: dict | None = None) -> _Reply:
     """One plain HTTP request (the standard library: the client's own HTTP stack is not what is tested)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, parts.path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        conn.request(method, parts.path, body=data,
+                     headers={**({"Content-Type": "application/json"} if data else {}), **(headers or {})})
         r = conn.getresponse()
         return _Reply(r.status, r.read().decode())
     finally:
         conn.close()
 
 
-def _get(url: str, timeout: float = 60) -> _Reply:
-    return _request("GET", url, timeout=timeout)
+def _get(url: str, timeout: float = 60, headers: dict | None = None) -> _Reply:
+    return _request("GET", url, timeout=timeout, headers=headers)
 
 
-def _post(url: str, body=None, timeout: float = 60, raw: bytes | None = None) -> _Reply:
-    return _request("POST", url, body, timeout, raw)
+def _post(url: str, body=None, timeout: float = 60, raw: bytes | None = None, headers: dict | None = None) -> _Reply:
+    return _request("POST", url, body, timeout, raw, headers)
 
 
 def _free_port() -> int:
@@ -86,34 +88,51 @@ def _poison(folder: Path) -> None:
     save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(path).items()}, path)
 
 
+def _start(paths: dict, *args: str) -> tuple[subprocess.Popen, str]:
+    """The README's server on a free port of 127.0.0.1 over ``paths["model"]``, once ``/health`` answers:
+    (its process, its base URL). ``args``: more flags."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
+           "tiny-llama", "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
+           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE),
+           # decode through the graph runner on the CPU too (its static path): a GPU serves every decode
+           # step that way, and a log trimmed under its slot tracker once went unseen on the CPU
+           "--cuda-graph", "on", *args]
+    # ROOT first, then whatever the environment had (the GPU run's packages live on PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if _get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except OSError:
+            time.sleep(0.2)
+    _stop(proc)
+    out = proc.stdout.read()
+    pytest.fail(f"the server did not become healthy in 120 s:\n{out[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     paths = save_tiny(root, ADAPTERS, seed=3)
     _poison(paths["broken"])
-    port = _free_port()
-    cmd = [sys.executable, "-m", "reference.engine.server", "--model", str(paths["model"]), "--served-model-name",
-           "tiny-llama", "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}", f"broken={paths['broken']}",
-           "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "8", "--num-kv-blocks", "160",
-           "--block-size", "4", "--max-num-batched-tokens", "64", "--port", str(port), "--device", str(DEVICE),
-           # decode through the graph runner on the CPU too (its static path): a GPU serves every decode
-           # step that way, and a log trimmed under its slot tracker once went unseen on the CPU
-           "--cuda-graph", "on"]
-    # ROOT first, then whatever the environment had (the GPU run's packages live on PYTHONPATH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = _start(paths, "--lora-modules", f"sql={paths['sql']}", f"chat={paths['chat']}",
+                        f"broken={paths['broken']}")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if _get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            out = proc.stdout.read() if proc.poll() is not None else "(still starting)"
-            pytest.fail(f"the server did not become healthy in 120 s:\n{out[-3000:]}")
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(paths["model"])
@@ -126,12 +145,7 @@ def served(tmp_path_factory):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         yield dict(client=client, tokenizer=tokenizer, pm=pm.to(DEVICE), base=base, paths=paths, proc=proc)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        _stop(proc)
 
 
 def want(s, prompt_ids: list[int], adapter, max_tokens: int) -> list[int]:
@@ -477,3 +491,79 @@ def test_vllm_defaults_a_client_relies_on(served):
     r = _post(base + "/v1/chat/completions", {"model": "chat", "messages": plain, "max_tokens": 2, "temperature": 0,
                                              "chat_template_kwargs": "no"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_tokenize_and_detokenize_are_what_a_request_feeds_the_engine(served):
+    base, tok = served["base"], served["tokenizer"]
+    r = _post(base + "/tokenize", {"model": "sql", "prompt": "SELECT 1"})
+    ids = tok.encode("SELECT 1", add_special_tokens=False)
+    limit = _get(base + "/v1/models/sql").json()["max_model_len"]
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": limit, "tokens": ids}
+    done = _post(base + "/v1/completions", {"model": "sql", "prompt": "SELECT 1", "max_tokens": 1, "temperature": 0})
+    assert done.json()["usage"]["prompt_tokens"] == len(ids)
+    messages = [{"role": "user", "content": "hi"}]
+    r = _post(base + "/tokenize", {"model": "chat", "messages": messages})
+    assert r.status_code == 200
+    done = _post(base + "/v1/chat/completions", {"model": "chat", "messages": messages, "max_tokens": 1,
+                                                 "temperature": 0})
+    assert r.json()["count"] == done.json()["usage"]["prompt_tokens"] == len(r.json()["tokens"])
+    assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                            add_special_tokens=False)
+    assert _post(base + "/detokenize", {"model": "sql", "tokens": ids}).json() == {"prompt": "SELECT 1"}
+    assert _post(base + "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    for path, body, status, param in [
+            ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+            ("/tokenize", {"prompt": "x", "messages": messages}, 400, "prompt"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": [1, 2]}, 400, "prompt"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": True}, 400, "add_special_tokens"),
+            ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
+            ("/tokenize", {"messages": "hi"}, 400, "messages"),
+            ("/detokenize", {"tokens": [len(tok)]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+            ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model")]:
+        r = _post(base + path, body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), (path, body, r.text)
+    assert _post(base + "/tokenize", raw=b"{").status_code == 400
+    v = _get(base + "/version")
+    assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
+
+
+def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
+    paths = save_tiny(tmp_path, {"sql": ADAPTERS["sql"]}, seed=3)
+    proc, base = _start(paths, "--api-key", "s3cret", "--lora-modules", f"sql={paths['sql']}")
+    try:
+        key = {"Authorization": "Bearer s3cret"}
+        load = {"lora_name": "late", "lora_path": str(paths["sql"])}
+        for headers in (None, {"Authorization": "Bearer s3cre"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cret2"}):
+            for method, path, body in [("GET", "/v1/models", None), ("GET", "/v1/models/sql", None),
+                                       ("POST", "/v1/completions", {"model": "sql", "prompt": [1, 2], "max_tokens": 1}),
+                                       ("POST", "/v1/load_lora_adapter", load),
+                                       ("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}),
+                                       ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                       ("GET", "/v1/nowhere", None)]:
+                r = _request(method, base + path, body, timeout=30, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, headers)
+        for path in ("/health", "/metrics", "/version"):
+            assert _get(base + path, timeout=30).status_code == 200, path
+        # nothing a refused request asked for happened
+        assert [m["id"] for m in _get(base + "/v1/models", headers=key).json()["data"]] == ["tiny-llama", "sql"]
+        wrong = openai.OpenAI(base_url=base + "/v1", api_key="guess", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="sql", prompt=[1, 2], max_tokens=1)
+        right = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert right.completions.create(model="sql", prompt=[1, 2], max_tokens=2, temperature=0).usage.completion_tokens >= 1
+        assert _post(base + "/v1/load_lora_adapter", load, headers=key).status_code == 200
+        assert _post(base + "/tokenize", {"prompt": "x"}, headers=key).status_code == 200
+    finally:
+        _stop(proc)
+
+
+def test_create_app_refuses_an_empty_api_key():
+    from reference.engine.server import create_app
+
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="api_key"):
+            create_app(None, api_key=bad)

@@ -2,7 +2,10 @@
 
 Endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (both streamed as
 server-sent events with ``stream: true``), ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` (vLLM's runtime adapter API), ``/health`` and ``/metrics`` (Prometheus).
+``/v1/unload_lora_adapter`` (vLLM's runtime adapter API), ``/health`` and ``/metrics`` (Prometheus),
+and vLLM's ``/tokenize``, ``/detokenize`` and ``/version``. With ``--api-key`` every route but
+``/health``, ``/metrics`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise, as
+vLLM's ``--api-key``): the adapter API reads any folder the server can read.
 
 Source: vLLM's OpenAI server (``vllm/entrypoints/openai``) and ``AsyncLLMEngine``. The adapter is
 chosen by the request's ``model`` field (the base model's served name, or a registered adapter's
@@ -45,6 +48,7 @@ import contextlib
 import json
 import queue
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -484,13 +488,22 @@ class _Detok:
         return piece
 
 
-def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_loras: Optional[int] = None):
+#: Routes open without the API key (vLLM's as well: a load balancer's probes and the scraper hold no key).
+OPEN_ROUTES = ("/health", "/metrics", "/version")
+
+
+def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_loras: Optional[int] = None,
+               api_key: Optional[str] = None):
     """A FastAPI app serving ``llm``: the base model as ``served_model_name``, each adapter
     registered in ``llm`` under its name (``llm.register_adapter``, or at run time through
     ``/v1/load_lora_adapter``). ``tokenizer``: a ``transformers`` tokenizer (None: token-id prompts
     only, no stop strings, no chat). ``max_loras``: how many adapters may be registered at once
-    (None: any number). The engine thread starts now; ``app.state.engine.stop()`` ends it.
-    Raises ImportError without fastapi or prometheus_client."""
+    (None: any number). ``api_key``: when given, every route outside :data:`OPEN_ROUTES` answers 401
+    (OpenAI's ``AuthenticationError``) unless the request carries ``Authorization: Bearer <api_key>``
+    (vLLM's ``--api-key``). The engine thread starts now; ``app.state.engine.stop()`` ends it.
+    Raises ImportError without fastapi or prometheus_client; ValueError for an empty ``api_key``."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string (None: no key)")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -511,6 +524,19 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     def error(exc: Refused) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content=exc.body())
 
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if request.method == "OPTIONS" or request.url.path in OPEN_ROUTES:
+                return await call_next(request)
+            given = request.headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, expected):  # constant time: the key is not guessed byte by byte
+                return error(Refused(401, "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'",
+                                     "AuthenticationError"))
+            return await call_next(request)
+
     async def engine_call(fn):
         return await asyncio.wrap_future(engine.call(fn))
 
@@ -524,6 +550,68 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     def metrics_endpoint():
         metrics.refresh(llm)
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    def version() -> dict:
+        from importlib.metadata import PackageNotFoundError, version as package_version
+        try:
+            return {"version": package_version("multi-lora-book")}
+        except PackageNotFoundError:  # run from a checkout that was not installed
+            return {"version": "unknown"}
+
+    def known_model(body: dict) -> None:
+        name = body.get("model", served_model_name)
+        if name is not None and name != served_model_name and name not in llm.registry.names():
+            raise Refused(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's ``/tokenize``: the token ids a completion (``prompt``) or a chat (``messages``) request
+        would feed the engine, their count and the model's length limit."""
+        try:
+            body = await json_body(request)
+            if not isinstance(body, dict):
+                raise Refused(400, "the request body must be a JSON object")
+            known_model(body)
+            unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                          "continue_final_message", "chat_template_kwargs"})
+            if unknown:
+                raise Refused(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0])
+            if body.get("add_special_tokens", False) is not False:
+                raise Refused(400, "add_special_tokens must be false: this server adds no special tokens to a "
+                                   "prompt (a chat template writes its own)", param="add_special_tokens")
+            if ("prompt" in body) == ("messages" in body):
+                raise Refused(400, "send exactly one of prompt (a string) and messages", param="prompt")
+            if "prompt" in body:
+                if not isinstance(body["prompt"], str):
+                    raise Refused(400, "prompt must be a string", param="prompt")
+                tokens = _encode(tokenizer, body["prompt"])
+            else:
+                kwargs = body.get("chat_template_kwargs") or {}
+                if not isinstance(kwargs, dict):
+                    raise Refused(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+                tokens = _chat_prompt(body["messages"], tokenizer, bool(body.get("add_generation_prompt", True)),
+                                      bool(body.get("continue_final_message", False)), kwargs)
+        except Refused as exc:
+            return error(exc)
+        return {"count": len(tokens), "max_model_len": llm.max_context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's ``/detokenize``: the text of a list of token ids."""
+        try:
+            body = await json_body(request)
+            if not isinstance(body, dict):
+                raise Refused(400, "the request body must be a JSON object")
+            known_model(body)
+            if tokenizer is None:
+                raise Refused(400, "this server has no tokenizer", param="tokens")
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < len(tokenizer) for t in tokens):
+                raise Refused(400, f"tokens must be a list of token ids in [0, {len(tokenizer)})", param="tokens")
+        except Refused as exc:
+            return error(exc)
+        return {"prompt": tokenizer.decode(tokens)}
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -805,6 +893,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="decode steps through the graph runner: auto = CUDA graphs on a GPU, eager elsewhere; "
                          "on = also on the CPU (the same static buffers, called without capture: how the tests "
                          "check the graph path); off = eager (vLLM's --enforce-eager)")
+    ap.add_argument("--api-key", default=None,
+                    help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY' "
+                         "(vLLM's flag); without it, anyone who reaches the port can load adapters from any "
+                         "folder the server can read")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
@@ -831,8 +923,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"no tokenizer in {args.tokenizer or args.model} ({exc}); pass --tokenizer DIR, or "
                              "--skip-tokenizer-init to serve token-id prompts only") from None
-    uvicorn.run(create_app(llm, tokenizer, args.served_model_name, args.max_adapters), host=args.host, port=args.port,
-                log_level="warning")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} without --api-key: anyone who reaches port {args.port} can load "
+              "adapters from any folder this process can read", file=sys.stderr)
+    uvicorn.run(create_app(llm, tokenizer, args.served_model_name, args.max_adapters, args.api_key), host=args.host,
+                port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 #
 # **What you will learn**
 # - The two ways a linear layer is split (column- and row-parallel) and where LoRA's A and B go in
-#   each; why one published statement of the rule cannot be right.
+#   each; why the rule stated the other way round (A split, B kept whole) cannot be right.
 # - Packed projections under TP: each rank's heads of q, k and v (kv heads replicated when there are
 #   fewer than ranks), and the rank-major order TensorRT-LLM stores fused LoRA weights in.
 # - The fully sharded variant (vLLM's `fully_sharded_loras`, S-LoRA): A split along the rank, and

@@ -824,6 +824,9 @@ for step_no in (1, 2):
 # changes the schedule: a prefix hit the reference does not make, another admission order, another
 # drained adapter. The report names the first step that differs, and which of your functions gave
 # another answer than its contract there.
+# These workloads do not reach every case of the three policies' contracts (an over-cap request
+# whose KV also does not fit, for one): a policy can pass the judge and still be wrong there.
+# Exercises ch11.1-ch11.3's own checks grade every case; the judge grades how the pieces fit.
 #
 # ### Exercise ch11.5: `engine_step` (capstone)
 #
