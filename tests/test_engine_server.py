@@ -357,26 +357,38 @@ def _metric(s, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_a_client_that_disconnects_frees_its_blocks(served):
-    aborts = _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="abort"')
-    parts = urlsplit(served["base"])
+def _disconnect_frees_blocks(s, stream: bool, headers: dict | None = None) -> None:
+    """A client that goes away before its request ends: the server aborts it and frees its KV blocks."""
+    aborts = _metric_labeled(s, "lora_book:request_success_total", 'finished_reason="abort"')
+    parts = urlsplit(s["base"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    body = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": True,
+    body = {"model": "sql", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "stream": stream,
             "ignore_eos": True}
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200
-    while not r.readline().startswith(b"data:"):
-        pass
-    assert _metric(served, "lora_book:kv_blocks_in_use") > 0
-    conn.close()  # the client goes away mid-stream: the server aborts the request
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    if stream:
+        r = conn.getresponse()
+        assert r.status == 200
+        while not r.readline().startswith(b"data:"):
+            pass
+    else:  # no answer comes before the end: wait until the request runs
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _metric(s, "lora_book:num_requests_running") == 0:
+            time.sleep(0.05)
+    assert _metric(s, "lora_book:kv_blocks_in_use") > 0
+    conn.close()  # the client goes away: the server aborts the request
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (_metric(served, "lora_book:kv_blocks_in_use") > 0
-                                           or _metric(served, "lora_book:num_requests_running") > 0):
+    while time.monotonic() < deadline and (_metric(s, "lora_book:kv_blocks_in_use") > 0
+                                           or _metric(s, "lora_book:num_requests_running") > 0):
         time.sleep(0.1)
-    assert _metric(served, "lora_book:kv_blocks_in_use") == 0
-    assert _metric(served, "lora_book:num_requests_running") == 0
-    assert _metric_labeled(served, "lora_book:request_success_total", 'finished_reason="abort"') == aborts + 1
+    assert _metric(s, "lora_book:kv_blocks_in_use") == 0
+    assert _metric(s, "lora_book:num_requests_running") == 0
+    assert _metric_labeled(s, "lora_book:request_success_total", 'finished_reason="abort"') == aborts + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_blocks(served, stream):
+    _disconnect_frees_blocks(served, stream)
 
 
 def test_load_unload_reload_while_requests_run(served):
@@ -557,6 +569,8 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
         assert right.completions.create(model="sql", prompt=[1, 2], max_tokens=2, temperature=0).usage.completion_tokens >= 1
         assert _post(base + "/v1/load_lora_adapter", load, headers=key).status_code == 200
         assert _post(base + "/tokenize", {"prompt": "x"}, headers=key).status_code == 200
+        for stream in (True, False):  # the key's middleware leaves the handlers' disconnect watch working
+            _disconnect_frees_blocks({"base": base}, stream, key)
     finally:
         _stop(proc)
 

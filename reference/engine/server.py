@@ -492,6 +492,25 @@ class _Detok:
 OPEN_ROUTES = ("/health", "/metrics", "/version")
 
 
+class _BearerAuth:
+    """ASGI middleware: a request outside :data:`OPEN_ROUTES` passes only with ``Authorization`` equal to
+    ``expected`` (compared in constant time, so the key is not guessed byte by byte); else ``refusal``.
+    Pure ASGI, not Starlette's ``BaseHTTPMiddleware``, which wraps every response and the request's
+    ``receive``: the handlers' disconnect watch (``request.is_disconnected``) must see the client's own."""
+
+    def __init__(self, app, expected: bytes, refusal: Refused) -> None:
+        self.app, self.expected, self.refusal = app, expected, refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_ROUTES:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                from fastapi.responses import JSONResponse
+                await JSONResponse(status_code=self.refusal.status, content=self.refusal.body())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_loras: Optional[int] = None,
                api_key: Optional[str] = None):
     """A FastAPI app serving ``llm``: the base model as ``served_model_name``, each adapter
@@ -525,17 +544,9 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         return JSONResponse(status_code=exc.status, content=exc.body())
 
     if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if request.method == "OPTIONS" or request.url.path in OPEN_ROUTES:
-                return await call_next(request)
-            given = request.headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, expected):  # constant time: the key is not guessed byte by byte
-                return error(Refused(401, "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'",
-                                     "AuthenticationError"))
-            return await call_next(request)
+        app.add_middleware(_BearerAuth, expected=f"Bearer {api_key}".encode(),
+                           refusal=Refused(401, "Unauthorized: send the server's API key as 'Authorization: Bearer "
+                                                "KEY'", "AuthenticationError"))
 
     async def engine_call(fn):
         return await asyncio.wrap_future(engine.call(fn))
