@@ -534,10 +534,22 @@ def test_tokenize_and_detokenize_are_what_a_request_feeds_the_engine(served):
             ("/detokenize", {"tokens": [len(tok)]}, 400, "tokens"),
             ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
             ("/detokenize", {"tokens": [True]}, 400, "tokens"),
-            ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model")]:
+            ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
+            ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "prompt"),
+            ("/tokenize", {"messages": messages, "add_generation_prompt": "no"}, 400, "add_generation_prompt"),
+            ("/tokenize", {"messages": messages, "chat_template_kwargs": 3}, 400, "chat_template_kwargs")]:
         r = _post(base + path, body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (path, body, r.text)
-    assert _post(base + "/tokenize", raw=b"{").status_code == 400
+    # the chat endpoint's own reading of its flags: continuing the final message drops the generation prompt
+    go_on = {"model": "chat", "messages": messages + [{"role": "assistant", "content": "hel"}],
+             "continue_final_message": True}
+    done = _post(base + "/v1/chat/completions", {**go_on, "max_tokens": 1, "temperature": 0})
+    assert done.status_code == 200
+    assert _post(base + "/tokenize", go_on).json()["count"] == done.json()["usage"]["prompt_tokens"]
+    for raw in (b"{", b'{"tokens": ' + b"[" * 100000 + b"]" * 100000 + b"}"):  # not JSON; nested past the parser
+        for path in ("/tokenize", "/detokenize", "/v1/completions"):
+            r = _post(base + path, raw=raw)
+            assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"], (path, r.text[:200])
     v = _get(base + "/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
 
@@ -549,13 +561,15 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
         key = {"Authorization": "Bearer s3cret"}
         load = {"lora_name": "late", "lora_path": str(paths["sql"])}
         for headers in (None, {"Authorization": "Bearer s3cre"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Bearer s3cret2"}):
+                        {"Authorization": "Bearer s3cret2"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "Bearer  s3cret"}, {"X-Api-Key": "s3cret"}):
             for method, path, body in [("GET", "/v1/models", None), ("GET", "/v1/models/sql", None),
                                        ("POST", "/v1/completions", {"model": "sql", "prompt": [1, 2], "max_tokens": 1}),
                                        ("POST", "/v1/load_lora_adapter", load),
                                        ("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}),
                                        ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
-                                       ("GET", "/v1/nowhere", None)]:
+                                       ("GET", "/v1/nowhere", None), ("OPTIONS", "/v1/load_lora_adapter", None),
+                                       ("GET", "/docs", None)]:
                 r = _request(method, base + path, body, timeout=30, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, headers)
         for path in ("/health", "/metrics", "/version"):
@@ -569,6 +583,7 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
         assert right.completions.create(model="sql", prompt=[1, 2], max_tokens=2, temperature=0).usage.completion_tokens >= 1
         assert _post(base + "/v1/load_lora_adapter", load, headers=key).status_code == 200
         assert _post(base + "/tokenize", {"prompt": "x"}, headers=key).status_code == 200
+        assert _post(base + "/tokenize", {"prompt": "x"}, headers={"Authorization": "bearer s3cret"}).status_code == 200
         for stream in (True, False):  # the key's middleware leaves the handlers' disconnect watch working
             _disconnect_frees_blocks({"base": base}, stream, key)
     finally:
@@ -578,6 +593,10 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
 def test_create_app_refuses_an_empty_api_key():
     from reference.engine.server import create_app
 
-    for bad in ("", 7):
+    for bad in ("", 7, "k1 ", " k1", "k\n1"):
         with pytest.raises(ValueError, match="api_key"):
             create_app(None, api_key=bad)
+    from reference.engine.server import main
+
+    with pytest.raises(SystemExit):  # refused before any model is loaded
+        main(["--model", "/nonexistent", "--api-key", "k1 "])

@@ -245,6 +245,25 @@ def _chat_prompt(messages: Any, tokenizer, add_generation_prompt: bool, continue
     return _encode(tokenizer, text)
 
 
+def _chat_body_prompt(body: dict, tokenizer) -> list[int]:
+    """A chat body's prompt tokens (``messages`` with ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs``, checked as vLLM does), or Refused."""
+    agp = body.get("add_generation_prompt", True)
+    if not isinstance(agp, bool):
+        raise Refused(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
+    if "messages" not in body:
+        raise Refused(400, "messages is required", param="messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    final = body.get("continue_final_message", False)
+    if not isinstance(kwargs, dict) or not isinstance(final, bool):
+        raise Refused(400, "chat_template_kwargs must be an object and continue_final_message a boolean",
+                      param="chat_template_kwargs" if not isinstance(kwargs, dict) else "continue_final_message")
+    if final and agp and "add_generation_prompt" in body:
+        raise Refused(400, "continue_final_message and add_generation_prompt cannot both be true",
+                      param="continue_final_message")
+    return _chat_prompt(body["messages"], tokenizer, agp and not final, final, kwargs)
+
+
 @dataclass
 class _Request:
     prompts: list[list[int]]
@@ -279,20 +298,7 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
     if model != served and model not in llm.registry.names():
         raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if chat:
-        agp = body.get("add_generation_prompt", True)
-        if not isinstance(agp, bool):
-            raise Refused(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
-        if "messages" not in body:
-            raise Refused(400, "messages is required", param="messages")
-        kwargs = body.get("chat_template_kwargs") or {}
-        final = body.get("continue_final_message", False)
-        if not isinstance(kwargs, dict) or not isinstance(final, bool):
-            raise Refused(400, "chat_template_kwargs must be an object and continue_final_message a boolean",
-                          param="chat_template_kwargs" if not isinstance(kwargs, dict) else "continue_final_message")
-        if final and agp and "add_generation_prompt" in body:
-            raise Refused(400, "continue_final_message and add_generation_prompt cannot both be true",
-                          param="continue_final_message")
-        prompts = [_chat_prompt(body["messages"], tokenizer, agp and not final, final, kwargs)]
+        prompts = [_chat_body_prompt(body, tokenizer)]
     else:
         if "prompt" not in body:
             raise Refused(400, "prompt is required", param="prompt")
@@ -493,18 +499,20 @@ OPEN_ROUTES = ("/health", "/metrics", "/version")
 
 
 class _BearerAuth:
-    """ASGI middleware: a request outside :data:`OPEN_ROUTES` passes only with ``Authorization`` equal to
-    ``expected`` (compared in constant time, so the key is not guessed byte by byte); else ``refusal``.
-    Pure ASGI, not Starlette's ``BaseHTTPMiddleware``, which wraps every response and the request's
-    ``receive``: the handlers' disconnect watch (``request.is_disconnected``) must see the client's own."""
+    """ASGI middleware: a request outside :data:`OPEN_ROUTES` (any method) passes only with
+    ``Authorization: Bearer <key>`` (the scheme in any case, RFC 7235; the key compared in constant
+    time, so it is not guessed byte by byte); else ``refusal``. Pure ASGI, not Starlette's
+    ``BaseHTTPMiddleware``, which wraps every response and the request's ``receive``: the handlers'
+    disconnect watch (``request.is_disconnected``) must see the client's own."""
 
-    def __init__(self, app, expected: bytes, refusal: Refused) -> None:
-        self.app, self.expected, self.refusal = app, expected, refusal
+    def __init__(self, app, key: bytes, refusal: Refused) -> None:
+        self.app, self.key, self.refusal = app, key, refusal
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_ROUTES:
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, token = given.partition(b" ")
+            if not (scheme.lower() == b"bearer") & secrets.compare_digest(token, self.key):
                 from fastapi.responses import JSONResponse
                 await JSONResponse(status_code=self.refusal.status, content=self.refusal.body())(scope, receive, send)
                 return
@@ -521,8 +529,10 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     (OpenAI's ``AuthenticationError``) unless the request carries ``Authorization: Bearer <api_key>``
     (vLLM's ``--api-key``). The engine thread starts now; ``app.state.engine.stop()`` ends it.
     Raises ImportError without fastapi or prometheus_client; ValueError for an empty ``api_key``."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty string (None: no key)")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()
+                                or not api_key.isprintable()):
+        raise ValueError("api_key must be a non-empty printable string without surrounding spaces (HTTP strips "
+                         "them from a header, so no client could send it); None: no key")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -544,7 +554,7 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         return JSONResponse(status_code=exc.status, content=exc.body())
 
     if api_key is not None:
-        app.add_middleware(_BearerAuth, expected=f"Bearer {api_key}".encode(),
+        app.add_middleware(_BearerAuth, key=api_key.encode(),
                            refusal=Refused(401, "Unauthorized: send the server's API key as 'Authorization: Bearer "
                                                 "KEY'", "AuthenticationError"))
 
@@ -597,12 +607,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
                 if not isinstance(body["prompt"], str):
                     raise Refused(400, "prompt must be a string", param="prompt")
                 tokens = _encode(tokenizer, body["prompt"])
-            else:
-                kwargs = body.get("chat_template_kwargs") or {}
-                if not isinstance(kwargs, dict):
-                    raise Refused(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-                tokens = _chat_prompt(body["messages"], tokenizer, bool(body.get("add_generation_prompt", True)),
-                                      bool(body.get("continue_final_message", False)), kwargs)
+            else:  # the chat endpoint's own parsing: the same tokens it would feed the engine
+                tokens = _chat_body_prompt(body, tokenizer)
         except Refused as exc:
             return error(exc)
         return {"count": len(tokens), "max_model_len": llm.max_context, "tokens": tokens}
@@ -615,6 +621,9 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
             if not isinstance(body, dict):
                 raise Refused(400, "the request body must be a JSON object")
             known_model(body)
+            unknown = sorted(set(body) - {"model", "tokens"})
+            if unknown:
+                raise Refused(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0])
             if tokenizer is None:
                 raise Refused(400, "this server has no tokenizer", param="tokens")
             tokens = body.get("tokens")
@@ -649,8 +658,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     async def json_body(request: Request):
         try:
             return await request.json()
-        except ValueError:
-            raise Refused(400, "the request body is not JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's parser recurses
+            raise Refused(400, "the request body is not JSON (or nests too deeply)") from None
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
@@ -911,6 +920,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
+    if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()
+                                     or not args.api_key.isprintable()):
+        ap.error("--api-key must be non-empty and printable, without surrounding spaces (HTTP strips them from a "
+                 "header, so no client could send it)")
     import torch
     import transformers
     import uvicorn
