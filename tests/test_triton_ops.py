@@ -779,3 +779,61 @@ def test_sgmv_shrink_takes_max_len_for_a_decode_view_whose_segments_are_slots(fa
         short = sgmv_shrink(x, A, info, torch.full((len(slots), 8), NAN, device=device), block_m=16)
         assert int(torch.isnan(short[:37, :4]).any(1).sum()) == 37 - 16
 
+
+
+_SPECIALIZATION_PROBE = r"""
+import os, sys, json
+os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels' JITFunction, whose binder decides the variant
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+import reference.ops.sgmv_expand, reference.ops.sgmv_shrink, reference.ops.bgmv_shrink
+from reference.ops._triton_util import seg_block
+kernels = [sys.modules["reference.ops.sgmv_expand"]._sgmv_expand_kernel,
+           sys.modules["reference.ops.sgmv_shrink"]._sgmv_shrink_kernel,
+           sys.modules["reference.ops.bgmv_shrink"]._bgmv_shrink_sorted_kernel]
+backend = make_backend(GPUTarget("cuda", 90, 32))
+out = {}
+for k in kernels:
+    binder = create_function_from_signature(k.signature, k.params, backend)
+    keys = set()
+    for count in (1, 2, 16, 31, 32, 47, 48, 64, 65):  # a step's distinct adapters, in a pool of 65 slots
+        args = []
+        for p in k.params:
+            if p.name == "num_segments":
+                args.append(count)
+            elif p.name == "SEG_BLOCK":
+                args.append(seg_block(count, True, 65))
+            elif p.name.endswith("_ptr"):
+                args.append(torch.empty(64, dtype=torch.int32))
+            elif p.is_constexpr:
+                args.append(16)
+            else:
+                args.append(4096)
+        keys.add(str(binder(*args)[1]))
+    out[k.fn.__name__] = len(keys)
+print(json.dumps(out))
+"""
+
+
+def test_a_steps_segment_count_never_selects_another_compiled_variant():
+    """With rows grouped by adapter, a step's segment count is its number of distinct adapters, which
+    changes from step to step: no count of them may compile a kernel variant of its own mid-serving
+    (Triton specializes an integer argument of 1 or divisible by 16, and SEG_BLOCK is a constexpr).
+    Checked with Triton's own argument binder for the compiled kernels, in a process without the
+    interpreter (binding needs no GPU)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(reference.__file__).parents[1]),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", _SPECIALIZATION_PROBE], capture_output=True, text=True, env=env,
+                       timeout=300)
+    if r.returncode != 0 and ("ImportError" in r.stderr or "cannot import name" in r.stderr):
+        pytest.skip(f"this Triton's binder API differs: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    variants = json.loads(r.stdout.strip().splitlines()[-1])
+    assert variants == {"_sgmv_expand_kernel": 1, "_sgmv_shrink_kernel": 1, "_bgmv_shrink_sorted_kernel": 1}, variants
+    # and the rule itself: the slots bound the block; a view with more segments than slots still fits them
+    assert {_triton_util.seg_block(n, True, 65) for n in range(1, 66)} == {128}
+    assert _triton_util.seg_block(200, True, 65) == 256 and _triton_util.seg_block(5, False, 65) == 16

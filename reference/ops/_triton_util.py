@@ -101,11 +101,20 @@ def packed_blocks(num_tokens: int, num_segments: int, block_m: int) -> int:
     return triton.cdiv(num_tokens, block_m) + min(num_segments, num_tokens)
 
 
-def seg_block(num_segments: int, packed: bool) -> int:
-    """The ``SEG_BLOCK`` constexpr of a launch: a power of two >= num_segments for the packed grid
-    (:func:`packed_block` holds one value per segment), a fixed 16 otherwise (not read then), so
-    the grid over every segment does not compile one variant per power of two of the segment count."""
-    return next_pow2_at_least(num_segments) if packed else 16
+def seg_block(num_segments: int, packed: bool, num_slots: int = 0) -> int:
+    """The ``SEG_BLOCK`` constexpr of a launch: for the packed grid a power of two >= ``num_segments``
+    and >= ``num_slots`` (:func:`packed_block` holds one value per segment), a fixed 16 otherwise (not
+    read then). Host ints.
+
+    Why the slots: a constexpr that follows the step's segment count compiles one kernel variant per
+    power of two it reaches, and with rows grouped by adapter (the engine's ``sort_lora_by_slot``) a
+    step's segments are its distinct adapters, at most the pool's slots. Sized by the slots, every
+    step of one pool launches the same variant; a variant first met mid-serving costs a compile of
+    about a second in which every running request waits (the likely cause of the stall in
+    ``benchmarks/results/engine_breakdown_h100.json``'s D=64 row, its caveats). For the same reason
+    the kernels do not specialize their ``num_segments`` argument (``do_not_specialize``: Triton
+    compiles a variant for an integer argument of 1 and for one divisible by 16)."""
+    return next_pow2_at_least(max(num_segments, num_slots)) if packed else 16
 
 
 def use_packed(num_tokens: int, max_len: int, num_segments: int, block_m: int) -> bool:

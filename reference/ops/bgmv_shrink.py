@@ -104,7 +104,9 @@ def _bgmv_shrink_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
+# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
+# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+@triton.jit(do_not_specialize=["num_segments"])
 def _bgmv_shrink_sorted_kernel(
     # pointers
     x_ptr, a_ptr, out_ptr,
@@ -355,7 +357,8 @@ def _shrink_sorted(x, A_stack, batch_info, out, rows, splits, stack_num, block_m
         out.stride(0) if out.dim() == 3 else 0, rows.stride(0), rows.stride(1),
         batch_info.seg_indptr, batch_info.weight_indices, batch_info.lora_ranks, batch_info.permutation,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast(x),
-        IEEE_FP32=tl_float32_dot(x, A_stack), PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
+        IEEE_FP32=tl_float32_dot(x, A_stack), PACKED=packed,
+        SEG_BLOCK=seg_block(batch_info.num_segments, packed, batch_info.lora_ranks.shape[0]),
         num_warps=4 if num_warps is None else num_warps, **extra,
     )
     return out

@@ -36,7 +36,9 @@ def _slice_bound(i, OFF0, OFF1, OFF2, OFF3):
     return tl.where(i == 0, OFF0, tl.where(i == 1, OFF1, tl.where(i == 2, OFF2, OFF3)))
 
 
-@triton.jit
+# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
+# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+@triton.jit(do_not_specialize=["num_segments"])
 def _sgmv_expand_kernel(
     # pointers
     t_ptr, b_ptr, out_ptr,
@@ -206,7 +208,7 @@ def sgmv_expand(
         perm if perm is not None else batch_info.seg_indptr,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=next_pow2_at_least(max_rank),
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(t), IEEE_FP32=tl_float32_dot(rows, B_stack),
-        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
+        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed, batch_info.lora_ranks.shape[0]),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out

@@ -28,7 +28,9 @@ from reference.ops._triton_util import (check_same_device, next_pow2_at_least, p
 __all__ = ["sgmv_shrink"]
 
 
-@triton.jit
+# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
+# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+@triton.jit(do_not_specialize=["num_segments"])
 def _sgmv_shrink_kernel(
     # pointers
     x_ptr, a_ptr, out_ptr,
@@ -154,7 +156,7 @@ def sgmv_shrink(
         perm if perm is not None else batch_info.seg_indptr,
         STACK_NUM=stack_num, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_PERMUTATION=perm is not None, UPCAST=upcast(x), IEEE_FP32=tl_float32_dot(x, A_stack),
-        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed),
+        PACKED=packed, SEG_BLOCK=seg_block(batch_info.num_segments, packed, batch_info.lora_ranks.shape[0]),
         num_warps=num_warps,
     )
     return out

@@ -1559,10 +1559,29 @@ if r32 is not None:
 # tok/s and TTFT of run 6's D=1 row and run 8's D=32 and D=64 rows as void (their caveats); their
 # TPOT and breakdowns, from the median and from the separate profiled call, stand.
 #
+# Run 9 puts the three changes together. Its decode steps are run 7's (the side stream; grouping
+# does not touch decode), and its steps with prompt tokens have run 8's LoRA, so the two add up as
+# their paragraphs said. Its D=64 row still stalled inside its timed call, after a warm-up on its
+# whole workload (its caveat: its steps take no longer than D=32's, yet its requests waited longer
+# for their first token), so both throughput targets of run 9 are void. The likely cause is one
+# more kernel variant, and grouping rows by adapter is what made it likely. A grouped step has one
+# segment per distinct adapter, so its segment count changes from step to step, and two things in
+# the LoRA kernels followed that count: the `SEG_BLOCK` constexpr (a power of two at least the
+# count), and the `num_segments` argument, which Triton specializes when it is 1 or a multiple of
+# 16. A timed step could meet a count its warm-up never did, and every running request then
+# waited for the compiler. Since run 9, `SEG_BLOCK` is sized by the pool's slots and
+# `num_segments` is not specialized (`@triton.jit(do_not_specialize=...)`), so every step of one
+# pool launches the same variants: `tests/test_triton_ops.py` checks this with Triton's own
+# argument binder. No GPU run has measured it yet. vLLM meets the same problem where a kernel's
+# integer argument changes with the batch: its rejection sampler's kernel is declared with
+# `do_not_specialize=["max_spec_len"]`, "to prevent unnecessary recompilation"
+# (`vllm/v1/sample/rejection_sampler.py`).
+#
 # What still limits the 32-adapter decode step is chapter 08's overhead, kernel by kernel: four
-# shrinks and four expands per layer (run 8's launches printed above, in line, without the side
-# stream), each taking microseconds for little data, far more than the floor of the adapters'
-# bytes, plus the expands' read and write of each output. Production engines close the same gap in
+# shrinks and four expands per layer (the latest run's launches printed above; with the shrink on a
+# side stream every kernel shares the SMs with another, so each launch takes longer than in line),
+# each taking microseconds for little data, far more than the floor of the adapters' bytes, plus
+# the expands' read and write of each output. Production engines close the same gap in
 # ways the engine does not use at decode: fewer, larger launches (SGLang's and vLLM's fused
 # multi-slice kernels), the expand inside the GEMM's epilogue (chapter 08's fused path, where no
 # output is read back), and a map from row blocks to segments built once per step (SGLang's
