@@ -1562,8 +1562,8 @@ if r32 is not None:
 # Run 9 puts the three changes together. Its decode steps are run 7's (the side stream; grouping
 # does not touch decode), and its steps with prompt tokens have run 8's LoRA, so the two add up as
 # their paragraphs said. Its D=64 row still stalled inside its timed call, after a warm-up on its
-# whole workload (its caveat: its steps take no longer than D=32's, yet its requests waited longer
-# for their first token), so both throughput targets of run 9 are void. The likely cause is one
+# whole workload (its caveat: its steps take about as long as D=32's, yet its requests waited far
+# longer for their first token), so both throughput targets of run 9 are void. The likely cause is one
 # more kernel variant, and grouping rows by adapter is what made it likely. A grouped step has one
 # segment per distinct adapter, so its segment count changes from step to step, and two things in
 # the LoRA kernels followed that count: the `SEG_BLOCK` constexpr (a power of two at least the
