@@ -44,8 +44,8 @@ EOS = 257
 
 
 class _Reply:
-    def __init__(self, status: int, text: str) -> None:
-        self.status_code, self.text = status, text
+    def __init__(self, status: int, text: str, headers: dict | None = None) -> None:
+        self.status_code, self.text, self.headers = status, text, headers or {}
 
     def json(self):
         return json.loads(self.text)
@@ -61,7 +61,7 @@ def _request(method: str, url: str, body=None, timeout: float = 60, raw: bytes |
         conn.request(method, parts.path, body=data,
                      headers={**({"Content-Type": "application/json"} if data else {}), **(headers or {})})
         r = conn.getresponse()
-        return _Reply(r.status, r.read().decode())
+        return _Reply(r.status, r.read().decode(), {k.lower(): v for k, v in r.getheaders()})
     finally:
         conn.close()
 
@@ -572,6 +572,7 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
                                        ("GET", "/docs", None)]:
                 r = _request(method, base + path, body, timeout=30, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, headers)
+                assert r.headers.get("www-authenticate") == "Bearer", (path, r.headers)
         for path in ("/health", "/metrics", "/version"):
             assert _get(base + path, timeout=30).status_code == 200, path
         # nothing a refused request asked for happened
@@ -593,7 +594,7 @@ def test_an_api_key_guards_every_route_but_the_probes(tmp_path):
 def test_create_app_refuses_an_empty_api_key():
     from reference.engine.server import create_app
 
-    for bad in ("", 7, "k1 ", " k1", "k\n1"):
+    for bad in ("", 7, "k1 ", " k1", "k\n1", "clé"):
         with pytest.raises(ValueError, match="api_key"):
             create_app(None, api_key=bad)
     from reference.engine.server import main

@@ -4,8 +4,9 @@ Endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (bot
 server-sent events with ``stream: true``), ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` (vLLM's runtime adapter API), ``/health`` and ``/metrics`` (Prometheus),
 and vLLM's ``/tokenize``, ``/detokenize`` and ``/version``. With ``--api-key`` every route but
-``/health``, ``/metrics`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise, as
-vLLM's ``--api-key``): the adapter API reads any folder the server can read.
+``/health``, ``/metrics`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise): the
+adapter API reads any folder the server can read. That is stricter than vLLM's ``--api-key``,
+which guards only the ``/v1`` routes (its ``/tokenize`` stays open) and lets OPTIONS through.
 
 Source: vLLM's OpenAI server (``vllm/entrypoints/openai``) and ``AsyncLLMEngine``. The adapter is
 chosen by the request's ``model`` field (the base model's served name, or a registered adapter's
@@ -494,7 +495,7 @@ class _Detok:
         return piece
 
 
-#: Routes open without the API key (vLLM's as well: a load balancer's probes and the scraper hold no key).
+#: Routes open without the API key: a load balancer's probes and a metrics scraper hold no key.
 OPEN_ROUTES = ("/health", "/metrics", "/version")
 
 
@@ -514,7 +515,8 @@ class _BearerAuth:
             scheme, _, token = given.partition(b" ")
             if not (scheme.lower() == b"bearer") & secrets.compare_digest(token, self.key):
                 from fastapi.responses import JSONResponse
-                await JSONResponse(status_code=self.refusal.status, content=self.refusal.body())(scope, receive, send)
+                await JSONResponse(status_code=self.refusal.status, content=self.refusal.body(),
+                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -528,9 +530,10 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     (None: any number). ``api_key``: when given, every route outside :data:`OPEN_ROUTES` answers 401
     (OpenAI's ``AuthenticationError``) unless the request carries ``Authorization: Bearer <api_key>``
     (vLLM's ``--api-key``). The engine thread starts now; ``app.state.engine.stop()`` ends it.
-    Raises ImportError without fastapi or prometheus_client; ValueError for an empty ``api_key``."""
+    Raises ImportError without fastapi or prometheus_client; ValueError for an ``api_key`` no HTTP
+    client could send (not a string, empty, surrounding spaces, not printable ASCII)."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()
-                                or not api_key.isprintable()):
+                                or not (api_key.isascii() and api_key.isprintable())):
         raise ValueError("api_key must be a non-empty printable string without surrounding spaces (HTTP strips "
                          "them from a header, so no client could send it); None: no key")
     from fastapi import FastAPI, Request
@@ -921,9 +924,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
     if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()
-                                     or not args.api_key.isprintable()):
-        ap.error("--api-key must be non-empty and printable, without surrounding spaces (HTTP strips them from a "
-                 "header, so no client could send it)")
+                                     or not (args.api_key.isascii() and args.api_key.isprintable())):
+        ap.error("--api-key must be non-empty printable ASCII without surrounding spaces (what an HTTP client "
+                 "can send in a header)")
     import torch
     import transformers
     import uvicorn

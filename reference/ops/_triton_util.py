@@ -108,13 +108,18 @@ def seg_block(num_segments: int, packed: bool, num_slots: int = 0) -> int:
 
     Why the slots: a constexpr that follows the step's segment count compiles one kernel variant per
     power of two it reaches, and with rows grouped by adapter (the engine's ``sort_lora_by_slot``) a
-    step's segments are its distinct adapters, at most the pool's slots. Sized by the slots, every
-    step of one pool launches the same variant; a variant first met mid-serving costs a compile of
+    step's segments are its distinct adapters, at most the pool's slots. Sized by the slots, the
+    steps of one pool launch two variants of each kernel, packed or not (a step of one segment is
+    not packed), whatever their adapter counts; a variant first met mid-serving costs a compile of
     about a second in which every running request waits (the likely cause of the stall in
     ``benchmarks/results/engine_breakdown_h100.json``'s D=64 row, its caveats). For the same reason
     the kernels do not specialize their ``num_segments`` argument (``do_not_specialize``: Triton
-    compiles a variant for an integer argument of 1 and for one divisible by 16)."""
-    return next_pow2_at_least(max(num_segments, num_slots)) if packed else 16
+    compiles a variant for an integer argument of 1 and for one divisible by 16). Not covered: a
+    view with more segments than slots (one per sequence: ``sort_lora_by_slot`` off, or a chunked
+    view), whose block still follows its count, and other arguments that follow the token count
+    (the split-K partials' stride), which the CUDA-graph decode path fixes per bucket. The slots
+    count at most :data:`MAX_PACKED_SEGMENTS` (beyond it the grid is not packed anyway)."""
+    return next_pow2_at_least(max(num_segments, min(num_slots, MAX_PACKED_SEGMENTS))) if packed else 16
 
 
 def use_packed(num_tokens: int, max_len: int, num_segments: int, block_m: int) -> bool:

@@ -1570,9 +1570,9 @@ if r32 is not None:
 # count), and the `num_segments` argument, which Triton specializes when it is 1 or a multiple of
 # 16. A timed step could meet a count its warm-up never did, and every running request then
 # waited for the compiler. Since run 9, `SEG_BLOCK` is sized by the pool's slots and
-# `num_segments` is not specialized (`@triton.jit(do_not_specialize=...)`), so every step of one
-# pool launches the same variants: `tests/test_triton_ops.py` checks this with Triton's own
-# argument binder. No GPU run has measured it yet. vLLM meets the same problem where a kernel's
+# `num_segments` is not specialized (`@triton.jit(do_not_specialize=...)`), so whatever their
+# adapter counts, the steps of one pool launch the same two variants of each kernel (packed or
+# not): `tests/test_triton_ops.py` checks this with Triton's own argument binder. No GPU run has measured it yet. vLLM meets the same problem where a kernel's
 # integer argument changes with the batch: its rejection sampler's kernel is declared with
 # `do_not_specialize=["max_spec_len"]`, "to prevent unnecessary recompilation"
 # (`vllm/v1/sample/rejection_sampler.py`).
