@@ -1563,18 +1563,18 @@ if r32 is not None:
 # does not touch decode), and its steps with prompt tokens have run 8's LoRA, so the two add up as
 # their paragraphs said. Its D=64 row still stalled inside its timed call, after a warm-up on its
 # whole workload (its caveat: its steps take about as long as D=32's, yet its requests waited far
-# longer for their first token), so both throughput targets of run 9 are void. The likely cause is one
-# more kernel variant, and grouping rows by adapter is what made it likely. A grouped step has one
-# segment per distinct adapter, so its segment count changes from step to step, and two things in
-# the LoRA kernels followed that count: the `SEG_BLOCK` constexpr (a power of two at least the
+# longer for their first token), so both throughput targets of run 9 are void. The likely cause is
+# one more kernel variant, and grouping rows by adapter is what made it likely. A grouped step has
+# one segment per distinct adapter, so its segment count changes from step to step, and two things
+# in the LoRA kernels followed that count: the `SEG_BLOCK` constexpr (a power of two at least the
 # count), and the `num_segments` argument, which Triton specializes when it is 1 or a multiple of
-# 16. A timed step could meet a count its warm-up never did, and every running request then
-# waited for the compiler. Since run 9, `SEG_BLOCK` is sized by the pool's slots and
-# `num_segments` is not specialized (`@triton.jit(do_not_specialize=...)`), so whatever their
-# adapter counts, the steps of one pool launch the same two variants of each kernel (packed or
-# not): `tests/test_triton_ops.py` checks this with Triton's own argument binder. No GPU run has measured it yet. vLLM meets the same problem where a kernel's
-# integer argument changes with the batch: its rejection sampler's kernel is declared with
-# `do_not_specialize=["max_spec_len"]`, "to prevent unnecessary recompilation"
+# 16. A timed step could meet a count its warm-up never did, and every running request then waited
+# for the compiler. Since run 9, `SEG_BLOCK` is sized by the pool's slots and `num_segments` is not
+# specialized (`@triton.jit(do_not_specialize=...)`), so whatever their adapter counts, the steps of
+# one pool launch the same two variants of each kernel (packed or not): `tests/test_triton_ops.py`
+# checks this with Triton's own argument binder. No GPU run has measured it yet. vLLM meets the same
+# problem where a kernel's integer argument changes with the batch: its rejection sampler's kernel
+# is declared with `do_not_specialize=["max_spec_len"]`, "to prevent unnecessary recompilation"
 # (`vllm/v1/sample/rejection_sampler.py`).
 #
 # What still limits the 32-adapter decode step is chapter 08's overhead, kernel by kernel: four
