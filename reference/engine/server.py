@@ -279,13 +279,31 @@ class _Request:
     skip_special: bool = True
 
 
-def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
-    """The request a body asks for, or Refused (400 / 404) naming what is wrong."""
+def _object_with(body: Any, allowed: set) -> dict:
+    """``body`` if it is a JSON object whose keys are all in ``allowed``, else Refused (400) naming the first
+    other key."""
     if not isinstance(body, dict):
         raise Refused(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - (_CHAT_KEYS if chat else _COMPLETION_KEYS))
+    unknown = sorted(set(body) - allowed)
     if unknown:
         raise Refused(400, f"unknown parameter(s): {', '.join(unknown)}", param=unknown[0])
+    return body
+
+
+def _served_model(body: dict, served: str, llm: LLM) -> str:
+    """The model a body names: the base model's served name or a registered adapter's; a body that names
+    none gets the served model (vLLM's fallback). Refused (404) for any other name."""
+    model = body.get("model")
+    if model is None:
+        return served
+    if model != served and model not in llm.registry.names():
+        raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return model
+
+
+def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
+    """The request a body asks for, or Refused (400 / 404) naming what is wrong."""
+    body = _object_with(body, _CHAT_KEYS if chat else _COMPLETION_KEYS)
     for key, default in _REFUSED.items():
         value = body.get(key)
         if value is None or value == default or (key != "n" and value in ({}, [])):
@@ -293,11 +311,7 @@ def _parse(body: Any, tokenizer, served: str, llm: LLM, chat: bool) -> _Request:
         if key == "response_format" and value == {"type": "text"}:  # plain text is what the server returns
             continue
         raise Refused(400, f"{key} is not supported by this server (only its default, {default!r}, is)", param=key)
-    model = body.get("model")
-    if model is None:
-        model = served  # vLLM's fallback: a request that names no model goes to the served model
-    if model != served and model not in llm.registry.names():
-        raise Refused(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    model = _served_model(body, served, llm)
     if chat:
         prompts = [_chat_body_prompt(body, tokenizer)]
     else:
@@ -495,6 +509,16 @@ class _Detok:
         return piece
 
 
+def api_key_problem(api_key: Any) -> Optional[str]:
+    """Why no HTTP client could send ``api_key`` in a header (not a string, empty, surrounding spaces,
+    which HTTP strips, or not printable ASCII, which httpx refuses), or None when it is fine."""
+    if not isinstance(api_key, str) or not api_key or api_key != api_key.strip() \
+            or not (api_key.isascii() and api_key.isprintable()):
+        return "the API key must be non-empty printable ASCII without surrounding spaces (what an HTTP client can " \
+               "send in a header)"
+    return None
+
+
 #: Routes open without the API key: a load balancer's probes and a metrics scraper hold no key.
 OPEN_ROUTES = ("/health", "/metrics", "/version")
 
@@ -532,10 +556,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     (vLLM's ``--api-key``). The engine thread starts now; ``app.state.engine.stop()`` ends it.
     Raises ImportError without fastapi or prometheus_client; ValueError for an ``api_key`` no HTTP
     client could send (not a string, empty, surrounding spaces, not printable ASCII)."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()
-                                or not (api_key.isascii() and api_key.isprintable())):
-        raise ValueError("api_key must be a non-empty printable string without surrounding spaces (HTTP strips "
-                         "them from a header, so no client could send it); None: no key")
+    if api_key is not None and api_key_problem(api_key):
+        raise ValueError(f"api_key: {api_key_problem(api_key)}; None: no key")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -583,24 +605,15 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         except PackageNotFoundError:  # run from a checkout that was not installed
             return {"version": "unknown"}
 
-    def known_model(body: dict) -> None:
-        name = body.get("model", served_model_name)
-        if name is not None and name != served_model_name and name not in llm.registry.names():
-            raise Refused(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's ``/tokenize``: the token ids a completion (``prompt``) or a chat (``messages``) request
         would feed the engine, their count and the model's length limit."""
         try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise Refused(400, "the request body must be a JSON object")
-            known_model(body)
-            unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                                          "continue_final_message", "chat_template_kwargs"})
-            if unknown:
-                raise Refused(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0])
+            body = _object_with(await json_body(request), {
+                "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+                "chat_template_kwargs"})
+            _served_model(body, served_model_name, llm)
             if body.get("add_special_tokens", False) is not False:
                 raise Refused(400, "add_special_tokens must be false: this server adds no special tokens to a "
                                    "prompt (a chat template writes its own)", param="add_special_tokens")
@@ -620,13 +633,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     async def detokenize(request: Request):
         """vLLM's ``/detokenize``: the text of a list of token ids."""
         try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise Refused(400, "the request body must be a JSON object")
-            known_model(body)
-            unknown = sorted(set(body) - {"model", "tokens"})
-            if unknown:
-                raise Refused(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0])
+            body = _object_with(await json_body(request), {"model", "tokens"})
+            _served_model(body, served_model_name, llm)
             if tokenizer is None:
                 raise Refused(400, "this server has no tokenizer", param="tokens")
             tokens = body.get("tokens")
@@ -923,10 +931,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
-    if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()
-                                     or not (args.api_key.isascii() and args.api_key.isprintable())):
-        ap.error("--api-key must be non-empty printable ASCII without surrounding spaces (what an HTTP client "
-                 "can send in a header)")
+    if args.api_key is not None and api_key_problem(args.api_key):
+        ap.error(f"--api-key: {api_key_problem(args.api_key)}")
     import torch
     import transformers
     import uvicorn

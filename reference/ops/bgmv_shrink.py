@@ -104,8 +104,7 @@ def _bgmv_shrink_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
-# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+# num_segments changes step to step: specialized, a new count could compile mid-serving (_triton_util.seg_block)
 @triton.jit(do_not_specialize=["num_segments"])
 def _bgmv_shrink_sorted_kernel(
     # pointers

@@ -36,8 +36,7 @@ def _slice_bound(i, OFF0, OFF1, OFF2, OFF3):
     return tl.where(i == 0, OFF0, tl.where(i == 1, OFF1, tl.where(i == 2, OFF2, OFF3)))
 
 
-# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
-# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+# num_segments changes step to step: specialized, a new count could compile mid-serving (_triton_util.seg_block)
 @triton.jit(do_not_specialize=["num_segments"])
 def _sgmv_expand_kernel(
     # pointers

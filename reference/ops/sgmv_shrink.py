@@ -28,8 +28,7 @@ from reference.ops._triton_util import (check_same_device, next_pow2_at_least, p
 __all__ = ["sgmv_shrink"]
 
 
-# num_segments varies step to step (with rows grouped by adapter it is the step's distinct adapters): not
-# specialized, or a count of 1 or a multiple of 16 compiles its own variant mid-serving (_triton_util.seg_block)
+# num_segments changes step to step: specialized, a new count could compile mid-serving (_triton_util.seg_block)
 @triton.jit(do_not_specialize=["num_segments"])
 def _sgmv_shrink_kernel(
     # pointers
