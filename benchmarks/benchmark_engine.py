@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -83,6 +83,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchmark_decode_step import FULL, SMOKE, random_adapter  # noqa: E402  (the same model shapes and adapters)
 from reference.engine import LLM, EngineConfig, EnginePolicies, SamplingParams  # noqa: E402
 from reference.engine.policies import block_hashes  # noqa: E402
+from reference.layers import LoRABackend, get_backend  # noqa: E402
 from reference.tp.model import llama_checkpoint, llama_pool_modules  # noqa: E402
 
 
@@ -596,6 +597,15 @@ def targets(rows: list[dict], attention: Optional[str] = None) -> list[dict]:
     return out
 
 
+def lora_backend(device: torch.device, splits: Optional[int]) -> Union[str, LoRABackend]:
+    """The engine's LoRA backend: "triton" on CUDA ("torch" elsewhere), with every decode shrink split
+    into ``splits`` pieces when given (``LoRABackend.split_k``; 1: unsplit)."""
+    name = "triton" if device.type == "cuda" else "torch"
+    if splits is None:
+        return name
+    return get_backend(name)._replace(split_k=lambda num_tokens, in_features, width: splits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and workload (any machine)")
@@ -638,6 +648,10 @@ def main() -> None:
                          "engine_breakdown_h100.json's run)")
     ap.add_argument("--no-overlap-lora-shrink", action="store_true",
                     help="each layer's LoRA shrink in line after its base GEMM (EngineConfig.overlap_lora_shrink=False)")
+    ap.add_argument("--decode-shrink-splits", type=int, default=None, metavar="S",
+                    help="every decode shrink split over the hidden size into S fp32 partials (1: unsplit) instead of "
+                         "reference.ops.decode_splits' choice, which was swept with the shrink in line "
+                         "(decode_split_k_h200.json), not on the side stream beside the base GEMM")
     ap.add_argument("--max-loras", type=int, default=65,
                     help="GPU adapter slots, the base model's included (default 65: a 64-adapter row fits at once)")
     ap.add_argument("--no-fused-ops", action="store_true",
@@ -655,6 +669,8 @@ def main() -> None:
         ops.sgmv_shrink = functools.partial(ops.sgmv_shrink, packed=False)
         ops.sgmv_expand = functools.partial(ops.sgmv_expand, packed=False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.decode_shrink_splits is not None and args.decode_shrink_splits < 1:
+        raise SystemExit(f"--decode-shrink-splits must be >= 1, got {args.decode_shrink_splits}")
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:
@@ -669,7 +685,7 @@ def main() -> None:
     engine_cfg = EngineConfig(max_loras_per_batch=args.max_loras if not args.smoke else 4, max_lora_rank=args.rank,
                               num_kv_blocks=n * -(-(hi + new) // block) + 8, block_size=block,
                               max_num_seqs=n, max_num_batched_tokens=args.token_budget or (8192 if not args.smoke else 64),
-                              backend="triton" if device.type == "cuda" else "torch",
+                              backend=lora_backend(device, args.decode_shrink_splits),
                               cuda_graph=False if args.no_cuda_graph else None,
                               max_prefill_tokens_while_decoding=args.prefill_while_decoding,
                               overlap_decode=not args.no_overlap_decode, fused_ops=False if args.no_fused_ops else None,
@@ -705,7 +721,8 @@ def main() -> None:
         result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                       transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
                       prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
-                      engine_config=engine_cfg.__dict__, engine_checks_its_work=args.check_work, rows=rows, targets=met, extras=extras,
+                      engine_config={**engine_cfg.__dict__, "backend": get_backend(engine_cfg.backend).name},
+                      decode_shrink_splits=args.decode_shrink_splits or "reference.ops.decode_splits", engine_checks_its_work=args.check_work, rows=rows, targets=met, extras=extras,
                       peft_requests=args.peft_requests or n,
                       copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
                       weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),
