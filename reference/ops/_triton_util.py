@@ -112,9 +112,10 @@ def seg_block(num_segments: int, packed: bool, num_slots: int = 0) -> int:
     steps of one pool launch two variants of each kernel, packed or not (a step of one segment is
     not packed), whatever their adapter counts; a variant first met mid-serving costs a compile of
     about a second in which every running request waits (the likely cause of the stall in
-    ``benchmarks/results/engine_breakdown_h100.json``'s D=64 row, its caveats). For the same reason
-    the kernels do not specialize their ``num_segments`` argument (``do_not_specialize``: Triton
-    compiles a variant for an integer argument of 1 and for one divisible by 16). Not covered: a
+    ``benchmarks/results/engine_run9_h100.json``'s D=64 row, its caveats; run 10, sized so, did
+    not stall). For the same reason the kernels do not specialize their ``num_segments`` argument
+    (``do_not_specialize``: Triton compiles a variant for an integer argument of 1 and for one
+    divisible by 16). Not covered: a
     view with more segments than slots (one per sequence: ``sort_lora_by_slot`` off, or a chunked
     view), whose block still follows its count, and other arguments that follow the token count
     (the split-K partials' stride), which the CUDA-graph decode path fixes per bucket. The slots
