@@ -19,7 +19,8 @@ and packed q|k|v and gate|up projections (``EngineConfig.fused_ops`` / ``packed_
 ``--no-fused-ops``, ``--no-packed-projections`` turn them off); every layer's LoRA shrink runs on a
 side stream beside its base GEMM (``overlap_lora_shrink``; ``--no-overlap-lora-shrink``), and a step
 with prompt tokens gives the LoRA ops its rows grouped by adapter slot (``sort_lora_by_slot``;
-``--no-sort-lora-by-slot``).
+``--no-sort-lora-by-slot``). ``--decode-shrink-splits S`` splits every decode shrink into S
+split-K pieces (1: unsplit) instead of each shape's S from ``reference.ops.decode_splits``.
 
 Reported per run: output tokens/s over the whole ``generate`` wall time; time per output token (the
 gap between a request's consecutive tokens) P50 / P99; time to first token P50 / P99; steps,
@@ -644,8 +645,8 @@ def main() -> None:
                          "(reference.ops.sgmv_shrink / sgmv_expand packed=False): the prefill and mixed steps before it")
     ap.add_argument("--no-sort-lora-by-slot", action="store_true",
                     help="steps with prompt tokens give the LoRA ops one segment per sequence instead of their rows "
-                         "grouped by adapter slot (EngineConfig.sort_lora_by_slot=False: the default before "
-                         "engine_breakdown_h100.json's run)")
+                         "grouped by adapter slot (EngineConfig.sort_lora_by_slot=False: the default before run 9, "
+                         "engine_run9_h100.json)")
     ap.add_argument("--no-overlap-lora-shrink", action="store_true",
                     help="each layer's LoRA shrink in line after its base GEMM (EngineConfig.overlap_lora_shrink=False)")
     ap.add_argument("--decode-shrink-splits", type=int, default=None, metavar="S",
@@ -670,7 +671,7 @@ def main() -> None:
         ops.sgmv_expand = functools.partial(ops.sgmv_expand, packed=False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.decode_shrink_splits is not None and args.decode_shrink_splits < 1:
-        raise SystemExit(f"--decode-shrink-splits must be >= 1, got {args.decode_shrink_splits}")
+        ap.error(f"--decode-shrink-splits must be >= 1, got {args.decode_shrink_splits}")
     if not args.smoke and device.type != "cuda":
         raise SystemExit("the full benchmark needs a CUDA device; --smoke runs anywhere")
     if args.smoke:
@@ -722,7 +723,8 @@ def main() -> None:
                       transformers=transformers.__version__, smoke=args.smoke, model=cfg, layers=layers, requests=n,
                       prompt_lens=[lo, hi], new_tokens=new, rank=args.rank, decode=decode,
                       engine_config={**engine_cfg.__dict__, "backend": get_backend(engine_cfg.backend).name},
-                      decode_shrink_splits=args.decode_shrink_splits or "reference.ops.decode_splits", engine_checks_its_work=args.check_work, rows=rows, targets=met, extras=extras,
+                      # None: each shape's S from reference.ops.decode_splits (the default)
+                      decode_shrink_splits=args.decode_shrink_splits, engine_checks_its_work=args.check_work, rows=rows, targets=met, extras=extras,
                       peft_requests=args.peft_requests or n,
                       copy_bandwidth_TBps=round(floor_info["bandwidth"] / 1e12, 3) if floor_info else None,
                       weight_bytes=floor_info.get("weights"), kv_bytes_per_position=floor_info.get("kv_per_position"),

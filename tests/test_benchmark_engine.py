@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from benchmark_engine import adapter_bytes, decode_breakdown, decode_ranges, kernel_class  # noqa: E402
+from benchmark_engine import adapter_bytes, decode_breakdown, decode_ranges, kernel_class, lora_backend  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -106,3 +106,18 @@ def test_adapter_bytes_counts_a_and_b_of_every_module_and_layer():
     # [r, 14336] + [4096, r]
     per_layer = 16 * 2 * ((3 * 4096 + 6144) + (4096 + 4096) + (2 * 4096 + 28672) + (14336 + 4096))
     assert adapter_bytes(mods, 8, 16, 2) == 8 * per_layer == 20 * 2**20
+
+
+def test_decode_shrink_splits_replace_only_the_split_k_of_the_devices_backend():
+    """--decode-shrink-splits S: the device's backend ("triton" on CUDA, "torch" elsewhere) with every
+    decode shrink split into S pieces, whatever the shape (tests/test_layers.py checks what a layer
+    does with a backend's split_k); without it, the backend's name, so the engine takes its own."""
+    from reference.layers import get_backend
+
+    assert lora_backend(torch.device("cpu"), None) == "torch"
+    assert lora_backend(torch.device("cuda"), None) == "triton"
+    for device, name in (("cpu", "torch"), ("cuda", "triton")):
+        for S in (1, 4):
+            backend = lora_backend(torch.device(device), S)
+            assert backend._replace(split_k=None) == get_backend(name)._replace(split_k=None), "only split_k may differ"
+            assert {backend.split_k(n, k, w) for n, k, w in ((1, 64, 16), (256, 4096, 48), (64, 14336, 32))} == {S}

@@ -33,7 +33,7 @@ from reference.engine.policies import admit_requests, block_hashes, choose_drain
 from reference.engine.model_runner import ModelRunner, SeqWork, sample_batch
 from reference.engine.scheduler import Scheduler, SchedulerConfig, Work
 from reference.engine.sequence import SamplingParams, Sequence, SeqStatus
-from reference.layers import LoRAContext, wrap_llama
+from reference.layers import LoRABackend, LoRAContext, wrap_llama
 from reference.mem_pool import AdapterRegistry, LoRAAdapter, LoRAMemoryPool
 from reference.tp.model import llama_checkpoint, llama_pool_modules
 
@@ -53,7 +53,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     drain_threshold: Optional[int] = None
     eviction_policy: str = "lru"
-    backend: str = "torch"  # the LoRA kernels: "torch" or "triton" (chapter 07's backends)
+    # the LoRA kernels: "torch" or "triton" (chapter 07's backends), or a LoRABackend (get_backend)
+    backend: Union[str, LoRABackend] = "torch"
     # decode steps through PagedDecodeGraphRunner (buckets up to max_num_seqs): None = on a CUDA
     # device (CUDA graphs), eager elsewhere; True = also on the CPU (the static path called without
     # capture, as the tests run it); False = always eager. With it, the pool has one slot more,
