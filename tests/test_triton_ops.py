@@ -780,7 +780,6 @@ def test_sgmv_shrink_takes_max_len_for_a_decode_view_whose_segments_are_slots(fa
         assert int(torch.isnan(short[:37, :4]).any(1).sum()) == 37 - 16
 
 
-
 _SPECIALIZATION_PROBE = r"""
 import os, sys, json
 os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels' JITFunction, whose binder decides the variant

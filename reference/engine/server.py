@@ -556,8 +556,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
     (vLLM's ``--api-key``). The engine thread starts now; ``app.state.engine.stop()`` ends it.
     Raises ImportError without fastapi or prometheus_client; ValueError for an ``api_key`` no HTTP
     client could send (not a string, empty, surrounding spaces, not printable ASCII)."""
-    if api_key is not None and api_key_problem(api_key):
-        raise ValueError(f"api_key: {api_key_problem(api_key)}; None: no key")
+    if api_key is not None and (problem := api_key_problem(api_key)):
+        raise ValueError(f"api_key: {problem}; None: no key")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -931,8 +931,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
-    if args.api_key is not None and api_key_problem(args.api_key):
-        ap.error(f"--api-key: {api_key_problem(args.api_key)}")
+    if args.api_key is not None and (problem := api_key_problem(args.api_key)):
+        ap.error(f"--api-key: {problem}")
     import torch
     import transformers
     import uvicorn

@@ -115,11 +115,15 @@ def seg_block(num_segments: int, packed: bool, num_slots: int = 0) -> int:
     ``benchmarks/results/engine_run9_h100.json``'s D=64 row, its caveats; run 10, sized so, did
     not stall). For the same reason the kernels do not specialize their ``num_segments`` argument
     (``do_not_specialize``: Triton compiles a variant for an integer argument of 1 and for one
-    divisible by 16). Not covered: a
-    view with more segments than slots (one per sequence: ``sort_lora_by_slot`` off, or a chunked
-    view), whose block still follows its count, and other arguments that follow the token count
-    (the split-K partials' stride), which the CUDA-graph decode path fixes per bucket. The slots
-    count at most :data:`MAX_PACKED_SEGMENTS` (beyond it the grid is not packed anyway)."""
+    divisible by 16). Not covered: a view with more segments than slots (one per sequence:
+    ``sort_lora_by_slot`` off, or a chunked view), whose block still follows its count, and other
+    arguments that follow the token count (the split-K partials' stride), which the CUDA-graph
+    decode path fixes per bucket. The slots count at most :data:`MAX_PACKED_SEGMENTS` (beyond it
+    the grid is not packed anyway).
+
+    The cost: every program of a packed launch scans ``SEG_BLOCK`` offsets in :func:`packed_block`,
+    so a step with fewer adapters than slots scans more than it needs (chapter 11 section 9,
+    run 9 against run 10)."""
     return next_pow2_at_least(max(num_segments, min(num_slots, MAX_PACKED_SEGMENTS))) if packed else 16
 
 
