@@ -23,7 +23,13 @@ def pytest_configure(config):
     starts: xdist workers, notebook kernels, fork servers. Each would otherwise scan on its own: 5 s
     of CPU each on an H100 host (49 masks; /usr with CUDA, /sys), and under ``-n 14`` those scans
     were part of the load that pushed correct answers past the grader's budget. A test that needs a
-    fresh scan scans a folder of its own (tmp_path), which the shared scan does not hold."""
+    fresh scan scans a folder of its own (tmp_path), which the shared scan does not hold.
+
+    Under ``--dist loadgroup`` the scheduler takes the work units in the order the collection gives
+    (:func:`_slow_first`) instead of sorting them by test count (pytest-xdist's ``--loadscope-reorder``,
+    its default), which left a single slow test behind some 1500 quick ones."""
+    if getattr(config.option, "dist", None) == "loadgroup":
+        config.option.loadscopereorder = False
     if os.geteuid() != 0 or hasattr(config, "workerinput"):
         return
     from graders.machine import sandbox
@@ -98,6 +104,26 @@ def _join_group(item, group: str) -> None:
         item._nodeid = new
 
 
+def _slow_first(units: list[tuple[str, bool]]) -> list[str]:
+    """The order in which pytest-xdist's scheduler hands out work units (``(unit, slow)`` pairs in
+    collection order, one per test; a unit is a group's name, or a test's own id when it has none):
+    the units holding a ``slow`` test first, then the others, each kind by its test count, most first
+    (what xdist's ``--loadscope-reorder`` does), ties kept in collection order.
+
+    Why: the suite's length is its longest worker's. With the units sorted by test count alone, every
+    single test, a slow one too, came after every group and every single test collected before it:
+    in the H200 run of bf61316 (``.ci/h200``, 14 workers) the end-to-end test of the grade command
+    (test_sandbox.py, 94 s) had not finished when the first device call's deadline stopped the run,
+    and the whole suite took a second call for it. Started first, the slow units run beside the rest. (The scheduler gives a worker a second unit while its first holds two tests
+    or fewer, so the slow units of many tests come before the slow single tests.)"""
+    count: dict[str, int] = {}
+    slow: dict[str, bool] = {}
+    for unit, is_slow in units:
+        count[unit] = count.get(unit, 0) + 1
+        slow[unit] = slow.get(unit, False) or is_slow
+    return sorted(count, key=lambda u: (not slow[u], -count[u]))  # sorted is stable: ties keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
         for item in items:
@@ -105,11 +131,14 @@ def pytest_collection_modifyitems(config, items):
             if group:
                 _join_group(item, group)
     done = _done_ids()
-    if not done:
-        return
-    keep = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("@", 1)[0] in done])
-    items[:] = keep
+    if done:
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("@", 1)[0] in done])
+        items[:] = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
+    if getattr(config.option, "loadgroup", False):
+        unit = {id(i): i.nodeid.split("@", 1)[1] if "@" in i.nodeid else i.nodeid for i in items}
+        rank = {u: k for k, u in enumerate(_slow_first([(unit[id(i)], i.get_closest_marker("slow") is not None)
+                                                        for i in items]))}
+        items.sort(key=lambda i: rank[unit[id(i)]])  # a unit's tests stay in their own order
 
 
 def pytest_runtest_logreport(report):

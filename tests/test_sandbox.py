@@ -268,6 +268,7 @@ def _small_course(tmp_path: Path, config_lines: str = "") -> tuple[Path, str]:
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_the_grade_command_runs_the_whole_sequence(tmp_path):
     """Two assignments in one run (every (assignment, student) notebook one job over 2 workers);
     one student submitted only the first. The gradebook is at the URL of the course's

@@ -1,0 +1,59 @@
+"""The order in which the suite's work reaches pytest-xdist's workers (tests/conftest.py): the units
+holding a slow test first, so the suite's longest tests run beside the rest, not after them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import _slow_first
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_slow_units_come_first_and_the_rest_by_test_count():
+    units = [("a", False), ("g1", False), ("g1", False), ("g1", False), ("b", False),
+             ("slow", True), ("g2", False), ("g2", True), ("g3", False), ("g3", False), ("c", False)]
+    # g2 holds a slow test: the whole group is slow; of the slow units the larger first (the scheduler
+    # hands a worker a second unit while its first holds two tests or fewer); then by count, most
+    # first; ties (a, b, c; g2 vs slow are not tied) in collection order
+    assert _slow_first(units) == ["g2", "slow", "g1", "g3", "a", "b", "c"]
+
+
+def test_no_slow_test_is_xdists_own_order():
+    units = [("x", False), ("big", False), ("big", False), ("y", False), ("mid", False), ("mid", False),
+             ("big", False)]
+    assert _slow_first(units) == ["big", "mid", "x", "y"]
+    assert _slow_first([]) == []
+
+
+def test_a_slow_single_test_collected_last_starts_first_under_loadgroup(tmp_path):
+    """A run of this suite's conftest over three files, one worker: the slow test of the last file
+    starts first, then the group (a module of ``_SHARED_SETUP``), then the single tests in their
+    order. pytest-xdist's own order (its ``--loadscope-reorder``) ran the slow test last."""
+    (tmp_path / "conftest.py").write_text(
+        f"exec(compile(open({str(ROOT / 'tests' / 'conftest.py')!r}).read(), 'conftest.py', 'exec'))\n")
+    (tmp_path / "test_a.py").write_text("".join(f"def test_a{k}():\n    pass\n\n" for k in range(3)))
+    (tmp_path / "test_engine.py").write_text("".join(f"def test_e{k}():\n    pass\n\n" for k in range(3)))
+    (tmp_path / "test_z.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        @pytest.mark.slow
+        def test_slow():
+            pass
+        """))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: end-to-end\n")
+    started = tmp_path / "started.txt"
+    env = dict(os.environ, LORA_BOOK_STARTED=str(started), PYTHONPATH=str(ROOT))
+    env.pop("LORA_BOOK_DONE", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "--dist", "loadgroup",
+                          "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # the worker's record (the controller logs every start too, as worker "-")
+    order = [nodeid.split("::")[1].split("@")[0]
+             for worker, nodeid in (line.split("\t")[1:] for line in started.read_text().splitlines())
+             if worker != "-"]
+    assert order == ["test_slow", "test_e0", "test_e1", "test_e2", "test_a0", "test_a1", "test_a2"], order
