@@ -46,8 +46,10 @@ def test_a_slow_single_test_collected_last_starts_first_under_loadgroup(tmp_path
         """))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: end-to-end\n")
     started = tmp_path / "started.txt"
-    env = dict(os.environ, LORA_BOOK_STARTED=str(started), PYTHONPATH=str(ROOT))
-    env.pop("LORA_BOOK_DONE", None)
+    # not this run's xdist worker (PYTEST_XDIST_WORKER would name the inner controller's records) nor
+    # its resume list
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "LORA_BOOK_DONE"}
+    env.update(LORA_BOOK_STARTED=str(started), PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "--dist", "loadgroup",
                           "-p", "no:cacheprovider", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
