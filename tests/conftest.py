@@ -27,7 +27,8 @@ def pytest_configure(config):
 
     Under ``--dist loadgroup`` the scheduler takes the work units in the order the collection gives
     (:func:`_slow_first`) instead of sorting them by test count (pytest-xdist's ``--loadscope-reorder``,
-    its default), which left a single slow test behind some 1500 quick ones."""
+    its default, overridden here even when given), which left a single slow test behind every group
+    and every single test collected before it."""
     if getattr(config.option, "dist", None) == "loadgroup":
         config.option.loadscopereorder = False
     if os.geteuid() != 0 or hasattr(config, "workerinput"):
@@ -104,24 +105,36 @@ def _join_group(item, group: str) -> None:
         item._nodeid = new
 
 
-def _slow_first(units: list[tuple[str, bool]]) -> list[str]:
+def _slow_first(units: list[tuple[str, bool]], workers: int = 0) -> list[str]:
     """The order in which pytest-xdist's scheduler hands out work units (``(unit, slow)`` pairs in
-    collection order, one per test; a unit is a group's name, or a test's own id when it has none):
-    the units holding a ``slow`` test first, then the others, each kind by its test count, most first
-    (what xdist's ``--loadscope-reorder`` does), ties kept in collection order.
+    collection order, one per test; a unit is a group's name, or a test's own id when it has none) to
+    ``workers`` workers: the units holding a ``slow`` test first, then the others, each kind by its
+    test count, most first (what xdist's ``--loadscope-reorder`` does), ties in collection order;
+    with ``workers`` given, one quick unit of one or two tests placed after the first ``workers``
+    units for each of them that holds two tests or fewer.
 
     Why: the suite's length is its longest worker's. With the units sorted by test count alone, every
     single test, a slow one too, came after every group and every single test collected before it:
     in the H200 run of bf61316 (``.ci/h200``, 14 workers) the end-to-end test of the grade command
     (test_sandbox.py, 94 s) had not finished when the first device call's deadline stopped the run,
-    and the whole suite took a second call for it. Started first, the slow units run beside the rest. (The scheduler gives a worker a second unit while its first holds two tests
-    or fewer, so the slow units of many tests come before the slow single tests.)"""
+    and the whole suite took a second call for it. The quick units after the first round: xdist 3.8
+    (``LoadScopeScheduling.schedule``) gives every worker one unit, then at once a second to each
+    worker whose first holds two tests or fewer, and a slow single test's worker would otherwise be
+    handed the next slow unit or a large group, to run only after it. Slow units past the first
+    round go to the first workers that free up. Which slow unit is longest is not known here (no
+    durations are kept), so the first round can still hold a short one and queue a long one."""
     count: dict[str, int] = {}
     slow: dict[str, bool] = {}
     for unit, is_slow in units:
         count[unit] = count.get(unit, 0) + 1
         slow[unit] = slow.get(unit, False) or is_slow
-    return sorted(count, key=lambda u: (not slow[u], -count[u]))  # sorted is stable: ties keep their order
+    order = sorted(count, key=lambda u: (not slow[u], -count[u]))  # stable: ties keep their order
+    if workers <= 0:
+        return order
+    first = order[:workers]
+    fillers = [u for u in order[workers:] if not slow[u] and count[u] <= 2][:sum(count[u] <= 2 for u in first)]
+    chosen = set(fillers)
+    return first + fillers + [u for u in order[workers:] if u not in chosen]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -136,8 +149,9 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
     if getattr(config.option, "loadgroup", False):
         unit = {id(i): i.nodeid.split("@", 1)[1] if "@" in i.nodeid else i.nodeid for i in items}
-        rank = {u: k for k, u in enumerate(_slow_first([(unit[id(i)], i.get_closest_marker("slow") is not None)
-                                                        for i in items]))}
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # the same in every worker
+        marked = [(unit[id(i)], i.get_closest_marker("slow") is not None) for i in items]
+        rank = {u: k for k, u in enumerate(_slow_first(marked, workers))}
         items.sort(key=lambda i: rank[unit[id(i)]])  # a unit's tests stay in their own order
 
 
