@@ -148,7 +148,9 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("@", 1)[0] in done])
         items[:] = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
     if getattr(config.option, "loadgroup", False):
-        unit = {id(i): i.nodeid.split("@", 1)[1] if "@" in i.nodeid else i.nodeid for i in items}
+        # xdist's own rule for a unit (LoadGroupScheduling._split_scope): a parameter id may hold "@"
+        unit = {id(i): i.nodeid.rsplit("@", 1)[1] if i.nodeid.rfind("@") > i.nodeid.rfind("]") else i.nodeid
+                for i in items}
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # the same in every worker
         marked = [(unit[id(i)], i.get_closest_marker("slow") is not None) for i in items]
         rank = {u: k for k, u in enumerate(_slow_first(marked, workers))}
