@@ -742,7 +742,8 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
         async def updates():
             """Yields after every change until every request is over; aborts them all if cancelled."""
             try:
-                while True:
+                over = False
+                while not over:
                     await changed.wait()
                     changed.clear()
                     for i, s in enumerate(streams):
@@ -750,9 +751,12 @@ def create_app(llm: LLM, tokenizer=None, served_model_name: str = "base", max_lo
                                 and not s.out.finished:
                             s.by_stop_string = True
                             engine.call(lambda s=s: engine.abort(s))  # a stop string ended it
+                    # read before the caller looks, not after: the engine thread updates the outputs in
+                    # place, and a request that finished while the caller read it (checked after the
+                    # yield) ended the stream before the caller saw its last tokens (a streamed reply
+                    # lost its last character); what the caller reads is at least this new
+                    over = all(_over(s, d) for s, d in zip(streams, detoks))
                     yield
-                    if all(_over(s, d) for s, d in zip(streams, detoks)):
-                        return
             finally:
                 if not all(_over(s, d) for s, d in zip(streams, detoks)):  # the client went away
                     for s in streams:
