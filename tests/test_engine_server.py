@@ -601,3 +601,42 @@ def test_create_app_refuses_an_empty_api_key():
 
     with pytest.raises(SystemExit):  # refused before any model is loaded
         main(["--model", "/nonexistent", "--api-key", "k1 "])
+
+
+def test_a_stream_sends_the_tokens_that_arrive_while_its_handler_reads(tmp_path, monkeypatch):
+    """In process, with the handler's detokenizer slowed (30 ms a decode) so the engine thread
+    finishes the request while the handler reads its output: the streamed text still equals the
+    whole reply. The stream once ended on a look after the handler's read, and lost what arrived
+    during it (its last characters)."""
+    from fastapi.testclient import TestClient
+
+    from reference.engine import LLM, EngineConfig
+    from reference.engine import server
+
+    paths = save_tiny(tmp_path, {}, seed=3)
+    llm = LLM(str(paths["model"]), EngineConfig(max_loras_per_batch=2, max_lora_rank=8, num_kv_blocks=64,
+                                                block_size=4, max_num_seqs=4, max_num_batched_tokens=64),
+              dtype=torch.float32, device=torch.device("cpu"))
+    import transformers
+
+    app = server.create_app(llm, transformers.AutoTokenizer.from_pretrained(paths["model"]), "tiny-llama")
+    slow_decode = server._Detok.decode
+
+    def decode(self, token_ids):
+        time.sleep(0.03)
+        return slow_decode(self, token_ids)
+
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+    try:
+        with TestClient(app) as client:
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+            monkeypatch.setattr(server._Detok, "decode", decode)
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+                events = [line[len("data: "):] for line in reply.iter_lines() if line.startswith("data: ")]
+    finally:
+        app.state.engine.stop()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert len(whole["text"]) >= 4  # the reply is text, not nothing (a tokenizer-less server has none)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
