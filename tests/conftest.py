@@ -65,8 +65,18 @@ _DONE = os.environ.get("LORA_BOOK_DONE")
 def _done_ids() -> set[str]:
     if not _DONE or not Path(_DONE).exists():
         return set()
-    # under --dist loadgroup a node id ends in "@<group>"
-    return {line.split("\t", 1)[1].split("@", 1)[0] for line in Path(_DONE).read_text().splitlines() if "\t" in line}
+    return {_split_group(line.split("\t", 1)[1])[0] for line in Path(_DONE).read_text().splitlines() if "\t" in line}
+
+
+def _split_group(nodeid: str) -> tuple[str, str]:
+    """``(test id, work unit)`` of a node id: under ``--dist loadgroup`` a grouped test's id ends in
+    ``@<group>``, its unit; any other test is a unit of its own. xdist's own rule
+    (``LoadGroupScheduling._split_scope``): the suffix is the last "@" after the last "]", since a
+    parameter id may hold "@" itself."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        test, group = nodeid.rsplit("@", 1)
+        return test, group
+    return nodeid, nodeid
 
 
 #: Modules whose module-scoped fixtures cost many seconds (a course, an engine, a PEFT model): under
@@ -145,12 +155,10 @@ def pytest_collection_modifyitems(config, items):
                 _join_group(item, group)
     done = _done_ids()
     if done:
-        config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("@", 1)[0] in done])
-        items[:] = [i for i in items if i.nodeid.split("@", 1)[0] not in done]
+        config.hook.pytest_deselected(items=[i for i in items if _split_group(i.nodeid)[0] in done])
+        items[:] = [i for i in items if _split_group(i.nodeid)[0] not in done]
     if getattr(config.option, "loadgroup", False):
-        # xdist's own rule for a unit (LoadGroupScheduling._split_scope): a parameter id may hold "@"
-        unit = {id(i): i.nodeid.rsplit("@", 1)[1] if i.nodeid.rfind("@") > i.nodeid.rfind("]") else i.nodeid
-                for i in items}
+        unit = {id(i): _split_group(i.nodeid)[1] for i in items}
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # the same in every worker
         marked = [(unit[id(i)], i.get_closest_marker("slow") is not None) for i in items]
         rank = {u: k for k, u in enumerate(_slow_first(marked, workers))}

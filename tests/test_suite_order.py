@@ -8,9 +8,26 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import _slow_first
+import conftest
+from conftest import _slow_first, _split_group
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_node_id_splits_into_its_test_and_unit_by_xdists_rule():
+    """The last "@" after the last "]" starts the group (xdist's LoadGroupScheduling._split_scope)."""
+    assert _split_group("tests/t.py::f@module-t.py") == ("tests/t.py::f", "module-t.py")
+    assert _split_group("tests/t.py::f") == ("tests/t.py::f", "tests/t.py::f")
+    assert _split_group("tests/t.py::f[a@b]") == ("tests/t.py::f[a@b]", "tests/t.py::f[a@b]")
+    assert _split_group("tests/t.py::f[a@b]@course-X") == ("tests/t.py::f[a@b]", "course-X")
+
+
+def test_the_done_list_names_each_test_by_its_whole_id(tmp_path, monkeypatch):
+    """A finished test with "@" in its parameter id marks only itself done, grouped or not."""
+    done = tmp_path / "done.txt"
+    done.write_text("passed\ttests/t.py::f[a@b]@module-t.py\nfailed\ttests/t.py::g[x@y]\nnot a record\n")
+    monkeypatch.setattr(conftest, "_DONE", str(done))
+    assert conftest._done_ids() == {"tests/t.py::f[a@b]", "tests/t.py::g[x@y]"}
 
 
 def test_slow_units_come_first_and_the_rest_by_test_count():
